@@ -1,0 +1,1 @@
+"""Command-line interface: ``matrix-owner-optim {plan,train,bench,simulate}``."""

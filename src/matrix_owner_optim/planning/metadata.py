@@ -1,0 +1,271 @@
+"""MatrixShard and ShardingPlan: the metadata contract between sharding and optimizer.
+
+The sharding runtime reads a :class:`MatrixShard` to know where a parameter lives and
+which slice of its unit's flat buffer it occupies; the optimizer reads the same record
+to know whether this rank updates it and with which optimizer. Nothing here touches a
+process group, so plans can be built and inspected for any world size in one process.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+__all__ = ["Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role"]
+
+
+class Role(str, enum.Enum):
+    """What kind of optimizer update a parameter receives.
+
+    ``matrix``: a whole 2D matrix on one owner, updated by the matrix optimizer.
+    ``tail``: small tensors (biases, norms, scalars), packed on an owner, updated by AdamW.
+    ``sharded``: large coordinate-wise tensors (embeddings, LM heads), split evenly by rows
+    across ranks as FSDP2 does; every rank updates its own rows with AdamW.
+    """
+
+    MATRIX = "matrix"
+    TAIL = "tail"
+    SHARDED = "sharded"
+
+    def __str__(self) -> str:  # so f-strings and JSON show "matrix", not "Role.MATRIX"
+        return self.value
+
+
+def parse_role(value: "str | Role", *, where: str) -> Role:
+    """Turn a user-given role name into a :class:`Role`, naming ``where`` it came from on error."""
+    if isinstance(value, Role):
+        return value
+    try:
+        return Role(str(value).lower())
+    except ValueError:
+        valid = ", ".join(repr(r.value) for r in Role)
+        raise ValueError(
+            f"unknown role {value!r} for {where}; use one of {valid}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class MatrixShard:
+    """Placement of one parameter under an owner-shaped plan.
+
+    Attributes:
+        fqn: the parameter's fully qualified name (the first name when tied).
+        shape: global (unsharded) shape.
+        dtype: parameter dtype.
+        role: :class:`Role`.
+        owner: the rank that holds the tensor whole and updates it; ``None`` for ``sharded``.
+        unit: index of the ``fully_shard`` unit (0 when the model has one unit).
+        segment_offset: element offset of this tensor inside its owner's segment of the
+            unit's flat buffer (for ``sharded``: offset of this rank-independent row block
+            start inside each rank's segment; see :meth:`row_range`).
+        segment_length: number of elements this tensor occupies in the owner's segment
+            (for ``sharded``: the padded per-rank row-block length in elements).
+        aliases: other fqns that name the same tensor (tied parameters).
+        requires_grad: frozen parameters are placed but carry no optimizer state.
+        world_size: the data-parallel size the plan was made for.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+    owner: int | None
+    unit: int = 0
+    segment_offset: int = 0
+    segment_length: int = 0
+    aliases: tuple[str, ...] = ()
+    requires_grad: bool = True
+    world_size: int = 1
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def is_owned_by(self, rank: int) -> bool:
+        """True if ``rank`` holds this tensor whole (always False for ``sharded``)."""
+        return self.owner is not None and self.owner == rank
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of a ``sharded`` tensor held by ``rank``.
+
+        Rows are split as ``torch.chunk`` splits them (FSDP2's ``Shard(0)`` convention):
+        ``ceil(rows / W)`` per rank, the last ranks possibly short or empty.
+        """
+        if self.role is not Role.SHARDED:
+            raise ValueError(f"{self.fqn}: row_range is only defined for role 'sharded'")
+        rows = self.shape[0] if self.shape else 1
+        per = -(-rows // self.world_size) if rows else 0
+        start = min(rows, per * rank)
+        return start, min(rows, start + per)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of the tensor this rank keeps resident when sharded."""
+        if self.role is Role.SHARDED:
+            start, stop = self.row_range(rank)
+            return (stop - start, *self.shape[1:])
+        if self.is_owned_by(rank):
+            return self.shape
+        return (0,)
+
+    def local_numel(self, rank: int) -> int:
+        n = 1
+        for s in self.local_shape(rank):
+            n *= int(s)
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "role": self.role.value,
+            "owner": self.owner,
+            "unit": self.unit,
+            "segment_offset": self.segment_offset,
+            "segment_length": self.segment_length,
+            "aliases": list(self.aliases),
+            "requires_grad": self.requires_grad,
+        }
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What one rank carries under a plan."""
+
+    rank: int
+    resident_bytes: int  # parameter + gradient + optimizer state, at rest between steps
+    optimizer_flops: float
+    owned_matrices: int
+    owned_tensors: int  # matrices + tail tensors owned whole
+
+
+@dataclass
+class ShardingPlan:
+    """All :class:`MatrixShard` records of a model for one data-parallel world size.
+
+    ``shards`` is keyed by fqn in model order. ``loads`` holds the per-rank figures the
+    planner balanced. The plan is deterministic: equal inputs give an equal :meth:`digest`.
+    """
+
+    world_size: int
+    shards: dict[str, MatrixShard]
+    loads: list[RankLoad] = field(default_factory=list)
+    preconditioner: str = "muon"
+
+    # -- lookups --------------------------------------------------------------------
+    def __getitem__(self, fqn: str) -> MatrixShard:
+        try:
+            return self.shards[fqn]
+        except KeyError:
+            for shard in self.shards.values():
+                if fqn in shard.aliases:
+                    return shard
+            raise KeyError(f"no parameter named {fqn!r} in this ShardingPlan") from None
+
+    def __contains__(self, fqn: object) -> bool:
+        if fqn in self.shards:
+            return True
+        return any(fqn in s.aliases for s in self.shards.values())
+
+    def __iter__(self) -> Iterator[MatrixShard]:
+        return iter(self.shards.values())
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def owned_by(self, rank: int) -> list[MatrixShard]:
+        """Shards ``rank`` holds whole (matrices and tail tensors)."""
+        return [s for s in self.shards.values() if s.is_owned_by(rank)]
+
+    def units(self) -> list[int]:
+        return sorted({s.unit for s in self.shards.values()})
+
+    # -- identity ---------------------------------------------------------------------
+    def canonical(self) -> list[dict[str, Any]]:
+        """The plan as plain data: what the digest hashes and what ranks compare."""
+        return [s.to_json() for s in self.shards.values()]
+
+    def digest(self) -> str:
+        """A hex SHA-256 over the canonical plan; stable across processes and runs."""
+        payload = json.dumps(
+            {"world_size": self.world_size, "shards": self.canonical()},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def first_difference(self, other: "ShardingPlan") -> str | None:
+        """A sentence naming the first parameter where two plans differ, or None."""
+        if self.world_size != other.world_size:
+            return f"world size {self.world_size} vs {other.world_size}"
+        mine, theirs = self.canonical(), other.canonical()
+        for a, b in zip(mine, theirs):
+            if a != b:
+                keys = [k for k in a if a[k] != b.get(k)]
+                detail = ", ".join(f"{k}: {a[k]!r} vs {b.get(k)!r}" for k in keys)
+                return f"parameter {a['fqn']!r} differs ({detail})"
+        if len(mine) != len(theirs):
+            longer = mine if len(mine) > len(theirs) else theirs
+            extra = longer[min(len(mine), len(theirs))]["fqn"]
+            return f"parameter {extra!r} is present in only one plan"
+        return None
+
+    # -- reporting ---------------------------------------------------------------------
+    def imbalance(self) -> dict[str, float]:
+        """max/mean of per-rank resident bytes and optimizer FLOPs (1.0 is perfect)."""
+
+        def ratio(values: list[float]) -> float:
+            mean = sum(values) / len(values) if values else 0.0
+            return max(values) / mean if mean > 0 else 1.0
+
+        return {
+            "bytes_max_over_mean": ratio([float(x.resident_bytes) for x in self.loads]),
+            "flops_max_over_mean": ratio([x.optimizer_flops for x in self.loads]),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready report: per-rank loads, imbalance and role counts."""
+        roles = {r.value: 0 for r in Role}
+        for s in self.shards.values():
+            roles[s.role.value] += 1
+        idle = [x.rank for x in self.loads if x.owned_matrices == 0]
+        return {
+            "world_size": self.world_size,
+            "preconditioner": self.preconditioner,
+            "digest": self.digest(),
+            "num_tensors": len(self.shards),
+            "roles": roles,
+            "ranks_without_matrices": len(idle),
+            "imbalance": self.imbalance(),
+            "ranks": [
+                {
+                    "rank": x.rank,
+                    "resident_bytes": x.resident_bytes,
+                    "optimizer_flops": x.optimizer_flops,
+                    "owned_matrices": x.owned_matrices,
+                    "owned_tensors": x.owned_tensors,
+                }
+                for x in self.loads
+            ],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary(), "shards": self.canonical()}
+
+

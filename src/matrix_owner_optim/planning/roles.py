@@ -1,0 +1,199 @@
+"""Default roles and user overrides.
+
+From a module: weights of ``nn.Linear`` (and any other 2D parameter used as a matrix) are
+``matrix``; ``nn.Embedding`` weights and output heads that are tied to an embedding or have
+an embedding table's shape are ``sharded``; everything else is ``tail``.
+From names alone (``model.named_parameters()`` handed to an optimizer): 2D tensors are
+``matrix`` unless their name marks them as an embedding or an output head.
+Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .metadata import Role, parse_role
+
+__all__ = [
+    "TensorSpec",
+    "EMBEDDING_NAME_HINTS",
+    "RoleOverrides",
+    "role_from_name",
+    "specs_from_module",
+    "validate_role",
+]
+
+# Substrings of a parameter name that mark an embedding table or an output head.
+EMBEDDING_NAME_HINTS: tuple[str, ...] = (
+    "embed",
+    "wte",
+    "wpe",
+    "tok_emb",
+    "pos_emb",
+    "lm_head",
+    "output_head",
+)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the planner needs to know about one parameter (no values)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+    unit: int = 0
+    aliases: tuple[str, ...] = ()
+    requires_grad: bool = True
+
+
+class RoleOverrides:
+    """``{"fqn-glob": role}`` with validation; unmatched globs are reported, not ignored."""
+
+    def __init__(self, roles: Mapping[str, "str | Role"] | None) -> None:
+        self.rules: list[tuple[str, Role]] = []
+        for glob, role in (roles or {}).items():
+            if not isinstance(glob, str) or not glob:
+                raise ValueError(f"roles: every key must be a non-empty fqn glob, got {glob!r}")
+            self.rules.append((glob, parse_role(role, where=f"roles[{glob!r}]")))
+        self._used: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def lookup(self, names: Iterable[str]) -> Role | None:
+        """The role of the last glob matching any of ``names`` (fqn and aliases)."""
+        names = tuple(names)
+        found: Role | None = None
+        for glob, role in self.rules:
+            if any(fnmatch.fnmatchcase(n, glob) for n in names):
+                found = role
+                self._used.add(glob)
+        return found
+
+    def check_all_used(self) -> None:
+        """Fail on a glob that matched no parameter: a typo must not pass silently."""
+        unused = [g for g, _ in self.rules if g not in self._used]
+        if unused:
+            raise ValueError(
+                f"roles: glob {unused[0]!r} matches no parameter; check the name "
+                "(globs match fully qualified names such as 'layers.0.attn.qkv.weight')"
+            )
+
+
+def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:
+    """A ``matrix`` needs at least two dims; a ``sharded`` tensor at least one."""
+    if role is Role.MATRIX and len(shape) < 2:
+        raise ValueError(
+            f"parameter {fqn!r} with shape {tuple(shape)} cannot take role 'matrix': matrix "
+            "optimizers need a 2D tensor (or >2D, viewed as (out, rest)); route it to 'tail'"
+        )
+    if role is Role.SHARDED and len(shape) < 1:
+        raise ValueError(
+            f"parameter {fqn!r} is a scalar and cannot take role 'sharded'; use 'tail'"
+        )
+
+
+def role_from_name(fqn: str, shape: tuple[int, ...]) -> Role:
+    """Default role when only a name and a shape are known."""
+    if len(shape) == 2:
+        lowered = fqn.lower()
+        if any(h in lowered for h in EMBEDDING_NAME_HINTS):
+            return Role.SHARDED
+        return Role.MATRIX
+    return Role.TAIL
+
+
+def _module_roles(model: nn.Module) -> dict[int, Role]:
+    """Default role of every parameter object of ``model``, keyed by ``id``."""
+    embedding_ids: set[int] = set()
+    vocab_shapes: set[tuple[int, ...]] = set()
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            embedding_ids.add(id(module.weight))
+            rows, cols = module.weight.shape
+            # Only a table with more rows than columns reads as a vocabulary; a square
+            # positional table would otherwise mark every d x d projection as a head.
+            if rows > cols:
+                vocab_shapes.add((int(rows), int(cols)))
+    roles: dict[int, Role] = {}
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in roles:
+                continue
+            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
+            shape = tuple(param.shape)
+            if id(param) in embedding_ids:
+                roles[id(param)] = Role.SHARDED
+            elif isinstance(module, nn.Linear) and p_name == "weight":
+                # An output head: tied to an embedding (caught above), shaped like a
+                # vocabulary table, or named like a head.
+                head = shape in vocab_shapes or role_from_name(fqn, shape) is Role.SHARDED
+                roles[id(param)] = Role.SHARDED if head else Role.MATRIX
+            elif len(shape) == 2 and not isinstance(module, nn.modules.conv._ConvNd):
+                roles[id(param)] = role_from_name(fqn, shape)
+            else:
+                roles[id(param)] = Role.TAIL
+    return roles
+
+
+def specs_from_module(
+    model: nn.Module,
+    *,
+    roles: Mapping[str, "str | Role"] | None = None,
+    unit_prefixes: Iterable[str] | None = None,
+) -> list[TensorSpec]:
+    """One :class:`TensorSpec` per distinct parameter of ``model``, in model order.
+
+    ``unit_prefixes`` lists module fqns in the order ``fully_shard`` was (or would be) called;
+    a parameter belongs to the unit of the longest prefix containing it, and parameters under
+    no prefix to the last unit listed as ``""`` (the root). ``None`` means a single unit.
+    """
+    overrides = RoleOverrides(roles)
+    defaults = _module_roles(model)
+    prefixes = list(unit_prefixes) if unit_prefixes is not None else [""]
+    if "" not in prefixes:
+        prefixes.append("")
+
+    def unit_of(fqn: str) -> int:
+        best, best_len = prefixes.index(""), -1
+        for i, prefix in enumerate(prefixes):
+            if prefix and (fqn == prefix or fqn.startswith(prefix + ".")):
+                if len(prefix) > best_len:
+                    best, best_len = i, len(prefix)
+        return best
+
+    aliases: dict[int, list[str]] = {}
+    order: list[tuple[str, nn.Parameter]] = []
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in aliases:
+            aliases[id(param)].append(fqn)
+        else:
+            aliases[id(param)] = []
+            order.append((fqn, param))
+
+    specs = []
+    for fqn, param in order:
+        names = (fqn, *aliases[id(param)])
+        shape = tuple(int(s) for s in param.shape)
+        role = overrides.lookup(names) or defaults.get(id(param), role_from_name(fqn, shape))
+        validate_role(fqn, shape, role)
+        specs.append(
+            TensorSpec(
+                fqn=fqn,
+                shape=shape,
+                dtype=param.dtype,
+                role=role,
+                unit=unit_of(fqn),
+                aliases=tuple(aliases[id(param)]),
+                requires_grad=bool(param.requires_grad),
+            )
+        )
+    overrides.check_all_used()
+    return specs

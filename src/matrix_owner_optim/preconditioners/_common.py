@@ -1,0 +1,198 @@
+"""Helpers shared by the single-tensor matrix optimizers (Muon, Shampoo, SOAP).
+
+What lives here and why:
+
+* :func:`require_2d` -- the one place that words the error for a non-2D tensor, so every
+  preconditioner fails the same way, naming the shape (and the parameter, when its name is
+  known) and saying what to do about it.
+* :func:`matrix_inverse_root` -- ``(A + damping I)^(-1/p)`` of a symmetric PSD matrix via
+  ``torch.linalg.eigh`` in a chosen precision (Shampoo's roots).
+* :func:`state_dtype_for` -- the precision optimizer state is kept in: float64 for float64
+  parameters, float32 otherwise (bf16/fp16 factors and bases are too coarse to be useful).
+* :class:`MatrixOptimizer` -- a thin :class:`torch.optim.Optimizer` base that checks every
+  parameter is 2D at construction and keeps state dtypes across ``load_state_dict`` (stock
+  ``Optimizer.load_state_dict`` casts every floating state tensor to the parameter's dtype,
+  which would silently round float32 Kronecker factors of a bf16 parameter down to bf16).
+
+Nothing here (or anywhere in ``preconditioners``) imports ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "require_2d",
+    "matrix_inverse_root",
+    "state_dtype_for",
+    "as_float",
+    "MatrixOptimizer",
+]
+
+
+def require_2d(
+    tensor: Tensor,
+    optimizer: str = "Muon/Shampoo/SOAP",
+    name: str | None = None,
+    what: str = "parameter",
+) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is 2D.
+
+    The message names the optimizer, the shape, and ``name`` when given, and says what to do:
+    matrix optimizers act on whole matrices, so a conv kernel must be handed over as a 2D view
+    ``(out, rest)`` (the router does this) or routed to the AdamW tail.
+
+    Args:
+        tensor: the parameter or gradient to check.
+        optimizer: class name used in the message (default ``"Muon/Shampoo/SOAP"``).
+        name: the parameter's fully qualified name, if known (default None).
+        what: ``"parameter"`` or ``"gradient"`` -- which tensor failed (default ``"parameter"``).
+    """
+    if tensor.ndim == 2:
+        return
+    label = f"{what} {name!r}" if name else what
+    raise ValueError(
+        f"{optimizer} only accepts 2D tensors; got a {label} of shape {tuple(tensor.shape)}. "
+        "Give conv kernels a 2D view (out, rest) or route them to the tail."
+    )
+
+
+def state_dtype_for(param: Tensor) -> torch.dtype:
+    """Precision for a matrix optimizer's state: float64 for float64 params, else float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def as_float(value: float | Tensor) -> float:
+    """A Python float from a float or a one-element tensor (``lr`` may be a tensor in torch.optim)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"expected a one-element tensor, got shape {tuple(value.shape)}")
+        return float(value.item())
+    return float(value)
+
+
+def matrix_inverse_root(
+    mat: Tensor,
+    exponent: float,
+    eps: float,
+    *,
+    root_dtype: torch.dtype = torch.float64,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``(mat + damping * I) ** (-1 / exponent)`` for a symmetric positive semi-definite ``mat``.
+
+    The damping is *relative*: ``damping = eps * ||mat||_F``. This keeps the damping isotropic
+    (so Shampoo stays equivariant under orthogonal rotations of the gradient) and makes the
+    preconditioned update invariant to the scale of the gradients (Shampoo's
+    ``L^-1/4 G R^-1/4`` is scale-free; an absolute epsilon would break that). An all-zero
+    ``mat`` (no gradient seen yet) gives the identity, so a stale root from such a factor
+    degrades to plain SGD rather than to a huge ``eps^(-1/p)`` multiplier.
+
+    Eigenvalues of ``mat + damping I`` are clamped below at ``damping`` before the power, so
+    round-off (e.g. in float32, where ``eps=1e-12`` is below machine precision) can never
+    produce a negative or zero eigenvalue and hence NaN/inf.
+
+    Args:
+        mat: square symmetric PSD matrix.
+        exponent: ``p`` in ``-1/p`` (4 for two-sided Shampoo on a matrix, 2 for one-sided).
+        eps: relative damping (``>= 0``).
+        root_dtype: precision of the eigendecomposition (default float64).
+        out_dtype: dtype of the result (default: ``mat.dtype``).
+    """
+    if mat.ndim != 2 or mat.shape[0] != mat.shape[1]:
+        raise ValueError(f"matrix_inverse_root needs a square matrix, got {tuple(mat.shape)}")
+    out_dtype = mat.dtype if out_dtype is None else out_dtype
+    a = mat.to(root_dtype)
+    scale = float(torch.linalg.matrix_norm(a))  # Frobenius norm
+    if scale == 0.0:
+        return torch.eye(a.shape[0], dtype=out_dtype, device=mat.device)
+    damping = eps * scale
+    eye = torch.eye(a.shape[0], dtype=root_dtype, device=mat.device)
+    evals, evecs = torch.linalg.eigh(a + damping * eye)
+    floor = max(damping, torch.finfo(root_dtype).tiny)
+    evals = evals.clamp_min(floor).pow(-1.0 / exponent)
+    return ((evecs * evals.unsqueeze(0)) @ evecs.T).to(out_dtype)
+
+
+class MatrixOptimizer(Optimizer):
+    """Base class of the matrix optimizers: 2D check at construction, dtype-preserving loads.
+
+    Subclasses set ``_NAME`` (used in error messages) and implement ``_step_group(group)``.
+    Parameter names are taken from ``group["param_names"]`` when the optimizer was built from
+    ``named_parameters()`` (torch >= 2.6 supports named parameter groups), so errors can name
+    the offending parameter.
+    """
+
+    _NAME: str = "Muon/Shampoo/SOAP"
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                require_2d(p, self._NAME, self._param_name(group, i))
+
+    @staticmethod
+    def _param_name(group: Mapping[str, Any], index: int) -> str | None:
+        names = group.get("param_names")
+        if names is not None and index < len(names):
+            return str(names[index])
+        return None
+
+    def _grads(self, group: Mapping[str, Any]) -> Iterable[tuple[Tensor, Tensor]]:
+        """``(param, grad)`` for each param of ``group`` that has a gradient, checking 2D."""
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(f"{self._NAME} does not support sparse gradients")
+            if torch.is_complex(grad):
+                raise RuntimeError(f"{self._NAME} does not support complex parameters")
+            require_2d(grad, self._NAME, self._param_name(group, i), what="gradient")
+            yield p, grad
+
+    def _step_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step; returns ``closure()``'s loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keep each state tensor's dtype.
+
+        The stock method casts floating state to the parameter's dtype; matrix optimizers keep
+        their factors, bases and moments in float32/float64 regardless of the parameter dtype
+        (see :func:`state_dtype_for`), so after the stock load the saved tensors are restored
+        with their saved dtype on the parameter's device.
+        """
+        saved_state = state_dict.get("state", {})
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        super().load_state_dict(state_dict)
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for pid, p in zip(saved_ids, params):
+            saved = saved_state.get(pid)
+            if not isinstance(saved, Mapping):
+                continue
+            current = self.state[p]
+            for key, value in saved.items():
+                if (
+                    key != "step"
+                    and isinstance(value, Tensor)
+                    and value.is_floating_point()
+                    and isinstance(current.get(key), Tensor)
+                    and current[key].dtype != value.dtype
+                ):
+                    current[key] = value.to(device=p.device, copy=True)

@@ -1,0 +1,176 @@
+"""Muon: momentum followed by Newton-Schulz orthogonalisation, one whole 2D tensor at a time.
+
+This reproduces ``torch.optim.Muon`` (torch 2.13) operation for operation, so that configured
+the same (and with the default ``ns_dtype=torch.bfloat16``) it produces the same updates. The
+only addition is ``ns_dtype``: the precision of the Newton-Schulz iteration. torch always
+casts to bfloat16 (fast on accelerators); ``torch.float32`` gives an essentially exact
+orthogonalisation on CPU, which is what exactness tests use.
+
+Per step, for each parameter ``p`` with gradient ``g`` (all hyperparameters read from the
+parameter group at every step, so lr schedulers work)::
+
+    B <- lerp(B, g, 1 - momentum)                  # B = momentum * B + (1 - momentum) * g
+    U <- lerp(g, B, momentum) if nesterov else B
+    O <- NS_{a,b,c}^{ns_steps}(U / max(||U||_F, eps))  on the short side (transposed if tall)
+    p <- p * (1 - lr * weight_decay)               # decoupled weight decay
+    p <- p - adjusted_lr * O                       # O cast back to p's dtype
+
+``adjusted_lr``: ``"original"``/None: ``lr * sqrt(max(1, A/B))``; ``"match_rms_adamw"``:
+``lr * 0.2 * sqrt(max(A, B))`` for a parameter of shape ``(A, B)``.
+
+State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) -- what
+``planning.cost.MUON_COST`` assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..planning.cost import MUON_COST, FunctionCostModel
+from ._common import MatrixOptimizer, as_float
+
+__all__ = ["Muon", "newton_schulz", "adjust_lr"]
+
+DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    grad: Tensor,
+    ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Approximate orthogonalisation ``U V^T`` of a 2D ``grad`` by a quintic Newton-Schulz iteration.
+
+    Same math and operation order as torch's ``_zeropower_via_newtonschulz``: cast to
+    ``ns_dtype``, transpose when tall (so the Gram matrix is on the short side), divide by the
+    Frobenius norm clamped at ``eps``, then ``ns_steps`` times
+    ``A = X X^T; B = b A + c A A; X = a X + B X``. Returns a tensor of dtype ``ns_dtype`` and
+    ``grad``'s shape; ``grad`` itself is never modified.
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if grad.ndim != 2:
+        raise ValueError(f"Newton-Schulz needs a 2D matrix, got shape {tuple(grad.shape)}")
+    if len(ns_coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.to(ns_dtype, copy=True)  # copy: never scale the caller's tensor in place
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    if tall:
+        x = x.T
+    return x
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
+    """Muon's shape-dependent learning-rate scale (see the module docstring)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+class Muon(MatrixOptimizer):
+    """Muon over whole 2D tensors; matches ``torch.optim.Muon`` with the default ``ns_dtype``.
+
+    Args:
+        params: 2D parameters or parameter groups (named parameters work too).
+        lr: learning rate (default 1e-3). A float or a one-element tensor.
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (default 0.1).
+        momentum: momentum factor (default 0.95).
+        nesterov: Nesterov momentum (default True).
+        ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``
+            (default ``(3.4445, -4.775, 2.0315)``).
+        eps: floor on the Frobenius norm before Newton-Schulz (default 1e-7).
+        ns_steps: Newton-Schulz iterations, < 100 (default 5).
+        adjust_lr_fn: None or ``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
+            (``0.2 * sqrt(max(A, B))``) (default None = ``"original"``).
+        ns_dtype: precision of the Newton-Schulz iteration (default ``torch.bfloat16``, as torch;
+            ``torch.float32`` for exactness). The result is cast back to the parameter dtype.
+
+    Raises:
+        ValueError: for a non-2D parameter (at construction) or gradient (at step), naming
+            the shape; for invalid hyperparameters.
+    """
+
+    _NAME = "Muon"
+    cost_model: FunctionCostModel = MUON_COST
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if adjust_lr_fn not in _ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        if len(ns_coefficients) != 3:
+            raise ValueError("ns_coefficients must be a tuple of exactly 3 values")
+        if not 0 <= ns_steps < 100:
+            raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
+        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+        }
+        super().__init__(params, defaults)
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        lr = as_float(group["lr"])
+        weight_decay = group["weight_decay"]
+        momentum = group["momentum"]
+        for p, grad in self._grads(group):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    grad, memory_format=torch.preserve_format
+                )
+            buf: Tensor = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            ortho = newton_schulz(
+                update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+            )
+            adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+            p.mul_(1 - lr * weight_decay)
+            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr)

@@ -1,0 +1,185 @@
+"""SOAP (Vyas et al., 2024, "SOAP: Improving and Stabilizing Shampoo using Adam") for 2D tensors.
+
+SOAP runs Adam in the eigenbasis of Shampoo's Kronecker factors. For a gradient ``G`` of shape
+``(m, n)`` it keeps ``L`` (m x m) and ``R`` (n x n) as EMAs of ``G G^T`` and ``G^T G`` with
+``shampoo_beta``, their eigenbases ``QL``, ``QR``, Adam's first moment ``exp_avg`` in the
+*original* space (projected every step, as the reference implementation did) and Adam's
+second moment ``exp_avg_sq`` in the *rotated* space.
+
+Step order (following the official code, github.com/nikhilvyas/SOAP, for 2D tensors):
+
+1. First call for a parameter: ``L, R <- lerp(0, G G^T / G^T G, 1 - shampoo_beta)``, bases
+   from ``eigh`` (eigenvectors sorted by eigenvalue, descending), and **no parameter update**
+   (the reference skips it "so that we never use the current gradients in the projection";
+   weight decay is skipped too). The Adam step counter stays 0.
+2. Every later call, with ``t`` the Adam step (1, 2, ...)::
+
+       G'  = QL^T G QR
+       m   = beta1 m + (1 - beta1) G               (original space)
+       v   = beta2 v + (1 - beta2) G'^2            (rotated space)
+       N'  = (QL^T m QR) / (sqrt(v) + eps)
+       p  <- p - lr * sqrt(1 - beta2^t) / (1 - beta1^t) * QL N' QR^T
+       p  <- p * (1 - lr * weight_decay)           (decoupled, after the update, as the reference)
+       L, R <- lerp(L, G G^T, 1 - shampoo_beta), lerp(R, G^T G, 1 - shampoo_beta)
+       if t % precondition_frequency == 0: refresh the bases
+
+3. Refresh (one power-iteration step + QR per side): estimate the eigenvalues
+   ``diag(Q^T F Q)`` in the current basis, sort the columns of ``Q`` by them, descending, and
+   permute ``v`` along that side accordingly, then ``Q <- qr(F Q)``. Sorting first keeps the
+   basis order tied to the eigenvalue order, which is what makes Adam-in-the-eigenbasis
+   independent of eigh/QR ordering conventions; column *signs* do not matter (they cancel
+   between projecting and projecting back, and ``v`` holds squares). So with distinct
+   eigenvalues the update is equivariant to orthogonal rotations ``G -> U G V^T``.
+
+State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
+``exp_avg``, ``exp_avg_sq`` (m x n), ``L``, ``R``, ``QL``, ``QR`` -- what
+``planning.cost.SOAP_COST`` assumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..planning.cost import SOAP_COST, FunctionCostModel
+from ._common import MatrixOptimizer, as_float, state_dtype_for
+
+__all__ = ["SOAP"]
+
+# The reference adds 1e-30 * I before eigh (numerical guard only; eigenvectors are unchanged).
+_EIGH_EPS = 1e-30
+
+
+def _eigh_basis(mat: Tensor) -> Tensor:
+    """Eigenvectors of a symmetric ``mat``, columns ordered by eigenvalue, descending."""
+    eye = torch.eye(mat.shape[0], dtype=mat.dtype, device=mat.device)
+    try:
+        _, vecs = torch.linalg.eigh(mat + _EIGH_EPS * eye)
+    except RuntimeError:  # convergence failure in float32: retry in float64 (as the reference)
+        _, vecs = torch.linalg.eigh(mat.double() + _EIGH_EPS * eye.double())
+        vecs = vecs.to(mat.dtype)
+    return torch.flip(vecs, [1])
+
+
+def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """One power-iteration step + QR; returns ``(new_basis, exp_avg_sq permuted along dim)``."""
+    fq = factor @ basis
+    est_eig = (basis * fq).sum(0)  # diag(Q^T F Q)
+    order = torch.argsort(est_eig, descending=True)
+    new_basis, _ = torch.linalg.qr(fq[:, order])
+    return new_basis, exp_avg_sq.index_select(dim, order)
+
+
+class SOAP(MatrixOptimizer):
+    """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors.
+
+    Args:
+        params: 2D parameters or parameter groups (named parameters work too).
+        lr: learning rate (default 3e-3). A float or a one-element tensor.
+        betas: Adam's ``(beta1, beta2)`` (default ``(0.95, 0.95)``).
+        shampoo_beta: EMA factor of ``L``/``R`` (default None = ``betas[1]``).
+        eps: Adam's denominator epsilon (default 1e-8).
+        weight_decay: decoupled weight decay, applied after the update (default 0.01).
+        precondition_frequency: refresh the eigenbases every this many Adam steps (default 10).
+        correct_bias: Adam bias correction (default True).
+
+    Raises:
+        ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
+            hyperparameters.
+    """
+
+    _NAME = "SOAP"
+    cost_model: FunctionCostModel = SOAP_COST
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        correct_bias: bool = True,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+        if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
+            raise ValueError(f"shampoo_beta must be None or in [0, 1), got {shampoo_beta}")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if int(precondition_frequency) < 1:
+            raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "shampoo_beta": shampoo_beta,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "precondition_frequency": int(precondition_frequency),
+            "correct_bias": correct_bias,
+        }
+        super().__init__(params, defaults)
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        lr = as_float(group["lr"])
+        beta1, beta2 = group["betas"]
+        shampoo_beta = group["shampoo_beta"]
+        if shampoo_beta is None:
+            shampoo_beta = beta2
+        for p, grad in self._grads(group):
+            state = self.state[p]
+            if "QL" not in state:
+                # First step: build the factors and bases from this gradient, do not update.
+                dtype = state_dtype_for(p)
+                g = grad.to(dtype)
+                m, n = p.shape
+                state["step"] = torch.tensor(0, dtype=torch.int64)
+                state["exp_avg"] = torch.zeros(m, n, dtype=dtype, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(m, n, dtype=dtype, device=p.device)
+                state["L"] = torch.zeros(m, m, dtype=dtype, device=p.device)
+                state["R"] = torch.zeros(n, n, dtype=dtype, device=p.device)
+                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
+                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
+                state["QL"] = _eigh_basis(state["L"])
+                state["QR"] = _eigh_basis(state["R"])
+                continue
+
+            ql: Tensor = state["QL"]
+            qr: Tensor = state["QR"]
+            g = grad.to(ql.dtype)
+            state["step"] += 1
+            step = int(state["step"])
+
+            g_rot = ql.T @ g @ qr
+            exp_avg: Tensor = state["exp_avg"]
+            exp_avg_sq: Tensor = state["exp_avg_sq"]
+            exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+            m_rot = ql.T @ exp_avg @ qr
+
+            step_size = lr
+            if group["correct_bias"]:
+                bias_correction1 = 1.0 - beta1**step
+                bias_correction2 = 1.0 - beta2**step
+                step_size = lr * (bias_correction2**0.5) / bias_correction1
+            direction = ql @ (m_rot / denom) @ qr.T
+            p.add_(direction.to(p.dtype), alpha=-step_size)
+            if group["weight_decay"] > 0.0:
+                p.mul_(1 - lr * group["weight_decay"])
+
+            # Update the factors after the step, so the current gradient never shapes its own
+            # projection; refresh the bases every precondition_frequency Adam steps.
+            state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
+            state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
+            if step % group["precondition_frequency"] == 0:
+                state["QL"], exp_avg_sq = _refresh_basis(state["L"], ql, exp_avg_sq, 0)
+                state["QR"], exp_avg_sq = _refresh_basis(state["R"], qr, exp_avg_sq, 1)
+                state["exp_avg_sq"] = exp_avg_sq
