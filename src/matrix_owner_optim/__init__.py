@@ -5,8 +5,12 @@ shard elsewhere, so Muon, Shampoo or SOAP run locally and ``optimizer.step()`` m
 bytes. See DESIGN.md for the architecture and vocabulary.
 """
 
-from .planning import MatrixShard, Role, ShardingPlan, plan_model
+from .comm import CommCounter
+from .planning import MatrixShard, Role, ShardingPlan, get_matrix_shard, plan_model
 
 __version__ = "0.1.0"
 
-__all__ = ["MatrixShard", "Role", "ShardingPlan", "plan_model", "__version__"]
+__all__ = [
+    "CommCounter",
+    "get_matrix_shard",
+    "MatrixShard", "Role", "ShardingPlan", "plan_model", "__version__"]

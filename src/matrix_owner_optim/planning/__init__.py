@@ -11,14 +11,23 @@ from .cost import (
     get_cost_model,
     register_cost_model,
 )
-from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, parse_role
+from .metadata import (
+    MatrixShard,
+    RankLoad,
+    Role,
+    ShardingPlan,
+    attach_matrix_shard,
+    get_matrix_shard,
+    get_shard_rank,
+    parse_role,
+)
 from .planner import plan_model, plan_tensors
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 
 __all__ = [
     "ADAMW_COST", "MUON_COST", "SHAMPOO_COST", "SOAP_COST", "CostModel", "FunctionCostModel",
     "available_cost_models", "get_cost_model", "register_cost_model",
-    "MatrixShard", "RankLoad", "Role", "ShardingPlan", "parse_role",
+    "MatrixShard", "RankLoad", "attach_matrix_shard", "get_matrix_shard", "get_shard_rank", "Role", "ShardingPlan", "parse_role",
     "plan_model", "plan_tensors",
     "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",
 ]

@@ -269,3 +269,30 @@ class ShardingPlan:
         return {**self.summary(), "shards": self.canonical()}
 
 
+
+
+# --- the link from a live parameter to its record -------------------------------------------
+_SHARD_ATTR = "_moo_matrix_shard"
+_RANK_ATTR = "_moo_shard_rank"
+
+
+def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int) -> None:
+    """Record on ``param`` (the sharded parameter the optimizer sees) its placement.
+
+    ``rank`` is this process's index in the group the plan shards over (the shard dim of the
+    mesh), which is what ``shard.owner`` is compared against.
+    """
+    if not 0 <= rank < shard.world_size:
+        raise ValueError(f"{shard.fqn}: rank {rank} outside the plan's world size {shard.world_size}")
+    setattr(param, _SHARD_ATTR, shard)
+    setattr(param, _RANK_ATTR, int(rank))
+
+
+def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
+    """The :class:`MatrixShard` of a parameter, or None for a parameter no plan covers."""
+    return getattr(param, _SHARD_ATTR, None)
+
+
+def get_shard_rank(param: torch.Tensor) -> int | None:
+    """This process's rank in the group ``param`` is sharded over (None if unsharded)."""
+    return getattr(param, _RANK_ATTR, None)
