@@ -6,11 +6,14 @@ bytes. See DESIGN.md for the architecture and vocabulary.
 """
 
 from .comm import CommCounter
+from .optim import OwnerRoutedOptimizer, register_preconditioner
 from .planning import MatrixShard, Role, ShardingPlan, get_matrix_shard, plan_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CommCounter",
+    "OwnerRoutedOptimizer",
+    "register_preconditioner",
     "get_matrix_shard",
     "MatrixShard", "Role", "ShardingPlan", "plan_model", "__version__"]

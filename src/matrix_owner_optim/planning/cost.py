@@ -94,7 +94,8 @@ MUON_COST = FunctionCostModel(
 )
 
 # --- Shampoo: two Kronecker factors and their inverse roots, float32 ------------------------
-SHAMPOO_PRECONDITION_FREQUENCY = 10
+SHAMPOO_PRECONDITION_FREQUENCY = 1  # Shampoo's default: roots recomputed every step
+SOAP_PRECONDITION_FREQUENCY = 10  # SOAP's default basis refresh interval
 EIGH_FLOPS_PER_N3 = 9.0  # symmetric eigendecomposition, order-of-magnitude constant
 
 
@@ -125,7 +126,7 @@ def _soap_flops(shape: Shape) -> float:
     m, n = as_matrix_shape(shape)
     rotate = 2.0 * m * m * n + 2.0 * m * n * n  # one projection into (or out of) the basis
     factors = rotate  # G G^T and G^T G
-    refresh = (EIGH_FLOPS_PER_N3 + 4.0) * (m**3 + n**3) / SHAMPOO_PRECONDITION_FREQUENCY
+    refresh = (EIGH_FLOPS_PER_N3 + 4.0) * (m**3 + n**3) / SOAP_PRECONDITION_FREQUENCY
     return factors + 3.0 * rotate + refresh + 12.0 * m * n
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "RoleOverrides",
     "role_from_name",
     "specs_from_module",
+    "module_roles",
     "validate_role",
 ]
 
@@ -110,7 +111,7 @@ def role_from_name(fqn: str, shape: tuple[int, ...]) -> Role:
     return Role.TAIL
 
 
-def _module_roles(model: nn.Module) -> dict[int, Role]:
+def module_roles(model: nn.Module) -> dict[int, Role]:
     """Default role of every parameter object of ``model``, keyed by ``id``."""
     embedding_ids: set[int] = set()
     vocab_shapes: set[tuple[int, ...]] = set()
@@ -156,7 +157,7 @@ def specs_from_module(
     no prefix to the last unit listed as ``""`` (the root). ``None`` means a single unit.
     """
     overrides = RoleOverrides(roles)
-    defaults = _module_roles(model)
+    defaults = module_roles(model)
     prefixes = list(unit_prefixes) if unit_prefixes is not None else [""]
     if "" not in prefixes:
         prefixes.append("")

@@ -68,7 +68,7 @@ def state_dtype_for(param: Tensor) -> torch.dtype:
 
 
 def as_float(value: float | Tensor) -> float:
-    """A Python float from a float or a one-element tensor (``lr`` may be a tensor in torch.optim)."""
+    """A Python float from a float or a one-element tensor (torch.optim allows tensor ``lr``)."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"expected a one-element tensor, got shape {tuple(value.shape)}")

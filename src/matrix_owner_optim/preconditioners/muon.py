@@ -46,7 +46,7 @@ def newton_schulz(
     eps: float = 1e-7,
     ns_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """Approximate orthogonalisation ``U V^T`` of a 2D ``grad`` by a quintic Newton-Schulz iteration.
+    """Approximately orthogonalise a 2D ``grad`` (``U V^T``) by a quintic Newton-Schulz iteration.
 
     Same math and operation order as torch's ``_zeropower_via_newtonschulz``: cast to
     ``ns_dtype``, transpose when tall (so the Gram matrix is on the short side), divide by the

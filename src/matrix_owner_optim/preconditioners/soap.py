@@ -63,7 +63,9 @@ def _eigh_basis(mat: Tensor) -> Tensor:
     return torch.flip(vecs, [1])
 
 
-def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+def _refresh_basis(
+    factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int
+) -> tuple[Tensor, Tensor]:
     """One power-iteration step + QR; returns ``(new_basis, exp_avg_sq permuted along dim)``."""
     fq = factor @ basis
     est_eig = (basis * fq).sum(0)  # diag(Q^T F Q)

@@ -1,0 +1,595 @@
+"""Tests of the single-tensor matrix optimizers (Muon, Shampoo, SOAP).
+
+References are written here independently, densely and in float64 where exactness matters:
+Muon is compared with ``torch.optim.Muon`` itself (bf16 path) and with a float32
+Newton-Schulz written below; Shampoo with a float64 eigh-based dense loop; SOAP with a
+straightforward loop following the paper's algorithm / the official code's step order.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from matrix_owner_optim.planning.cost import MUON_COST, SHAMPOO_COST, SOAP_COST
+from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo, require_2d
+
+SHAPES = [(1, 7), (7, 1), (9, 4), (4, 9), (6, 6)]
+ALL = [Muon, Shampoo, SOAP]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _grads(shape: tuple[int, int], steps: int, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=dtype) for _ in range(steps)]
+
+
+def _run(
+    opt_cls: Callable[..., torch.optim.Optimizer],
+    p0: torch.Tensor,
+    grads: list[torch.Tensor],
+    **kw: Any,
+) -> torch.Tensor:
+    p = p0.clone().requires_grad_()
+    opt = opt_cls([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+def _random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Muon
+# --------------------------------------------------------------------------------------------
+MUON_SETTINGS = [
+    {},
+    {"nesterov": False},
+    {"weight_decay": 0.0, "momentum": 0.9},
+    {"lr": 0.02, "adjust_lr_fn": "match_rms_adamw"},
+    {"lr": 0.01, "adjust_lr_fn": "original", "weight_decay": 0.3, "ns_steps": 3},
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kw", MUON_SETTINGS)
+def test_muon_bf16_matches_torch_muon(shape: tuple[int, int], kw: dict[str, Any]) -> None:
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    grads = _grads(shape, 10, seed=2, dtype=torch.float32)
+    ours = _run(Muon, p0, grads, **kw)
+    theirs = _run(torch.optim.Muon, p0, grads, **kw)
+    assert not torch.equal(ours, p0)
+    # Same operations in the same order: bitwise equal.
+    assert torch.equal(ours, theirs), _rel(ours, theirs)
+
+
+def _ref_muon_fp32(
+    p0: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+    eps: float = 1e-7,
+    ns_steps: int = 5,
+    adjust_lr_fn: str | None = None,
+) -> torch.Tensor:
+    """Muon as published, with a float32 Newton-Schulz iteration."""
+    a, b, c = ns_coefficients
+    p = p0.clone().float()
+    buf = torch.zeros_like(p)
+    rows, cols = p.shape
+    if adjust_lr_fn == "match_rms_adamw":
+        scale = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        scale = math.sqrt(max(1.0, rows / cols))
+    for g in grads:
+        buf = momentum * buf + (1 - momentum) * g
+        u = (1 - momentum) * g + momentum * buf if nesterov else buf
+        x = u.float()
+        if rows > cols:
+            x = x.T
+        x = x / max(float(x.norm()), eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        if rows > cols:
+            x = x.T
+        p = p * (1 - lr * weight_decay) - lr * scale * x
+    return p
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kw", MUON_SETTINGS)
+def test_muon_fp32_matches_reference(shape: tuple[int, int], kw: dict[str, Any]) -> None:
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    grads = _grads(shape, 10, seed=4, dtype=torch.float32)
+    ours = _run(Muon, p0, grads, ns_dtype=torch.float32, **kw)
+    ref = _ref_muon_fp32(p0, grads, **kw)
+    assert _rel(ours, ref) <= 1e-5
+    # The accumulated update itself agrees to float32 round-off (NS amplifies it a little).
+    assert _rel(ours - p0, ref - p0) <= 1e-4
+    # And the bf16 path really is a different (lower-precision) computation.
+    bf16 = _run(Muon, p0, grads, **kw)
+    if shape not in [(1, 7), (7, 1)]:  # rank-1: NS of a vector is exact-ish in any dtype
+        assert not torch.equal(bf16, ours)
+
+
+def test_muon_does_not_modify_momentum_buffer_in_fp32_ns() -> None:
+    # ns_dtype == param dtype: the NS input must be copied, not scaled in place.
+    p = torch.randn(5, 3, requires_grad=True)
+    opt = Muon([p], nesterov=False, ns_dtype=torch.float32, momentum=0.5)
+    g = torch.randn(5, 3)
+    p.grad = g.clone()
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], 0.5 * g, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Shampoo
+# --------------------------------------------------------------------------------------------
+def _ref_inv_root(a: torch.Tensor, exponent: float, eps: float) -> torch.Tensor:
+    norm = torch.linalg.matrix_norm(a)
+    if norm == 0:
+        return torch.eye(a.shape[0], dtype=a.dtype)
+    damping = eps * norm
+    w, v = torch.linalg.eigh(a + damping * torch.eye(a.shape[0], dtype=a.dtype))
+    return v @ torch.diag(w.clamp_min(damping) ** (-1.0 / exponent)) @ v.T
+
+
+def _ref_shampoo(
+    p0: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float = 1e-3,
+    beta2: float = 1.0,
+    eps: float = 1e-12,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    precondition_frequency: int = 1,
+    start_preconditioning_step: int = 1,
+    max_aspect_ratio: float | None = None,
+    grafting: str | None = None,
+) -> torch.Tensor:
+    """Dense float64 Shampoo: L^{-1/4} G R^{-1/4} with eigh roots."""
+    p = p0.clone().double()
+    m, n = p.shape
+    one_sided = max_aspect_ratio is not None and max(m, n) / min(m, n) > max_aspect_ratio
+    use_l = (not one_sided) or m < n
+    use_r = (not one_sided) or m >= n
+    exponent = 2.0 if one_sided else 4.0
+    left, right = torch.zeros(m, m, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    left_root, right_root = torch.eye(m, dtype=torch.float64), torch.eye(n, dtype=torch.float64)
+    buf = torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        if beta2 == 1.0:
+            left, right = left + g @ g.T, right + g.T @ g
+        else:
+            left = beta2 * left + (1 - beta2) * g @ g.T
+            right = beta2 * right + (1 - beta2) * g.T @ g
+        if t >= start_preconditioning_step:
+            if (t - start_preconditioning_step) % precondition_frequency == 0:
+                left_root = _ref_inv_root(left, exponent, eps) if use_l else left_root
+                right_root = _ref_inv_root(right, exponent, eps) if use_r else right_root
+            d = left_root @ g @ right_root
+            if grafting == "sgd":
+                d = d * (g.norm() / d.norm())
+        else:
+            d = g
+        if momentum > 0:
+            buf = momentum * buf + d
+            d = buf
+        p = p * (1 - lr * weight_decay) - lr * d
+    return p
+
+
+SHAMPOO_SETTINGS = [
+    {},
+    {"precondition_frequency": 3},
+    {"precondition_frequency": 3, "eps": 1e-4, "lr": 0.01},
+    # eps=1e-6: with an EMA and stale roots of a rank-deficient factor, eps=1e-12 would turn
+    # 1e-16 round-off differences in the factor into 1e-5 differences in the update.
+    {"beta2": 0.9, "momentum": 0.5, "weight_decay": 0.1, "precondition_frequency": 2, "eps": 1e-6},
+    {"start_preconditioning_step": 3, "precondition_frequency": 3, "grafting": "sgd"},
+    {"max_aspect_ratio": 1.5},
+]
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (5, 1), (6, 3), (3, 6), (5, 5)])
+@pytest.mark.parametrize("kw", SHAMPOO_SETTINGS)
+def test_shampoo_matches_dense_reference(shape: tuple[int, int], kw: dict[str, Any]) -> None:
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = _grads(shape, 10, seed=6, dtype=torch.float64)
+    ours = _run(Shampoo, p0, grads, **kw)
+    ref = _ref_shampoo(p0, grads, **kw)
+    assert not torch.equal(ours, p0)
+    assert _rel(ours - p0, ref - p0) <= 1e-9
+
+
+def test_shampoo_one_sided_keeps_only_small_factor() -> None:
+    p = torch.randn(3, 12, requires_grad=True)
+    opt = Shampoo([p], max_aspect_ratio=2.0)
+    p.grad = torch.randn(3, 12)
+    opt.step()
+    assert "L" in opt.state[p] and "R" not in opt.state[p]
+    q = torch.randn(12, 3, requires_grad=True)
+    opt = Shampoo([q], max_aspect_ratio=2.0)
+    q.grad = torch.randn(12, 3)
+    opt.step()
+    assert "R" in opt.state[q] and "L" not in opt.state[q]
+    assert opt.state[q]["R"].shape == (3, 3)
+
+
+def test_shampoo_adagrad_grafting_matches_graft_norm() -> None:
+    p = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    p0 = p.detach().clone()
+    opt = Shampoo([p], lr=1.0, grafting="adagrad", grafting_eps=1e-10)
+    g = torch.randn(4, 6, dtype=torch.float64)
+    p.grad = g.clone()
+    opt.step()
+    graft = g / (g.abs() + 1e-10)
+    step = p0 - p.detach()
+    torch.testing.assert_close(step.norm(), graft.norm(), rtol=1e-12, atol=0)
+    # ... but its direction is Shampoo's, not the graft's.
+    assert _rel(step / step.norm(), graft / graft.norm()) > 1e-3
+
+
+def test_shampoo_roots_are_reused_between_recomputations() -> None:
+    p = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    opt = Shampoo([p], precondition_frequency=3)
+    roots = []
+    for _ in range(4):
+        p.grad = torch.randn(4, 5, dtype=torch.float64)
+        opt.step()
+        roots.append(opt.state[p]["L_root"].clone())
+    assert torch.equal(roots[0], roots[1]) and torch.equal(roots[1], roots[2])
+    assert not torch.equal(roots[2], roots[3])
+
+
+def test_shampoo_float32_root_dtype_close_to_float64() -> None:
+    shape = (6, 4)
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    grads = _grads(shape, 5, seed=8, dtype=torch.float64)
+    a = _run(Shampoo, p0, grads, eps=1e-6, root_dtype=torch.float64)
+    b = _run(Shampoo, p0, grads, eps=1e-6, root_dtype=torch.float32)
+    assert _rel(b - p0, a - p0) <= 1e-3
+    assert torch.isfinite(b).all()
+
+
+# --------------------------------------------------------------------------------------------
+# SOAP
+# --------------------------------------------------------------------------------------------
+def _ref_soap(
+    p0: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float = 3e-3,
+    betas: tuple[float, float] = (0.95, 0.95),
+    shampoo_beta: float | None = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    precondition_frequency: int = 10,
+) -> torch.Tensor:
+    """SOAP (Vyas et al. 2024, Algorithm 3 + the official code's step order), dense float64."""
+    beta1, beta2 = betas
+    sb = beta2 if shampoo_beta is None else shampoo_beta
+    p = p0.clone().double()
+    m, n = p.shape
+    left, right = torch.zeros(m, m, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
+    ql = qr = None
+    t = 0
+
+    def eig_desc(a: torch.Tensor) -> torch.Tensor:
+        w, v = torch.linalg.eigh(a)
+        return v[:, torch.argsort(w, descending=True)]
+
+    for g in grads:
+        g = g.double()
+        if ql is None:  # first step: bases only, no update
+            left = sb * left + (1 - sb) * g @ g.T
+            right = sb * right + (1 - sb) * g.T @ g
+            ql, qr = eig_desc(left), eig_desc(right)
+            continue
+        t += 1
+        g_rot = ql.T @ g @ qr
+        exp_avg = beta1 * exp_avg + (1 - beta1) * g
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g_rot**2
+        n_rot = (ql.T @ exp_avg @ qr) / (exp_avg_sq.sqrt() + eps)
+        step_size = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        p = p - step_size * (ql @ n_rot @ qr.T)
+        p = p * (1 - lr * weight_decay)
+        left = sb * left + (1 - sb) * g @ g.T
+        right = sb * right + (1 - sb) * g.T @ g
+        if t % precondition_frequency == 0:
+            est = torch.diag(ql.T @ left @ ql)
+            order = torch.argsort(est, descending=True)
+            exp_avg_sq = exp_avg_sq[order, :]
+            ql = torch.linalg.qr(left @ ql[:, order]).Q
+            est = torch.diag(qr.T @ right @ qr)
+            order = torch.argsort(est, descending=True)
+            exp_avg_sq = exp_avg_sq[:, order]
+            qr = torch.linalg.qr(right @ qr[:, order]).Q
+    return p
+
+
+SOAP_SETTINGS = [
+    {"precondition_frequency": 2},
+    {"precondition_frequency": 3, "betas": (0.9, 0.99), "shampoo_beta": 0.8, "lr": 0.01},
+    {"precondition_frequency": 1, "weight_decay": 0.0},
+    {},
+]
+
+
+# Shapes whose first-step factors have at most a 1-dimensional null space. For thinner shapes
+# (e.g. 1xN, or m > n + 1) the first factor L = G G^T has a degenerate zero eigenspace whose
+# eigh basis is fixed by round-off alone, and Adam-in-that-basis depends on it: SOAP itself
+# (and the official code) is ill-defined there, so no two implementations agree bitwise.
+@pytest.mark.parametrize("shape", [(5, 5), (6, 5), (5, 6), (4, 4), (7, 6)])
+@pytest.mark.parametrize("kw", SOAP_SETTINGS)
+def test_soap_matches_reference(shape: tuple[int, int], kw: dict[str, Any]) -> None:
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    grads = _grads(shape, 12, seed=10, dtype=torch.float64)
+    ours = _run(SOAP, p0, grads, **kw)
+    ref = _ref_soap(p0, grads, **kw)
+    assert not torch.equal(ours, p0)
+    assert _rel(ours - p0, ref - p0) <= 1e-8
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (7, 1), (9, 2)])
+def test_soap_thin_shapes_run_and_reduce_loss(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(17)
+    target = torch.randn(shape, generator=gen)
+    w = torch.zeros(shape, requires_grad=True)
+    opt = SOAP([w], lr=0.05, precondition_frequency=2, weight_decay=0.0)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = (w - target).square().sum()
+        losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(w).all()
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_soap_first_step_only_builds_bases() -> None:
+    p = torch.randn(4, 3, requires_grad=True)
+    p0 = p.detach().clone()
+    opt = SOAP([p])
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    assert torch.equal(p.detach(), p0)
+    assert int(opt.state[p]["step"]) == 0 and "QL" in opt.state[p]
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    assert not torch.equal(p.detach(), p0)
+    assert int(opt.state[p]["step"]) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Rotation equivariance (float64): update(U G V^T) = U update(G) V^T
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "opt_cls,kw,shape",
+    [
+        (Shampoo, {}, (5, 5)),
+        (Shampoo, {}, (6, 3)),
+        (Shampoo, {"momentum": 0.9, "weight_decay": 0.1, "beta2": 0.95}, (3, 7)),
+        (Shampoo, {"precondition_frequency": 2, "eps": 1e-6}, (4, 6)),
+        (SOAP, {"precondition_frequency": 2}, (5, 5)),
+        (SOAP, {"precondition_frequency": 2}, (6, 5)),
+        (SOAP, {"precondition_frequency": 3, "betas": (0.9, 0.99)}, (4, 5)),
+    ],
+)
+def test_rotation_equivariance(
+    opt_cls: type[torch.optim.Optimizer], kw: dict[str, Any], shape: tuple[int, int]
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    m, n = shape
+    u, v = _random_orthogonal(m, gen), _random_orthogonal(n, gen)
+    p0 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(9)]
+    plain = _run(opt_cls, p0, grads, **kw)
+    rotated = _run(opt_cls, u @ p0 @ v.T, [u @ g @ v.T for g in grads], **kw)
+    assert not torch.equal(plain, p0)
+    assert _rel(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T) <= 1e-7
+
+
+def test_adam_is_not_rotation_equivariant_sanity() -> None:
+    """The equivariance test above can fail: a coordinate-wise optimizer does fail it."""
+    gen = torch.Generator().manual_seed(12)
+    u, v = _random_orthogonal(5, gen), _random_orthogonal(5, gen)
+    p0 = torch.randn(5, 5, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(5, 5, generator=gen, dtype=torch.float64) for _ in range(4)]
+    plain = _run(torch.optim.Adam, p0, grads, lr=1e-2)
+    rotated = _run(torch.optim.Adam, u @ p0 @ v.T, [u @ g @ v.T for g in grads], lr=1e-2)
+    assert _rel(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# Non-2D tensors
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_cls", ALL)
+@pytest.mark.parametrize("shape", [(4,), (2, 3, 4), ()])
+def test_non_2d_param_rejected_at_construction(opt_cls: type, shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError) as info:
+        opt_cls([torch.nn.Parameter(torch.randn(shape))])
+    msg = str(info.value)
+    assert str(tuple(shape)) in msg
+    assert opt_cls.__name__ in msg and "2D" in msg and "tail" in msg
+
+
+@pytest.mark.parametrize("opt_cls", ALL)
+def test_non_2d_named_param_error_names_param(opt_cls: type) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    with pytest.raises(ValueError, match=r"0\.bias.*\(4,\)"):
+        opt_cls(model.named_parameters())
+
+
+@pytest.mark.parametrize("opt_cls", ALL)
+def test_non_2d_grad_rejected_at_step(opt_cls: type) -> None:
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    opt = opt_cls([p])
+    p.data = torch.randn(3, 2, 2)  # e.g. a conv kernel swapped in behind the optimizer's back
+    p.grad = torch.randn(3, 2, 2)
+    with pytest.raises(ValueError, match=r"\(3, 2, 2\)"):
+        opt.step()
+
+
+def test_require_2d_helper() -> None:
+    require_2d(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"'conv.weight'.*\(8, 3, 3, 3\)"):
+        require_2d(torch.zeros(8, 3, 3, 3), "Muon", "conv.weight")
+
+
+# --------------------------------------------------------------------------------------------
+# torch.optim conventions
+# --------------------------------------------------------------------------------------------
+OPT_KW: list[tuple[type, dict[str, Any]]] = [
+    (Muon, {"lr": 0.02, "ns_dtype": torch.float32}),
+    (Shampoo, {"lr": 0.01, "precondition_frequency": 3, "momentum": 0.5, "grafting": "adagrad"}),
+    (SOAP, {"lr": 0.01, "precondition_frequency": 2}),
+]
+
+
+@pytest.mark.parametrize("opt_cls,kw", OPT_KW)
+def test_state_dict_round_trip_continues_trajectory(opt_cls: type, kw: dict[str, Any]) -> None:
+    shapes = [(5, 3), (4, 4)]
+    gen = torch.Generator().manual_seed(13)
+    params = [
+        torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in shapes
+    ]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(9)]
+    opt = opt_cls(params, **kw)
+    for step_grads in grads[:4]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    opt2 = opt_cls(clones, lr=123.0)  # hyperparameters come back from the state dict
+    buffer.seek(0)
+    opt2.load_state_dict(torch.load(buffer, weights_only=True))
+    assert opt2.param_groups[0]["lr"] == kw["lr"]
+    for step_grads in grads[4:]:
+        for p, q, g in zip(params, clones, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, clones):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("opt_cls", [Shampoo, SOAP])
+def test_load_state_dict_keeps_float32_state_of_bf16_params(opt_cls: type) -> None:
+    p = torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True)
+    opt = opt_cls([p])
+    for _ in range(2):
+        p.grad = torch.randn(4, 3, dtype=torch.bfloat16)
+        opt.step()
+    q = p.detach().clone().requires_grad_()
+    opt2 = opt_cls([q])
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for key, value in opt.state[p].items():
+        loaded = opt2.state[q][key]
+        assert loaded.dtype == value.dtype, key
+        assert torch.equal(loaded, value), key
+    assert opt2.state[q]["L"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_cls,kw", OPT_KW)
+def test_lr_scheduler_changes_lr_used(opt_cls: type, kw: dict[str, Any]) -> None:
+    shape = (5, 4)
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    grads = _grads(shape, 6, seed=15, dtype=torch.float64)
+
+    def run(schedule: str) -> torch.Tensor:
+        p = p0.clone().requires_grad_()
+        opt = opt_cls([p], **kw)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for k, g in enumerate(grads):
+            if schedule == "manual":
+                opt.param_groups[0]["lr"] = kw["lr"] * 0.5**k
+            p.grad = g.clone()
+            opt.step()
+            if schedule == "steplr":
+                sched.step()
+        return p.detach()
+
+    scheduled, manual, constant = run("steplr"), run("manual"), run("none")
+    assert torch.equal(scheduled, manual)
+    assert _rel(scheduled - p0, constant - p0) > 1e-2
+
+
+@pytest.mark.parametrize("opt_cls", ALL)
+def test_closure_loss_and_params_without_grad_skipped(opt_cls: type) -> None:
+    a = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(3, 3, requires_grad=True)
+    b0 = b.detach().clone()
+    opt = opt_cls([{"params": [a]}, {"params": [b], "lr": 0.5}])
+    x = torch.randn(3)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (a @ x).square().sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.ndim == 0
+    assert a.grad is not None and b.grad is None
+    assert torch.equal(b.detach(), b0) and len(opt.state[b]) == 0
+    assert len(opt.state[a]) > 0
+    assert opt.param_groups[1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "opt_cls,cost,kw",
+    [(Muon, MUON_COST, {}), (Shampoo, SHAMPOO_COST, {}), (SOAP, SOAP_COST, {})],
+)
+def test_cost_model_matches_state_bytes(opt_cls: type, cost: Any, kw: dict[str, Any]) -> None:
+    assert opt_cls.cost_model is cost
+    p = torch.randn(6, 4, requires_grad=True)
+    opt = opt_cls([p], **kw)
+    p.grad = torch.randn(6, 4)
+    opt.step()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for k, t in opt.state[p].items()
+        if isinstance(t, torch.Tensor) and k != "step"
+    )
+    assert state_bytes == cost.state_bytes(p.shape, p.dtype)
+    assert cost.flops(p.shape) > 0
+
+
+@pytest.mark.parametrize("opt_cls", [Shampoo, SOAP])
+def test_bf16_params_train_and_stay_finite(opt_cls: type) -> None:
+    torch.manual_seed(16)
+    target = torch.randn(6, 5)
+    w = torch.zeros(6, 5, dtype=torch.bfloat16, requires_grad=True)
+    opt = opt_cls([w], lr=0.5 if opt_cls is Shampoo else 0.05)
+    x = torch.randn(64, 5)
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        loss = (x @ w.float().T - x @ target.T).square().mean()
+        first = float(loss.detach()) if first is None else first
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(w).all()
+    assert float(loss.detach()) < 0.5 * first
