@@ -20,7 +20,7 @@ import torch
 from ..comm import comm_phase
 from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides
-from .placements import Placement, placement_for
+from .placements import Placement, RouterConfig, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
 
@@ -57,6 +57,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tail_options: keyword arguments of the tail optimizer.
         roles: ``{"fqn-glob": "matrix" | "tail" | "sharded"}``; the last matching glob wins.
             A glob that matches nothing is an error.
+        replicated: for parameters replicated on every rank of a multi-rank job (DDP),
+            ``"owner"`` updates each matrix on one owner and shares the result;
+            ``"redundant"`` updates every matrix on every rank and moves nothing.
 
     The layout decides what a step moves: zero bytes for owner-shaped parameters and in one
     process; see :mod:`matrix_owner_optim.optim.placements` for the others.
@@ -71,7 +74,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tail: "str | OptimizerFactory" = "adamw",
         tail_options: Mapping[str, Any] | None = None,
         roles: Mapping[str, str] | None = None,
+        replicated: str = "owner",
     ) -> None:
+        if replicated not in ("owner", "redundant"):
+            raise ValueError(f"replicated must be 'owner' or 'redundant', got {replicated!r}")
         self._factories: dict[Role, OptimizerFactory] = {
             Role.MATRIX: resolve_optimizer(matrix, what="matrix"),
             Role.TAIL: resolve_optimizer(tail, what="tail"),
@@ -87,6 +93,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._names = {Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
                        Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail))}
         self._overrides = RoleOverrides(roles)
+        self._config = RouterConfig(matrix_factory=self._factories[Role.MATRIX], replicated=replicated)
         self._children: dict[Role, torch.optim.Optimizer | None] = {Role.MATRIX: None, Role.TAIL: None}
         # per child: (index of the parent group, the child's group dict)
         self._child_groups: dict[Role, list[tuple[int, dict[str, Any]]]] = {Role.MATRIX: [], Role.TAIL: []}
@@ -128,7 +135,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             new_entries.setdefault(placement_for(rp.param, rp.label), []).append(rp)
         for cls, entries in new_entries.items():
             if cls not in self._placements:
-                self._placements[cls] = cls()
+                self._placements[cls] = cls(self._config)
             self._placements[cls].add(entries)
         self._routed.extend(user_group.params)
 
@@ -193,9 +200,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, then hand the loaded state to the child optimizers."""
         super().load_state_dict(state_dict)
-        for role, child in self._children.items():
-            if child is None:
-                continue
         for rp in self._routed:
             if rp.proxy is None:
                 self.state.pop(rp.param, None)

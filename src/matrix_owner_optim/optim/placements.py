@@ -14,7 +14,8 @@ Other layouts (stock FSDP2 DTensors, replicated DDP parameters) register their o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from einops import rearrange
 from ..planning.metadata import Role, get_shard_rank
 from .routing import RoutedParam
 
-__all__ = ["Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for", "is_multi_rank"]
+__all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for", "is_multi_rank"]
 
 
 def is_multi_rank() -> bool:
@@ -35,12 +36,26 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
     return rearrange(param.detach(), "o ... -> o (...)")
 
 
+@dataclass(frozen=True)
+class RouterConfig:
+    """What every placement of one optimizer may need to know.
+
+    ``matrix_factory`` prices matrices for owner planning (its ``cost_model``, else Muon's);
+    ``replicated`` is ``"owner"`` (each replicated matrix updated by one owner, results shared)
+    or ``"redundant"`` (every rank updates every replicated matrix, no communication).
+    """
+
+    matrix_factory: Any = None
+    replicated: str = "owner"
+
+
 class Placement(ABC):
     """Base class: one instance per layout per optimizer."""
 
     name: ClassVar[str] = "placement"
 
-    def __init__(self) -> None:
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
         self.entries: list[RoutedParam] = []
 
     @staticmethod
