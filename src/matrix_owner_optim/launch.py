@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -51,10 +52,13 @@ def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, th
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    if not result["ok"]:
-        # A non-zero exit makes the parent terminate the other ranks at once, instead of
-        # leaving them blocked in a collective until the process-group timeout.
-        os._exit(1)
+    # A non-zero exit makes the parent terminate the other ranks at once, instead of leaving
+    # them blocked in a collective until the process-group timeout. A successful rank also
+    # leaves without interpreter teardown: its result is on disk, and gloo/profiler threads
+    # torn down at exit can abort the process after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["ok"] else 1)
 
 
 def spawn_ranks(

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import plan
+from . import bench, plan, train
 
 __all__ = ["main", "build_parser"]
 
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_parser(sub)
+    train.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,159 @@
+"""Baselines the benchmarks compare against; not for training.
+
+``ReconstructionMuon`` is what ZeRO-3 + Muon does without an owner layout: every rank gathers
+the full update matrix of every parameter (a weight-sized all-gather per step), runs
+Newton-Schulz on all of them redundantly, and keeps its own rows. Its math equals Muon's
+(momentum kept per shard, which is exact since momentum is coordinate-wise), so only the
+cost differs. It uses the package's counted collectives, so its bytes show up in
+:class:`~matrix_owner_optim.comm.CommCounter` like ours do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .preconditioners.muon import adjust_lr, newton_schulz
+
+__all__ = ["ReconstructionMuon", "ReconstructionOptimizer"]
+
+
+def _rows_of(rank: int, world: int, rows: int) -> tuple[int, int]:
+    per = -(-rows // world) if rows else 0
+    start = min(rows, per * rank)
+    return start, min(rows, start + per)
+
+
+class ReconstructionMuon(torch.optim.Optimizer):
+    """Muon over ``Shard(0)`` DTensors by all-gathering each full update (the baseline)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with comm.comm_phase("optimizer"):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        local_p, local_g, mesh_group = _local(p), _local(p.grad), _group(p)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(local_g)
+        buf = state["momentum_buffer"]
+        buf.lerp_(local_g, 1 - group["momentum"])
+        update = local_g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        rows, cols = p.shape
+        world = dist.get_world_size(mesh_group) if mesh_group is not None else 1
+        rank = dist.get_rank(mesh_group) if mesh_group is not None else 0
+        if world > 1:
+            per = -(-rows // world)
+            padded = torch.zeros(per, cols, dtype=update.dtype, device=update.device)
+            padded[: update.shape[0]].copy_(update)
+            gathered = torch.empty(per * world, cols, dtype=update.dtype, device=update.device)
+            comm.all_gather_into_tensor(gathered, padded, group=mesh_group, name="reconstruct_all_gather")
+            full = gathered[:rows]
+        else:
+            full = update
+        ortho = newton_schulz(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                              group["ns_dtype"])
+        start, stop = _rows_of(rank, world, rows)
+        local_p.mul_(1 - group["lr"] * group["weight_decay"])
+        lr = adjust_lr(group["lr"], group["adjust_lr_fn"], (rows, cols))
+        local_p.add_(ortho[start:stop].to(local_p.dtype), alpha=-lr)
+
+
+def options_keys(outer: dict[str, Any], inner: dict[str, Any]) -> list[str]:
+    return [k for k in outer if k != "params" and k in inner]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _group(p: torch.Tensor) -> Any:
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return dist.group.WORLD if dist.is_initialized() else None
+    return mesh.get_group(mesh.ndim - 1)
+
+
+class ReconstructionOptimizer(torch.optim.Optimizer):
+    """Any matrix optimizer over ``Shard(0)`` DTensors by full reconstruction (the baseline).
+
+    Every rank keeps a full replica of every matrix and its optimizer state, all-gathers each
+    full gradient every step, runs ``inner`` on all replicas redundantly and writes its own
+    rows back: the "gather" strategy for Shampoo/SOAP, whose state cannot be split by rows.
+    """
+
+    def __init__(self, params: Any, inner: Callable[..., torch.optim.Optimizer], **options: Any) -> None:
+        super().__init__(params, dict(options))
+        self._replicas: dict[torch.Tensor, torch.Tensor] = {}
+        inner_groups = []
+        for group in self.param_groups:
+            replicas = []
+            for p in group["params"]:
+                self._replicas[p] = self._gather(_local(p).detach(), p).clone()
+                replicas.append(self._replicas[p])
+            inner_groups.append({"params": replicas})
+        self.inner = inner(inner_groups, **options)
+
+    def _gather(self, local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        mesh_group = _group(p)
+        world = dist.get_world_size(mesh_group) if mesh_group is not None else 1
+        if world == 1:
+            return local
+        rows, cols = p.shape
+        per = -(-rows // world)
+        padded = torch.zeros(per, cols, dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]].copy_(local)
+        gathered = torch.empty(per * world, cols, dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(gathered, padded, group=mesh_group, name="reconstruct_all_gather")
+        return gathered[:rows]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with comm.comm_phase("optimizer"):
+            for p, replica in self._replicas.items():
+                replica.grad = None if p.grad is None else self._gather(_local(p.grad), p)
+            for outer, inner_group in zip(self.param_groups, self.inner.param_groups):
+                for key in options_keys(outer, inner_group):
+                    inner_group[key] = outer[key]  # e.g. an lr scheduler's lr
+            self.inner.step()
+            for p, replica in self._replicas.items():
+                group = _group(p)
+                world = dist.get_world_size(group) if group is not None else 1
+                rank = dist.get_rank(group) if group is not None else 0
+                start, stop = _rows_of(rank, world, p.shape[0])
+                _local(p).copy_(replica[start:stop])
+                replica.grad = None
+        return loss
+
+    def extra_resident_bytes(self) -> int:
+        """Full replicas and their state: what reconstruction costs in memory."""
+        total = sum(r.numel() * r.element_size() for r in self._replicas.values())
+        for state in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        return total

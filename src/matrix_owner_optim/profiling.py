@@ -1,0 +1,75 @@
+"""Count backend collectives from ``torch.profiler`` traces, independent of our own counters.
+
+``torch.profiler`` records every process-group op as ``gloo:<op>`` or ``nccl:<op>`` with its
+input shapes. :func:`backend_ops` lists them (optionally inside a time window, such as one
+``record_function`` phase), and :func:`op_bytes` converts one op to the bytes a rank sends,
+with the same conventions as :mod:`matrix_owner_optim.comm` (ring all-reduce, own chunk
+excluded). Used to measure stock FSDP2 and ``torch.optim.Muon``, whose collectives do not go
+through our wrappers, and to cross-check ours.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES"]
+
+BACKEND_PREFIXES = ("gloo:", "nccl:")
+
+
+@dataclass(frozen=True)
+class BackendOp:
+    name: str
+    input_numel: int
+    start_us: float
+    end_us: float
+
+
+def backend_ops(prof: Any, window: tuple[float, float] | None = None) -> list[BackendOp]:
+    """Backend collective events of a finished profiler (within ``window`` if given)."""
+    out = []
+    for e in prof.events():
+        if not e.name.startswith(BACKEND_PREFIXES):
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if window is not None and not (window[0] <= start <= window[1]):
+            continue
+        shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
+        numel = sum(math.prod(s) if s else 1 for s in shapes[:1])
+        out.append(BackendOp(e.name, int(numel), start, end))
+    return out
+
+
+def phase_windows(prof: Any, prefix: str = "phase:") -> dict[str, list[tuple[float, float]]]:
+    """Time ranges of ``record_function(prefix + name)`` blocks, by name."""
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if e.name.startswith(prefix):
+            windows.setdefault(e.name[len(prefix):], []).append((e.time_range.start, e.time_range.end))
+    return windows
+
+
+def op_bytes(op: BackendOp, world_size: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends for ``op`` (input shapes give the payload; dtype given)."""
+    n = op.input_numel * itemsize
+    kind = op.name.split(":", 1)[1]
+    W = world_size
+    if W <= 1:
+        return 0
+    if kind.startswith("all_reduce"):
+        return 2 * (W - 1) * n // W
+    if kind.startswith(("all_gather", "allgather", "_allgather")):
+        return (W - 1) * n  # the input is this rank's shard, sent to every other rank
+    if kind.startswith(("reduce_scatter", "_reduce_scatter")):
+        return (W - 1) * n // W  # the input is the full buffer
+    if kind.startswith(("all_to_all", "alltoall")):
+        return (W - 1) * n // W  # even-split estimate; our wrappers count uneven splits exactly
+    if kind.startswith("broadcast"):
+        return n  # upper bound: the root sends n to each peer in a tree, others relay
+    return n
+
+
+def total_bytes(ops: Iterable[BackendOp], world_size: int, itemsize: int = 4) -> int:
+    return sum(op_bytes(o, world_size, itemsize) for o in ops)
