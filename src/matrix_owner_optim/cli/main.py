@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import bench, plan, train
+from . import bench, plan, simulate, train
 
 __all__ = ["main", "build_parser"]
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     train.add_parser(sub)
     bench.add_parser(sub)
+    simulate.add_parser(sub)
     return parser
 
 
