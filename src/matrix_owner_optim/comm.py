@@ -36,6 +36,8 @@ __all__ = [
     "reduce_scatter_tensor",
     "all_gather_object",
     "batch_isend_irecv",
+    "all_gather_v",
+    "reduce_scatter_v",
 ]
 
 PHASES = ("forward", "backward", "optimizer", "other")
@@ -240,3 +242,31 @@ def batch_isend_irecv(ops: list[dist.P2POp], name: str = "batch_isend_irecv") ->
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,
+                 name: str = "all_gather_v") -> None:
+    """Uneven all-gather (``dist.all_gather`` with differently sized outputs; NCCL supports it).
+
+    Counted as the owner-segment all-gather it is: this rank sends its ``input`` to the
+    ``W-1`` others and receives every other rank's chunk.
+    """
+    W, rank = _world(group)
+    sent = _nbytes(input) * (W - 1)
+    recv = sum(_nbytes(t) for r, t in enumerate(output_list) if r != rank)
+    record(name, sent, recv)
+    dist.all_gather(output_list, input, group=group)
+
+
+def reduce_scatter_v(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
+                     group: Any = None, name: str = "reduce_scatter_v") -> None:
+    """Uneven reduce-scatter (``dist.reduce_scatter`` with differently sized inputs; NCCL).
+
+    Counted logically: this rank sends every other rank's chunk once and receives its own
+    chunk from the ``W-1`` others.
+    """
+    W, rank = _world(group)
+    sent = sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank)
+    recv = _nbytes(output) * (W - 1)
+    record(name, sent, recv)
+    dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM, group=group)

@@ -12,8 +12,7 @@ exactly this rank's state keyed like any torch optimizer's.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 

@@ -14,7 +14,6 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import torch
 from torch import nn
 
 from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, numel
