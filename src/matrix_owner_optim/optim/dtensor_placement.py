@@ -1,0 +1,358 @@
+"""Stock FSDP2 / HSDP parameters (DTensor ``Shard(0)``): each matrix updated whole by its owner.
+
+``torch.distributed.fsdp.fully_shard`` leaves every parameter as a DTensor split by rows
+(``Shard(0)``, ``torch.chunk`` sizes: the last ranks may be short or empty). A matrix optimizer
+needs the whole matrix, so this placement routes:
+
+* **matrices**: the planner (``planning.plan_tensors``, priced by the matrix optimizer's cost
+  model) gives each matrix an owner within the shard group (the ``Shard(0)`` mesh dim; under
+  HSDP every replica group plans and steps alike, on gradients FSDP2 already all-reduced).
+  ``before_step``: one ``all_to_all_single`` sends every rank's row block of each matrix's
+  gradient to the owner, which reassembles the full gradient. The child optimizer updates the
+  owner's persistent full copy of the matrix (its *proxy*). ``after_step``: one more
+  ``all_to_all_single`` sends each updated row block back to the rank holding it, which copies
+  it into its local shard. Per rank and step that is about ``2·(P/W)·(W-1)/W`` bytes sent for
+  ``P`` bytes of matrices (plus a header of ``1 + #matrices`` elements, and whatever uneven row
+  splits force), in two collectives per dtype and shard group, against ``(W-1)·P/W`` or more
+  when every rank gathers every full matrix.
+* **tail / sharded** tensors (and any non-matrix DTensor whose gradient has the parameter's
+  placements): the child optimizer (AdamW, elementwise) updates the local shard in place;
+  exact, zero bytes. A matrix whose DTensor is replicated on every mesh dim is updated the same
+  way, redundantly.
+
+Owner copies: the owner's full copy is built by an extra all-to-all of the parameter shards on
+the first step, and rebuilt whenever a local shard changed outside the optimizer (model
+``load_state_dict``, DCP load, in-place edits). Each rank records its shards' version counters
+(the DTensor's and its local tensor's) and storage after writing them back; a mismatch sets a
+dirty flag carried in the gradient all-to-all's header, so all ranks agree in the same
+collective and resync together. Only writes that bypass both counters (through another tensor
+object aliasing the same storage, e.g. one made with ``set_``) would go unnoticed.
+
+Memory: each owner keeps full copies of the matrices it owns (about ``P/W`` bytes per rank, as
+much as Muon's momentum for them), plus transient buffers of the same size during the step.
+
+Unsupported layouts raise a ``ValueError`` naming the parameter: a matrix sharded on another
+dim (``Shard(1)``, tensor parallel), on more than one mesh dim, or with ``Partial``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import comm
+from ..planning import Role
+from ..planning.cost import itemsize
+from .placements import Placement, RouterConfig
+from .replicated_placement import plan_owners
+from .routing import RoutedParam
+
+__all__ = ["DTensorPlacement", "chunk_rows"]
+
+
+def chunk_rows(rows: int, world_size: int) -> list[int]:
+    """Rows of each rank under ``Shard(0)`` (``torch.chunk`` sizes; trailing ranks may be 0)."""
+    per = -(-rows // world_size) if rows else 0
+    return [max(0, min(rows, per * (r + 1)) - min(rows, per * r)) for r in range(world_size)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor  # type: ignore[attr-defined]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new leaf tensor object sharing ``t``'s storage (re-pointable with ``set_``)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.size() == b.size()
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
+    """What identifies a DTensor's local shard content as of our last write.
+
+    Storage, offset and shape of the local tensor, and two version counters: the local tensor's
+    (bumped by writes to it directly: ours, FSDP2's, DCP's) and the DTensor's own (bumped by
+    in-place ops on the DTensor, e.g. ``model.load_state_dict``, which reach the local tensor
+    below autograd and leave its counter alone).
+    """
+    t = _local(p)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version, p._version)
+
+
+def _describe(p: DTensor) -> str:
+    return f"placements {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
+
+
+def _shard0_dim(rp: RoutedParam) -> int | None:
+    """The mesh dim a matrix is row-sharded on; None if replicated everywhere; else raise."""
+    p = rp.param
+    shard_dims = []
+    for dim, pl in enumerate(p.placements):  # type: ignore[attr-defined]
+        if type(pl) is Shard and pl.dim == 0:
+            shard_dims.append(dim)
+        elif isinstance(pl, Replicate):
+            continue
+        else:
+            raise ValueError(
+                f"matrix {rp.label!r} is a DTensor with {_describe(p)}; OwnerRoutedOptimizer "
+                "supports matrices sharded by rows (Shard(0)) on one mesh dim, as "
+                "torch.distributed.fsdp.fully_shard and HSDP leave them. Route it to the tail "
+                "optimizer (roles={...: 'tail'}) or shard it with Shard(0)"
+            )
+    if len(shard_dims) > 1:
+        raise ValueError(
+            f"matrix {rp.label!r} is a DTensor sharded on several mesh dims ({_describe(p)}); "
+            "only one Shard(0) mesh dim is supported"
+        )
+    return shard_dims[0] if shard_dims else None
+
+
+def _local_grad(rp: RoutedParam) -> torch.Tensor | None:
+    g = rp.param.grad
+    if g is None:
+        return None
+    if isinstance(g, DTensor):
+        expected = tuple(rp.param.placements)  # type: ignore[attr-defined]
+        if tuple(g.placements) != expected:
+            raise ValueError(
+                f"gradient of {rp.label!r} has placements {tuple(g.placements)} but the parameter "
+                f"has {expected}; expected FSDP2's reduced Shard(0) gradient"
+            )
+        return _local(g)
+    raise ValueError(f"gradient of DTensor parameter {rp.label!r} is a plain tensor; expected a DTensor")
+
+
+@dataclass(eq=False)
+class _Matrix:
+    rp: RoutedParam
+    rows: list[int]  # rows held by each rank of the shard group
+    row_numel: int
+    owner: int
+    full: torch.Tensor | None = None  # the owner's full copy (global shape)
+    key: tuple | None = None  # _key of the local shard after our last write
+
+    @property
+    def local(self) -> torch.Tensor:
+        return _local(self.rp.param)  # read fresh: FSDP2 may re-point it (lazy init, _apply)
+
+    def numel_of(self, rank: int) -> int:
+        return self.rows[rank] * self.row_numel
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """The matrices of one shard group and dtype: two all-to-alls per step."""
+
+    group: Any
+    rank: int
+    world_size: int
+    dtype: torch.dtype
+    device: torch.device
+    mats: list[_Matrix] = field(default_factory=list)
+    loads: list[int] = field(default_factory=list)
+
+    def rebuild(self) -> None:
+        W, me = self.world_size, self.rank
+        self.by_owner = [[m for m in self.mats if m.owner == d] for d in range(W)]
+        self.mine = self.by_owner[me]
+        # gradient all-to-all: header [dirty, has_grad per destination's matrix] + row blocks
+        self.grad_send = [1 + len(self.by_owner[d]) + sum(m.numel_of(me) for m in self.by_owner[d])
+                          for d in range(W)]
+        self.grad_recv = [1 + len(self.mine) + sum(m.numel_of(s) for m in self.mine) for s in range(W)]
+        # parameter resync and write-back: row blocks only
+        self.param_send = [sum(m.numel_of(me) for m in self.by_owner[d]) for d in range(W)]
+        self.param_recv = [sum(m.numel_of(s) for m in self.mine) for s in range(W)]
+
+
+class DTensorPlacement(Placement):
+    """DTensor parameters (stock FSDP2, HSDP): owner-routed matrices, shard-local tail."""
+
+    name = "dtensor"
+
+    @staticmethod
+    def accepts(param: torch.Tensor) -> bool:
+        return isinstance(param, DTensor)
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        super().__init__(config)
+        self._buckets: dict[tuple[Any, int, torch.dtype], _Bucket] = {}
+        self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
+        self.resyncs = 0  # how many times owner copies were (re)built from the shards
+
+    # -- construction ----------------------------------------------------------------------
+    def add(self, entries: list[RoutedParam]) -> None:
+        new: dict[tuple[Any, int, torch.dtype], list[RoutedParam]] = {}
+        for rp in entries:
+            self.entries.append(rp)
+            p = rp.param
+            mesh_dim = _shard0_dim(rp) if rp.role is Role.MATRIX else None
+            if mesh_dim is None:
+                # shard-local (elementwise tail optimizer) or a fully replicated matrix
+                rp.owner = None
+                local = _local(p)
+                rp.proxy = _alias(local) if local.numel() > 0 else None
+                if rp.proxy is not None and rp.role is Role.MATRIX and rp.proxy.dim() > 2:
+                    raise ValueError(
+                        f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
+                self._tails.append(rp)
+                continue
+            key = (p.device_mesh, mesh_dim, p.dtype)  # type: ignore[attr-defined]
+            new.setdefault(key, []).append(rp)
+        for key, rps in new.items():
+            mesh, mesh_dim, dtype = key
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                W = mesh.size(mesh_dim)
+                bucket = _Bucket(mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), W, dtype,
+                                 rps[0].param.device, loads=[0] * W)
+                self._buckets[key] = bucket
+            W, me = bucket.world_size, bucket.rank
+            owners = plan_owners(
+                rps, [tuple(rp.param.shape) for rp in rps], [dtype] * len(rps), W, bucket.loads,
+                preconditioner=self.config.matrix_factory, group=bucket.group,
+            )
+            for rp, owner in zip(rps, owners):
+                shape = tuple(rp.param.shape)
+                rows = chunk_rows(shape[0], W)
+                local = _local(rp.param)
+                if local.shape[0] != rows[me] or tuple(local.shape[1:]) != shape[1:]:
+                    raise ValueError(
+                        f"matrix {rp.label!r}: local shard has shape {tuple(local.shape)}, expected "
+                        f"{(rows[me], *shape[1:])} (torch.chunk rows of {shape} over {W} ranks)"
+                    )
+                row_numel = 1
+                for d in shape[1:]:
+                    row_numel *= int(d)
+                m = _Matrix(rp, rows, row_numel, owner)
+                rp.owner = owner
+                if owner == me:
+                    m.full = torch.zeros(shape, dtype=dtype, device=local.device)
+                    rp.proxy = m.full if len(shape) == 2 else m.full.view(shape[0], -1)
+                else:
+                    rp.proxy = None
+                bucket.mats.append(m)
+            bucket.rebuild()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        for rp in self._tails:
+            if rp.proxy is None:
+                continue
+            local = _local(rp.param)
+            if not _same_view(rp.proxy, local):  # FSDP2 re-pointed the shard (lazy init, _apply)
+                rp.proxy.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
+            g = _local_grad(rp)
+            rp.proxy.grad = None if g is None else g
+        for bucket in self._buckets.values():
+            if bucket.mats:
+                self._gather_grads(bucket)
+
+    def _gather_grads(self, b: _Bucket) -> None:
+        W = b.world_size
+        dirty = any(m.key != _key(m.rp.param) for m in b.mats)
+        parts: list[torch.Tensor] = []
+        for d in range(W):
+            ms = b.by_owner[d]
+            grads = [_local_grad(m.rp) for m in ms]
+            parts.append(torch.tensor([float(dirty)] + [float(g is not None) for g in grads],
+                                      dtype=b.dtype, device=b.device))
+            for m, g in zip(ms, grads):
+                if g is None:
+                    parts.append(torch.zeros(m.numel_of(b.rank), dtype=b.dtype, device=b.device))
+                else:
+                    parts.append(g.reshape(-1).to(b.dtype))
+        send = torch.cat(parts)
+        recv = torch.empty(sum(b.grad_recv), dtype=b.dtype, device=b.device)
+        comm.all_to_all_single(recv, send, b.grad_recv, b.grad_send, group=b.group,
+                               op="owner_grad_all_to_all")
+        chunks = recv.split(b.grad_recv)
+        hlen = 1 + len(b.mine)
+        headers = torch.stack([c[:hlen] for c in chunks]).tolist()
+        any_dirty = any(h[0] != 0 for h in headers)
+        blocks = [c[hlen:].split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(chunks)]
+        for i, m in enumerate(b.mine):
+            assert m.rp.proxy is not None
+            if any(h[1 + i] != 0 for h in headers):
+                full = torch.cat([blocks[s][i] for s in range(W)])
+                m.rp.proxy.grad = full.view(m.rp.proxy.shape)
+            else:
+                m.rp.proxy.grad = None
+        if any_dirty:
+            self._resync(b)
+
+    def _resync(self, b: _Bucket) -> None:
+        """Rebuild the owners' full copies from the shards (first step, or after outside edits)."""
+        W = b.world_size
+        send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=b.dtype, device=b.device)
+        recv = torch.empty(sum(b.param_recv), dtype=b.dtype, device=b.device)
+        comm.all_to_all_single(recv, send, b.param_recv, b.param_send, group=b.group,
+                               op="owner_param_resync_all_to_all")
+        blocks = [c.split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(recv.split(b.param_recv))]
+        for i, m in enumerate(b.mine):
+            assert m.full is not None
+            torch.cat([blocks[s][i] for s in range(W)], out=m.full.view(-1))
+        for m in b.mats:
+            m.key = _key(m.rp.param)
+        self.resyncs += 1
+
+    def after_step(self) -> None:
+        for bucket in self._buckets.values():
+            if bucket.mats:
+                self._scatter_updates(bucket)
+        self.zero_grad(True)
+
+    def _scatter_updates(self, b: _Bucket) -> None:
+        W, me = b.world_size, b.rank
+        parts = []
+        for s in range(W):
+            for m in b.mine:
+                assert m.full is not None
+                start = sum(m.rows[:s]) * m.row_numel
+                parts.append(m.full.view(-1)[start:start + m.numel_of(s)])
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=b.dtype, device=b.device)
+        recv = torch.empty(sum(b.param_send), dtype=b.dtype, device=b.device)
+        comm.all_to_all_single(recv, send, b.param_send, b.param_recv, group=b.group,
+                               op="owner_update_all_to_all")
+        dsts, srcs = [], []
+        for d, chunk in enumerate(recv.split(b.param_send)):
+            for m, piece in zip(b.by_owner[d], chunk.split([m.numel_of(me) for m in b.by_owner[d]])):
+                local = m.local
+                if local.numel():
+                    dsts.append(local)
+                    srcs.append(piece.view(local.shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for m in b.mats:
+            m.key = _key(m.rp.param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for rp in self.entries:
+            if rp.proxy is not None:
+                rp.proxy.grad = None
+
+    # -- introspection -------------------------------------------------------------------------
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends plus receives in a steady-state step (no resync)."""
+        total = 0
+        for b in self._buckets.values():
+            if not b.mats:
+                continue
+            me = b.rank
+            moved = (sum(b.grad_send) - b.grad_send[me] + sum(b.grad_recv) - b.grad_recv[me]
+                     + sum(b.param_send) - b.param_send[me] + sum(b.param_recv) - b.param_recv[me])
+            total += moved * itemsize(b.dtype)
+        return total
+
+    def owner_copy_bytes(self) -> int:
+        """Bytes of full matrix copies this rank keeps as owner."""
+        return sum(m.full.numel() * m.full.element_size()
+                   for b in self._buckets.values() for m in b.mine if m.full is not None)

@@ -1,0 +1,210 @@
+"""Replicated parameters (DDP, or plain tensors in a multi-rank job): owner or redundant updates.
+
+Every rank holds every parameter whole and, after DDP's all-reduce, the same gradient. Two
+ways to update them, chosen by ``OwnerRoutedOptimizer(replicated=...)``:
+
+* ``"owner"`` (default): the planner gives each matrix an owner (the same LPT planner as the
+  owner-shaped layout, priced by the matrix optimizer's cost model); only the owner runs the
+  preconditioner, then one ``all_to_all_single`` per dtype shares every owner's new values with
+  the other ranks. Per rank and step that sends ``(W-1)·P_own`` and receives ``P - P_own``
+  bytes (``P`` the matrix bytes, ``P_own`` this rank's share, about ``P/W``): the fewest bytes
+  that leave every rank with every matrix when each is computed once. Tail tensors (biases,
+  norms, embeddings) are updated redundantly on every rank: exact and free.
+* ``"redundant"``: every rank updates every parameter; zero bytes, ``W`` times the optimizer
+  FLOPs. The result is identical on every rank because the inputs are.
+
+Matrix optimizer state lives only on the owner under ``"owner"``: ``state_dict()`` holds this
+rank's share, like every other layout of :class:`OwnerRoutedOptimizer`.
+
+:func:`plan_owners` (shared with the DTensor placement) plans owners for a batch of matrices,
+checks that every rank of the group computed the same plan, and balances successive batches
+(param groups) against each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..planning import Role, TensorSpec, plan_tensors
+from ..planning.cost import itemsize
+from ..planning.metadata import ShardingPlan, get_shard_rank
+from .placements import Placement, RouterConfig, _is_dtensor, is_multi_rank, matrix_view
+from .routing import RoutedParam
+
+__all__ = ["ReplicatedPlacement", "plan_owners", "verify_plan"]
+
+
+def verify_plan(plan: ShardingPlan, group: Any = None, what: str = "owner plan") -> None:
+    """All ranks of ``group`` must hold the same plan; raise ``ValueError`` naming the difference.
+
+    One ``all_gather_object`` of the digest; a second one of the whole plans only on mismatch
+    (every rank sees the mismatch, so every rank takes part in it).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    digests = comm.all_gather_object(plan.digest(), group=group, name="plan_digest_all_gather")
+    if all(d == digests[0] for d in digests):
+        return
+    plans = comm.all_gather_object(plan, group=group, name="plan_all_gather")
+    me = dist.get_rank(group)
+    for r, other in enumerate(plans):
+        if r != me and digests[r] != digests[me]:
+            detail = plan.first_difference(other) or "digests differ"
+            raise ValueError(
+                f"ranks disagree on the {what}: rank {me} vs rank {r}: {detail}. Every rank must "
+                "build OwnerRoutedOptimizer over the same parameters (names, shapes, dtypes, "
+                "roles) in the same order"
+            )
+
+
+def plan_owners(
+    rps: Sequence[RoutedParam],
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype],
+    world_size: int,
+    loads: list[int],
+    *,
+    preconditioner: Any = None,
+    group: Any = None,
+) -> list[int]:
+    """Owners (ranks of ``group``) for matrices ``rps``; updates ``loads`` (bytes per rank).
+
+    ``planning.plan_tensors`` balances this batch; when earlier batches (other param groups)
+    already loaded the ranks, the batch's ranks are permuted so that its heaviest rank lands on
+    the currently lightest one. Deterministic, and checked for agreement across ``group``.
+    """
+    if not rps:
+        return []
+    specs = [
+        TensorSpec(fqn=rp.name if rp.name is not None else f"param{rp.index}", shape=tuple(shape),
+                   dtype=dtype, role=Role.MATRIX, unit=0, requires_grad=rp.param.requires_grad)
+        for rp, shape, dtype in zip(rps, shapes, dtypes)
+    ]
+    plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon")
+    verify_plan(plan, group)
+    batch = [0] * world_size
+    nbytes = []
+    for s in specs:
+        n = 1
+        for d in s.shape:
+            n *= int(d)
+        nbytes.append(n * itemsize(s.dtype))
+        batch[plan[s.fqn].owner] += nbytes[-1]  # type: ignore[index]
+    if any(loads):
+        new_order = sorted(range(world_size), key=lambda r: (-batch[r], r))
+        old_order = sorted(range(world_size), key=lambda r: (loads[r], r))
+        perm = {new_order[i]: old_order[i] for i in range(world_size)}
+    else:
+        perm = {r: r for r in range(world_size)}
+    owners = [perm[plan[s.fqn].owner] for s in specs]  # type: ignore[index]
+    for o, n in zip(owners, nbytes):
+        loads[o] += n
+    return owners
+
+
+class ReplicatedPlacement(Placement):
+    """Plain tensors replicated on every rank of a multi-rank job (DDP)."""
+
+    name = "replicated"
+
+    @staticmethod
+    def accepts(param: torch.Tensor) -> bool:
+        return not _is_dtensor(param) and get_shard_rank(param) is None and is_multi_rank()
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        super().__init__(config)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._loads = [0] * self.world_size
+        # matrices with an owner, in order; views (proxies) of >2D kernels need their grads
+        self._owned: list[RoutedParam] = []
+        self._views: list[RoutedParam] = []
+
+    def add(self, entries: list[RoutedParam]) -> None:
+        owner_mode = self.config.replicated == "owner"
+        matrices = [rp for rp in entries if rp.role is Role.MATRIX] if owner_mode else []
+        owners = plan_owners(
+            matrices, [tuple(rp.param.shape) for rp in matrices], [rp.param.dtype for rp in matrices],
+            self.world_size, self._loads, preconditioner=self.config.matrix_factory,
+        )
+        owner_of = {id(rp): o for rp, o in zip(matrices, owners)}
+        for rp in entries:
+            self.entries.append(rp)
+            if id(rp) in owner_of:
+                rp.owner = owner_of[id(rp)]
+                self._owned.append(rp)
+                local = rp.owner == self.rank
+            else:
+                rp.owner = None  # updated on every rank
+                local = True
+            if not local:
+                rp.proxy = None
+            elif rp.role is Role.MATRIX and rp.param.dim() > 2:
+                rp.proxy = matrix_view(rp.param)
+                self._views.append(rp)
+            else:
+                rp.proxy = rp.param
+
+    def before_step(self) -> None:
+        for rp in self._views:
+            if rp.proxy is not None:
+                grad = rp.param.grad
+                rp.proxy.grad = None if grad is None else grad.view(rp.proxy.shape)
+
+    def _layout(self) -> dict[torch.dtype, list[list[RoutedParam]]]:
+        """Per dtype: the owned matrices of each rank, in model order."""
+        out: dict[torch.dtype, list[list[RoutedParam]]] = {}
+        for rp in self._owned:
+            per_rank = out.setdefault(rp.param.dtype, [[] for _ in range(self.world_size)])
+            per_rank[rp.owner].append(rp)  # type: ignore[index]
+        return out
+
+    def after_step(self) -> None:
+        """One all-to-all per dtype: each owner sends its updated matrices to every other rank."""
+        W, me = self.world_size, self.rank
+        for dtype, per_rank in self._layout().items():
+            mine = per_rank[me]
+            own_numel = sum(rp.param.numel() for rp in mine)
+            numels = [sum(rp.param.numel() for rp in per_rank[r]) for r in range(W)]
+            in_splits = [0 if r == me else own_numel for r in range(W)]
+            out_splits = [0 if r == me else numels[r] for r in range(W)]
+            if sum(in_splits) == 0 and sum(out_splits) == 0:
+                continue
+            if mine:
+                flat = torch.cat([rp.param.detach().reshape(-1) for rp in mine])
+                send = flat.unsqueeze(0).expand(W - 1, own_numel).reshape(-1)
+            else:
+                send = torch.empty(0, dtype=dtype, device=self._device())
+            recv = torch.empty(sum(out_splits), dtype=dtype, device=send.device)
+            comm.all_to_all_single(recv, send, out_splits, in_splits, op="replicated_owner_all_to_all")
+            dsts, srcs = [], []
+            for r, chunk in enumerate(recv.split(out_splits)):
+                if r == me:
+                    continue
+                for rp, piece in zip(per_rank[r], chunk.split([p.param.numel() for p in per_rank[r]])):
+                    dsts.append(rp.param.detach())
+                    srcs.append(piece.view(rp.param.shape))
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        self.zero_grad(True)
+
+    def _device(self) -> torch.device:
+        return self._owned[0].param.device if self._owned else torch.device("cpu")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for rp in self._views:
+            if rp.proxy is not None:
+                rp.proxy.grad = None
+
+    def bytes_per_step(self) -> int:
+        """Bytes sent plus received by this rank in one step (0 under ``"redundant"``)."""
+        total = 0
+        for dtype, per_rank in self._layout().items():
+            size = itemsize(dtype)
+            numels = [sum(rp.param.numel() for rp in rs) for rs in per_rank]
+            total += size * ((self.world_size - 1) * numels[self.rank] + sum(numels) - numels[self.rank])
+        return total
