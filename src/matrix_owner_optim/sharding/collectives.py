@@ -1,0 +1,132 @@
+"""Owner-segment collectives: one all-gather-v and one reduce-scatter-v per unit, unpadded.
+
+A unit's flat buffer is the concatenation of every rank's *segment*: the tensors that rank
+owns in the unit (model order) followed by its row blocks of the unit's ``sharded`` tensors.
+Segments have different sizes, so the collectives are the uneven ("-v") kind:
+
+* NCCL (CUDA tensors on a group whose backend includes nccl): uneven-list
+  ``dist.all_gather`` / ``dist.reduce_scatter``, which NCCL runs without padding.
+* gloo and every other backend: ``all_to_all_single`` with uneven splits (gloo's uneven-list
+  ``all_gather`` raises, and its uneven-list ``reduce_scatter`` runs one all-reduce per chunk,
+  W times the bytes). All-gather-v sends this rank's segment to each other rank; reduce-scatter-v
+  sends each rank its segment of the local gradient and sums what arrives. A rank's own split
+  is zero in both, so nothing is copied to itself.
+
+Every call goes through the counted wrappers in :mod:`matrix_owner_optim.comm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..planning.metadata import MatrixShard, Role
+
+__all__ = ["SegmentEntry", "SegmentLayout", "all_gather_v", "reduce_scatter_v", "uses_nccl"]
+
+
+@dataclass(frozen=True)
+class SegmentEntry:
+    """One tensor (or row block) inside one rank's segment."""
+
+    index: int  # position of the parameter in its unit
+    offset: int  # element offset inside the rank's segment
+    length: int  # elements
+    rows: tuple[int, int] | None = None  # row range for ``sharded`` tensors; None: whole tensor
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where every rank's segment of a unit puts each tensor (the same on every rank)."""
+
+    world_size: int
+    entries: tuple[tuple[SegmentEntry, ...], ...]  # per rank
+    sizes: tuple[int, ...]  # elements per rank
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    @classmethod
+    def build(cls, shards: Sequence[MatrixShard], world_size: int,
+              include: Callable[[MatrixShard], bool] = lambda s: True) -> "SegmentLayout":
+        """Owned tensors first (model order), then row blocks of ``sharded`` tensors."""
+        entries: list[list[SegmentEntry]] = [[] for _ in range(world_size)]
+        cursor = [0] * world_size
+        for i, s in enumerate(shards):
+            if include(s) and s.role is not Role.SHARDED:
+                if s.owner is None or not 0 <= s.owner < world_size:
+                    raise ValueError(f"parameter {s.fqn!r} has owner {s.owner!r} outside world size {world_size}")
+                entries[s.owner].append(SegmentEntry(i, cursor[s.owner], s.numel))
+                cursor[s.owner] += s.numel
+        for i, s in enumerate(shards):
+            if include(s) and s.role is Role.SHARDED:
+                for r in range(world_size):
+                    start, stop = s.row_range(r)
+                    n = s.local_numel(r)
+                    entries[r].append(SegmentEntry(i, cursor[r], n, (start, stop)))
+                    cursor[r] += n
+        return cls(world_size, tuple(tuple(e) for e in entries), tuple(cursor))
+
+
+def uses_nccl(group: Any, device: torch.device) -> bool:
+    """True when the uneven-list NCCL collectives apply (CUDA tensors, NCCL backend)."""
+    if device.type != "cuda":
+        return False
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> list[torch.Tensor]:
+    """Gather every rank's segment; returns one 1D tensor per rank (``send`` itself for ``rank``)."""
+    W = len(sizes)
+    if send.numel() != sizes[rank]:
+        raise RuntimeError(f"segment of rank {rank} has {send.numel()} elements, layout says {sizes[rank]}")
+    if W == 1 or sum(sizes) == 0:
+        return [send if r == rank else send.new_empty(0) for r in range(W)]
+    if uses_nccl(group, send.device):
+        flat = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+        outs = list(flat.split(list(sizes)))
+        comm.all_gather_v(outs, send, group=group, name="all_gather_v")
+        outs[rank] = send
+        return outs
+    in_splits = [0 if r == rank else sizes[rank] for r in range(W)]
+    out_splits = [0 if r == rank else sizes[r] for r in range(W)]
+    inp = send.repeat(W - 1) if sizes[rank] else send
+    out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+    comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group, op="all_gather_v")
+    parts = list(out.split(out_splits))
+    parts[rank] = send
+    return parts
+
+
+def reduce_scatter_v(chunks: Sequence[torch.Tensor], rank: int, group: Any) -> torch.Tensor:
+    """Sum over ranks of ``chunks[rank]``: each rank contributes one chunk per destination.
+
+    Returns this rank's summed segment (not averaged), in the chunks' dtype.
+    """
+    W = len(chunks)
+    own = chunks[rank]
+    sizes = [c.numel() for c in chunks]
+    if W == 1 or sum(sizes) == 0:
+        return own.clone()
+    if uses_nccl(group, own.device):
+        out = torch.empty_like(own)
+        comm.reduce_scatter_v(out, list(chunks), op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v")
+        return out
+    in_splits = [0 if r == rank else sizes[r] for r in range(W)]
+    out_splits = [0 if r == rank else sizes[rank] for r in range(W)]
+    others = [c for r, c in enumerate(chunks) if r != rank]
+    inp = torch.cat(others) if others else own.new_empty(0)
+    out = own.new_empty(sum(out_splits))
+    comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group, op="reduce_scatter_v")
+    received = out.split(out_splits)
+    total = torch.zeros_like(own)
+    for r in range(W):  # rank order: the same summation order whoever owns the segment
+        total += own if r == rank else received[r]
+    return total

@@ -1,0 +1,137 @@
+"""Shared helpers for the multi-rank sharding tests: tiny GPT, data, reference optimizers.
+
+The reference is the same optimizer on the unsharded model over the global batch (the
+concatenation of every rank's micro-batch), so DDP-averaged gradients equal its gradients.
+Every rank runs the reference itself, which needs no communication.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
+MICRO = 2  # sequences per rank per step
+MUON_OPTS = {"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32}
+# eps 1e-5, not 1e-8: the attention key bias has a gradient that is zero up to round-off
+# (softmax ignores a per-row constant), and Adam with a tiny eps turns that noise into full
+# +-lr steps, which no summation order reproduces. Every other tensor agrees to ~3e-6 either way.
+ADAMW_OPTS = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5}
+# Shampoo's default eps (1e-12) inverts the near-null directions of rank-deficient G G^T
+# factors; 1e-4 keeps its inverse roots well conditioned so round-off does not grow.
+SHAMPOO_OPTS = {"lr": 1e-2, "eps": 1e-4}
+SOAP_OPTS = {"lr": 1e-2, "precondition_frequency": 2}
+
+
+def make_models(seed: int = 0, cfg: GPTConfig = CFG) -> tuple[GPT, GPT]:
+    """The model to shard and an identical unsharded reference."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    return model, copy.deepcopy(model)
+
+
+def global_batch(step: int, world_size: int, micro: int = MICRO, cfg: GPTConfig = CFG) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
+    return idx, tgt
+
+
+def local_batch(step: int, rank: int, world_size: int, micro: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, tgt = global_batch(step, world_size, micro)
+    return idx[rank * micro:(rank + 1) * micro], tgt[rank * micro:(rank + 1) * micro]
+
+
+def roles_by_fqn(sharded_model: torch.nn.Module) -> dict[str, Role]:
+    return {n: get_matrix_shard(p).role for n, p in sharded_model.named_parameters()}
+
+
+def _matrix_class(kind: str):
+    from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
+
+    return {"muon": (Muon, MUON_OPTS), "shampoo": (Shampoo, SHAMPOO_OPTS), "soap": (SOAP, SOAP_OPTS)}[kind]
+
+
+def reference_optimizers(ref: torch.nn.Module, roles: dict[str, Role], kind: str) -> list[torch.optim.Optimizer]:
+    """Per-tensor optimizers on the unsharded model: matrix optimizer on matrices, AdamW else."""
+    params = dict(ref.named_parameters())
+    if kind == "adamw":
+        return [torch.optim.AdamW(list(params.values()), **ADAMW_OPTS)]
+    cls, opts = _matrix_class(kind)
+    mats = [p for n, p in params.items() if roles[n] is Role.MATRIX]
+    rest = [p for n, p in params.items() if roles[n] is not Role.MATRIX]
+    return [cls(mats, **opts), torch.optim.AdamW(rest, **ADAMW_OPTS)]
+
+
+def owner_optimizers(model: torch.nn.Module, kind: str = "muon") -> list[torch.optim.Optimizer]:
+    """Plain torch optimizers over what this rank updates (owned tensors, local row blocks)."""
+    mats, rest = [], []
+    for p in model.parameters():
+        shard, rank = get_matrix_shard(p), get_shard_rank(p)
+        if shard.role is Role.SHARDED:
+            rest.append(p)
+        elif shard.is_owned_by(rank):
+            (mats if shard.role is Role.MATRIX and kind != "adamw" else rest).append(p)
+    opts = []
+    if mats:
+        cls, o = _matrix_class(kind)
+        opts.append(cls(mats, **o))
+    if rest:
+        opts.append(torch.optim.AdamW(rest, **ADAMW_OPTS))
+    return opts
+
+
+def routed_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    from matrix_owner_optim.optim import OwnerRoutedOptimizer
+
+    if kind == "adamw":
+        return OwnerRoutedOptimizer(model.parameters(), matrix="adamw", matrix_options=ADAMW_OPTS,
+                                    tail="adamw", tail_options=ADAMW_OPTS)
+    _, opts = _matrix_class(kind)
+    return OwnerRoutedOptimizer(model.parameters(), matrix=kind, matrix_options=opts,
+                                tail="adamw", tail_options=ADAMW_OPTS)
+
+
+def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Optimizer state bytes, the scalar ``step`` counters excluded."""
+    total = 0
+    seen: set[int] = set()
+    for opt in optimizers:
+        for state in opt.state.values():
+            for key, v in state.items():
+                if key == "step" or not isinstance(v, torch.Tensor) or id(v) in seen:
+                    continue
+                seen.add(id(v))
+                total += v.numel() * v.element_size()
+    return total
+
+
+def mean_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)  # test bookkeeping only: never inside a counted phase
+    return float(t.item()) / dist.get_world_size()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    err = rel_err(a, b)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
+
+
+def full_grad_rows(shard: Any, rank: int, grad: torch.Tensor) -> torch.Tensor:
+    """The part of a reference (full) gradient this rank holds on the owner layout."""
+    if shard.role is Role.SHARDED:
+        a, b = shard.row_range(rank)
+        return grad[a:b]
+    return grad

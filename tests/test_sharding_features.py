@@ -1,0 +1,248 @@
+"""fully_shard features beyond the plain trajectory (gloo, grouped into one job per world size).
+
+* mixed precision (bf16 params, fp32 reduce) tracks a bf16-forward reference, gathers half the bytes;
+* 4 micro-batches with ``set_requires_gradient_sync(False)`` on the first 3 equal one 4x batch,
+  without any reduce-scatter in the unsynced backwards; a synced backward without zero_grad
+  accumulates into the existing sharded gradients;
+* ``clip_grad_norm_`` returns the reference norm (2-norm and inf-norm) and clips identically;
+* plan disagreement between ranks and a plan for another world size fail clearly, no hang;
+* a 1D ``DeviceMesh``, a root-only call, and blocks without a root call (lazy sharding).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from _ref import (
+    assert_close,
+    full_grad_rows,
+    global_batch,
+    local_batch,
+    make_models,
+    owner_optimizers,
+    reference_optimizers,
+    roles_by_fqn,
+)
+from torch.distributed.device_mesh import init_device_mesh
+
+from matrix_owner_optim.comm import CommCounter
+from matrix_owner_optim.launch import spawn_ranks
+from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
+from matrix_owner_optim.sharding import MixedPrecisionPolicy, OwnerShardedModule, clip_grad_norm_, fully_shard
+
+
+def _shard_gpt(model, **kw):
+    for block in model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _compare_grads(model, ref, rank: int, rtol: float, what: str) -> int:
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        shard = get_matrix_shard(p)
+        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+            assert p.grad is None, f"{what}: non-owner gradient on {name}"
+            continue
+        assert p.grad is not None and p.grad.dtype == p.dtype, f"{what}: {name}"
+        assert_close(p.grad, full_grad_rows(shard, rank, ref_params[name].grad), rtol, f"{what} {name}")
+        checked += 1
+    return checked
+
+
+# -- mixed precision ---------------------------------------------------------------------------
+def _mixed_precision(rank: int, W: int) -> dict:
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, ref = make_models(seed=3)
+    _shard_gpt(model, mp_policy=mp)
+    opts = owner_optimizers(model, "muon")
+    ref_opts = reference_optimizers(ref, roles_by_fqn(model), "muon")
+    plan = model.sharding_plan
+    expected_recv = sum((s.numel - s.local_numel(rank)) * 2 for s in plan)  # bf16 on the wire
+    worst = 0.0
+    for step in range(5):
+        with CommCounter() as cc:
+            loss = model(*local_batch(step, rank, W))
+            assert loss.dtype == torch.bfloat16
+            loss.backward()
+        assert cc.bytes("forward", "received") == expected_recv
+        for p in model.parameters():  # sharded params and their grads stay fp32
+            assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+        for unit in model._moo_units():  # owner low-precision buffers are released after backward
+            for h in unit.handles:
+                assert h.unsharded.dtype == torch.bfloat16
+                assert h.aliases_resident or h.unsharded.untyped_storage().size() == 0
+        # reference: the forward runs on bf16 copies of the fp32 weights, per rank's micro-batch;
+        # bf16 gradients are cast to fp32, summed in rank order and averaged (reduce_dtype=fp32)
+        grads = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+        for r in range(W):
+            low = copy.deepcopy(ref).to(torch.bfloat16)
+            low(*local_batch(step, r, W)).backward()
+            for n, p in low.named_parameters():
+                grads[n] += p.grad.float()
+        for n, p in ref.named_parameters():
+            p.grad = grads[n] / W
+        _compare_grads(model, ref, rank, 2e-2, f"bf16 step {step}")
+        for o in opts + ref_opts:
+            o.step()
+            o.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():  # the fp32 master tensors this rank holds
+        if p.numel():
+            want = full_grad_rows(get_matrix_shard(p), rank, ref_params[name].detach())
+            worst = max(worst, float((p.detach() - want).norm() / want.norm()))
+    assert worst < 1e-3, worst
+    model.unshard()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16  # the unsharded compute tensors
+        assert_close(p.float(), ref_params[name], 1e-2, f"bf16 {name}")
+    model.reshard()
+    return {"mp_worst_rel": worst}
+
+
+# -- gradient accumulation and clipping --------------------------------------------------------
+def _accumulation_and_clip(rank: int, W: int) -> dict:
+    mesh = init_device_mesh("cpu", (W,))
+    model, ref = make_models(seed=5)
+    _shard_gpt(model, mesh=mesh)
+    n_units = len(model.layers) + 1
+    for k in range(4):
+        model.set_requires_gradient_sync(k == 3)  # on the root: propagates to every block unit
+        assert all(u.requires_gradient_sync == (k == 3) for u in model._moo_units())
+        with CommCounter() as cc:
+            (model(*local_batch(100 + k, rank, W)) / 4).backward()
+        reduces = cc.by_op("backward").get("reduce_scatter_v", 0)
+        assert reduces == (n_units if k == 3 else 0), (k, cc.by_op("backward"))
+        if k < 3:
+            assert all(p.grad is None for p in model.parameters())
+        (ref(*global_batch(100 + k, W)) / 4).backward()
+    checked = _compare_grads(model, ref, rank, 1e-5, "accumulated")
+    assert checked > 0
+
+    # a synced backward without zero_grad adds to the sharded gradients already there
+    model(*local_batch(200, rank, W)).backward()
+    ref(*global_batch(200, W)).backward()
+    _compare_grads(model, ref, rank, 1e-5, "accumulated into .grad")
+
+    # inf-norm (no clipping), then the 2-norm with clipping
+    inf_norm = clip_grad_norm_(model.parameters(), max_norm=1e9, norm_type=math.inf)
+    ref_inf = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1e9, norm_type=math.inf)
+    assert_close(inf_norm, ref_inf, 1e-6, "inf norm")
+    with CommCounter() as cc:
+        norm = clip_grad_norm_(model.parameters(), max_norm=0.05)
+    assert cc.calls() == 1 and cc.by_op() == {"clip_grad_norm": 1}  # one scalar all-reduce
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.05)
+    assert float(ref_norm) > 0.05  # the clip really scales
+    assert_close(norm, ref_norm, 1e-5, "total norm")
+    _compare_grads(model, ref, rank, 1e-5, "clipped")
+    return {"norm": float(norm), "ref_norm": float(ref_norm)}
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _plan_errors(rank: int, W: int) -> dict:
+    fresh, _ = make_models()
+    # a plan for another world size: clear error before anything moves
+    model, _ = make_models()
+    with pytest.raises(ValueError, match=rf"world size {W + 1}.*{W} ranks"):
+        fully_shard(model, plan=plan_model(fresh, W + 1))
+    # ranks holding different plans: every rank raises, naming the first differing parameter
+    roles = {"wte.weight": "tail"} if rank == 1 else None  # wte is the first parameter
+    plan = plan_model(fresh, W, roles=roles)
+    model, _ = make_models()
+    for block in model.layers:
+        fully_shard(block)
+    with pytest.raises(ValueError, match=r"disagree.*parameter 'wte\.weight' differs \(role: 'sharded' vs 'tail'") as info:
+        fully_shard(model, plan=plan)
+    # a plan that does not describe the model
+    other = plan_model(torch.nn.Linear(4, 4), W)
+    model, _ = make_models()
+    with pytest.raises(ValueError, match="does not cover parameter 'wte.weight'"):
+        fully_shard(model, plan=other)
+    # the same valid plan on every rank is accepted (units follow the fully_shard calls)
+    model, ref = make_models()
+    _shard_gpt(model, plan=plan_model(fresh, W))
+    assert {s.unit for s in model.sharding_plan} == {0}  # the given plan, kept as given...
+    units = {get_matrix_shard(p).unit for p in model.parameters()}
+    assert units == set(range(len(model.layers) + 1))  # ...attached with this model's units
+    model(*local_batch(0, rank, W)).backward()
+    ref(*global_batch(0, W)).backward()
+    _compare_grads(model, ref, rank, 1e-5, "given plan")
+    return {"mismatch_error": str(info.value)}
+
+
+def _layouts(rank: int, W: int) -> dict:
+    # root-only call: one unit, sharded at once (the model has no parent module)
+    model, ref = make_models(seed=7)
+    fully_shard(model, reshard_after_forward=False)
+    assert isinstance(model, OwnerShardedModule) and type(model).__name__ == "OwnerShardedGPT"
+    assert all(get_matrix_shard(p) is not None for p in model.parameters())
+    assert {get_matrix_shard(p).unit for p in model.parameters()} == {0}
+    with CommCounter() as cc:
+        model(*local_batch(0, rank, W)).backward()
+    assert cc.by_op("forward") == {"all_gather_v": 1}
+    assert cc.by_op("backward") == {"reduce_scatter_v": 1}
+    ref(*global_batch(0, W)).backward()
+    _compare_grads(model, ref, rank, 1e-5, "root only")
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    assert all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters()))
+    model.reshard()
+
+    # blocks without a root call: pending until the first forward, then sharded together
+    model, _ = make_models(seed=7)
+    for block in model.layers:
+        fully_shard(block)
+    assert all(get_matrix_shard(p) is None for p in model.parameters())
+    model(*local_batch(0, rank, W)).backward()
+    block_params = [p for b in model.layers for p in b.parameters()]
+    assert all(get_matrix_shard(p) is not None for p in block_params)
+    owners = {get_matrix_shard(p).owner for p in block_params if get_matrix_shard(p).role is Role.MATRIX}
+    assert len(owners) == min(W, 8)  # balanced across both blocks, not per block
+    assert get_matrix_shard(model.wte.weight) is None  # outside every unit: untouched
+    with pytest.raises(ValueError, match="already"):
+        fully_shard(model.layers[0])
+    return {}
+
+
+def _job(rank: int, W: int) -> dict:
+    out = {}
+    out.update(_plan_errors(rank, W))
+    out.update(_layouts(rank, W))
+    out.update(_accumulation_and_clip(rank, W))
+    out.update(_mixed_precision(rank, W))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharding_features(world_size: int) -> None:
+    results = spawn_ranks(_job, world_size, threads_per_rank=1)
+    for res in results:
+        assert "'wte.weight'" in res["mismatch_error"]
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        assert res["mp_worst_rel"] < 1e-3
+
+
+def test_clip_grad_norm_plain_tensors_matches_torch() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    for norm_type in (2.0, math.inf, 1.0):
+        ours = clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
+        theirs = torch.nn.utils.clip_grad_norm_(twins, max_norm=0.5, norm_type=norm_type)
+        assert torch.equal(ours, theirs)
+        for p, q in zip(params, twins):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_fully_shard_needs_a_process_group() -> None:
+    model, _ = make_models()
+    with pytest.raises(RuntimeError, match="process group"):
+        fully_shard(model)
