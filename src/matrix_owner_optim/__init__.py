@@ -5,15 +5,27 @@ shard elsewhere, so Muon, Shampoo or SOAP run locally and ``optimizer.step()`` m
 bytes. See DESIGN.md for the architecture and vocabulary.
 """
 
+from . import checkpoint
 from .comm import CommCounter
 from .optim import OwnerRoutedOptimizer, register_preconditioner
 from .planning import MatrixShard, Role, ShardingPlan, get_matrix_shard, plan_model
+from .sharding import MixedPrecisionPolicy, OwnerShardedModule, clip_grad_norm_, fully_shard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CommCounter",
+    "MatrixShard",
+    "MixedPrecisionPolicy",
     "OwnerRoutedOptimizer",
-    "register_preconditioner",
+    "OwnerShardedModule",
+    "Role",
+    "ShardingPlan",
+    "__version__",
+    "checkpoint",
+    "clip_grad_norm_",
+    "fully_shard",
     "get_matrix_shard",
-    "MatrixShard", "Role", "ShardingPlan", "plan_model", "__version__"]
+    "plan_model",
+    "register_preconditioner",
+]
