@@ -65,7 +65,9 @@ def op_bytes(op: BackendOp, world_size: int, itemsize: int = 4) -> int:
     if kind.startswith(("reduce_scatter", "_reduce_scatter")):
         return (W - 1) * n // W  # the input is the full buffer
     if kind.startswith(("all_to_all", "alltoall")):
-        return (W - 1) * n // W  # even-split estimate; our wrappers count uneven splits exactly
+        # The profiler records the whole input but not the splits: exact when the split to
+        # oneself is empty (this package's ops), an upper bound by n/W for even splits.
+        return n
     if kind.startswith("broadcast"):
         return n  # upper bound: the root sends n to each peer in a tree, others relay
     return n
