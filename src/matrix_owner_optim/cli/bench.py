@@ -166,8 +166,10 @@ def _plots(results: dict[str, Any], out: Path) -> list[Path]:
                 vals.append(v * scale)
             ax.bar([j + i * width for j in range(len(rows))], vals, width=width, label=f"W={W}")
         ax.set_xticks([j + width * (len(sizes) - 1) / 2 for j in range(len(rows))])
-        ax.set_xticklabels(rows)
+        ax.set_xticklabels(rows, rotation=30, ha="right")
         ax.set_ylabel(ylabel)
+        if key != "bytes_opt":
+            ax.set_yscale("log")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
