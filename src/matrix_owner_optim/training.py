@@ -140,21 +140,24 @@ def _local_nbytes(t: torch.Tensor | None) -> int:
 
 
 def resident_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
-    """Bytes this rank keeps between steps: parameters, gradients, optimizer state."""
+    """Bytes this rank keeps between steps: parameters, gradients, optimizer state, and the
+    working copies an optimizer keeps (``extra``: owners' full matrices on stock FSDP2,
+    replicas of the reconstruction baselines). Scalar state (step counters) is not counted,
+    as the planner does not count it."""
     params = {id(p): p for p in model.parameters()}.values()
     out = {"params": sum(_local_nbytes(p) for p in params),
-           "grads": sum(_local_nbytes(p.grad) for p in params), "optimizer_state": 0}
+           "grads": sum(_local_nbytes(p.grad) for p in params), "optimizer_state": 0, "extra": 0}
     seen: set[int] = set()
     for opt in optimizers:
         for state in opt.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor) and id(v) not in seen:
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and id(v) not in seen:
                     seen.add(id(v))
                     out["optimizer_state"] += _local_nbytes(v)
         extra = getattr(opt, "extra_resident_bytes", None)
         if callable(extra):
-            out["optimizer_state"] += int(extra())
-    out["total"] = out["params"] + out["grads"] + out["optimizer_state"]
+            out["extra"] += int(extra())
+    out["total"] = out["params"] + out["grads"] + out["optimizer_state"] + out["extra"]
     return out
 
 

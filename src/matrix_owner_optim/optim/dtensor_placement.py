@@ -352,6 +352,10 @@ class DTensorPlacement(Placement):
             total += moved * itemsize(b.dtype)
         return total
 
+    def extra_resident_bytes(self) -> int:
+        """The owner's full working copies of its matrices."""
+        return self.owner_copy_bytes()
+
     def owner_copy_bytes(self) -> int:
         """Bytes of full matrix copies this rank keeps as owner."""
         return sum(m.full.numel() * m.full.element_size()

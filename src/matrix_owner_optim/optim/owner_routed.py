@@ -219,6 +219,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         """The optimizer updating this rank's tail and ``sharded`` rows (None if none)."""
         return self._children[Role.TAIL]
 
+    def extra_resident_bytes(self) -> int:
+        """Bytes the layouts keep beyond params, grads and state (e.g. owners' full copies)."""
+        return sum(p.extra_resident_bytes() for p in self._placements.values())
+
     def routes(self) -> list[dict[str, Any]]:
         """Per parameter: name, role, owner, whether this rank updates it, and the layout."""
         layout_of = {id(rp): cls.name for cls, pl in self._placements.items() for rp in pl.entries}

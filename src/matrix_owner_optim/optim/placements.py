@@ -80,6 +80,10 @@ class Placement(ABC):
         """Bytes this rank sends and receives in one step (0 when the step is local)."""
         return 0
 
+    def extra_resident_bytes(self) -> int:
+        """Working memory the layout keeps beyond parameters, gradients and optimizer state."""
+        return 0
+
 
 class LocalPlacement(Placement):
     """Parameters this process can update without talking to anyone.
