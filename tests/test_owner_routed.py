@@ -178,7 +178,7 @@ def test_builtin_preconditioners_by_name(name: str, cls: type, opts: dict) -> No
 
 
 def test_torch_optimizer_shampoo_by_name() -> None:
-    torch_optimizer = pytest.importorskip("torch_optimizer")
+    import torch_optimizer  # in the test extra: a missing install must fail, not skip
     model, ref = twin_models()
     opt = OwnerRoutedOptimizer(model, matrix="torch_optimizer_shampoo", matrix_options={"lr": 0.01})
     assert isinstance(opt.matrix_optimizer, torch_optimizer.Shampoo)
