@@ -169,8 +169,13 @@ def all_to_all_single(
     input_split_sizes: Sequence[int] | None = None,
     group: Any = None,
     op: str = "all_to_all_single",
-) -> None:
-    """``dist.all_to_all_single`` with uneven splits, counted (own chunk excluded)."""
+    async_op: bool = False,
+) -> Any:
+    """``dist.all_to_all_single`` with uneven splits, counted (own chunk excluded).
+
+    With ``async_op=True`` the collective is counted when issued (in the phase current then)
+    and its ``Work`` handle is returned; the caller waits on it before reading ``output``.
+    """
     W, rank = _world(group)
     row = (input[0].numel() if input.dim() > 1 and input.shape[0] else 1) * input.element_size()
     if input_split_sizes is None:
@@ -184,11 +189,11 @@ def all_to_all_single(
     sent = sum(n for r, n in enumerate(ins) if r != rank) * row
     recv = sum(n for r, n in enumerate(outs) if r != rank) * row
     record(op, sent, recv)
-    dist.all_to_all_single(
+    return dist.all_to_all_single(
         output, input,
         output_split_sizes=list(outs) if output_split_sizes is not None else None,
         input_split_sizes=list(ins) if input_split_sizes is not None else None,
-        group=group,
+        group=group, async_op=async_op,
     )
 
 
@@ -245,7 +250,7 @@ def batch_isend_irecv(ops: list[dist.P2POp], name: str = "batch_isend_irecv") ->
 
 
 def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,
-                 name: str = "all_gather_v") -> None:
+                 name: str = "all_gather_v", async_op: bool = False) -> Any:
     """Uneven all-gather (``dist.all_gather`` with differently sized outputs; NCCL supports it).
 
     Counted as the owner-segment all-gather it is: this rank sends its ``input`` to the
@@ -255,7 +260,7 @@ def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: An
     sent = _nbytes(input) * (W - 1)
     recv = sum(_nbytes(t) for r, t in enumerate(output_list) if r != rank)
     record(name, sent, recv)
-    dist.all_gather(output_list, input, group=group)
+    return dist.all_gather(output_list, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_v(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,

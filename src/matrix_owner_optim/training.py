@@ -11,6 +11,7 @@ collectives; ``torch.profiler`` for stock FSDP2's, on the profiled step).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,7 @@ class TrainConfig:
     profile_step: int | None = 1  # profile this step with torch.profiler (backend op bytes)
     progress: bool = False
     corpus_lines: int = 20000
+    device: str = "cpu"  # "cuda" under torchrun on GPUs: each rank uses cuda:<LOCAL_RANK>
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=len(VOCAB), seq_len=self.seq_len, n_layers=self.n_layers,
@@ -85,7 +87,7 @@ def _schedule(cfg: TrainConfig):
     return factor
 
 
-def _shard(model: GPT, cfg: TrainConfig, world_size: int) -> nn.Module:
+def _shard(model: GPT, cfg: TrainConfig, world_size: int, device: torch.device) -> nn.Module:
     if cfg.layout == "single" or world_size == 1 and cfg.layout != "owner":
         return model
     if cfg.layout == "owner":
@@ -97,12 +99,12 @@ def _shard(model: GPT, cfg: TrainConfig, world_size: int) -> nn.Module:
     if cfg.layout == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as stock_fully_shard
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device.type, (world_size,))
         for block in model.layers:
             stock_fully_shard(block, mesh=mesh)
         stock_fully_shard(model, mesh=mesh)
         return model
-    return nn.parallel.DistributedDataParallel(model)
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
@@ -161,11 +163,30 @@ def resident_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) ->
     return out
 
 
+def _rank_device(kind: str) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+        index = int(os.environ.get("LOCAL_RANK", "0"))  # set by torchrun for each process
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    raise ValueError(f"device {kind!r}: use 'cpu' or 'cuda'")
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so wall-clock timings measure it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank; returns per-step records (identical keys on every rank)."""
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    model = _shard(GPT(cfg.model_config()), cfg, world_size)
+    device = _rank_device(cfg.device)
+    model = _shard(GPT(cfg.model_config(), device=device), cfg, world_size, device)
     optimizers = _optimizers(model, cfg)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, _schedule(cfg)) for o in optimizers]
     sampler = BatchSampler(arithmetic_corpus(cfg.corpus_lines, seed=cfg.seed), cfg.seq_len,
@@ -179,21 +200,25 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     profiled: dict[str, int] | None = None
     for step in range(cfg.steps):
         x, y = sampler.rank_batch(step, rank, world_size)
+        x, y = x.to(device), y.to(device)
         prof = None
         if cfg.profile_step == step:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             prof.__enter__()
+        _synchronize(device)
         t0 = time.perf_counter()
         with CommCounter() as cc:
             with _phase_marker("forward"), comm_phase("forward"):
                 loss = model(x, y)
             with _phase_marker("backward"), comm_phase("backward"):
                 loss.backward()
+            _synchronize(device)
             t1 = time.perf_counter()
             with _phase_marker("optimizer"):
                 for opt in optimizers:
                     opt.step()
+            _synchronize(device)
             t2 = time.perf_counter()
         if step == cfg.steps - 1:
             resident = resident_bytes(model, optimizers)

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
         import torch.distributed as dist
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cfg.device = "cuda" if backend == "nccl" else "cpu"
         dist.init_process_group(backend)
         try:
             result = train_rank(dist.get_rank(), dist.get_world_size(), cfg)

@@ -44,6 +44,7 @@ GROUP_ATTR = "_moo_process_group"
 class _Pending:
     module_ref: "weakref.ref[nn.Module]"  # a model the user dropped must not stay pending
     group: Any
+    replicate_group: Any
     reshard_after_forward: bool
     mp_policy: Any
     plan: ShardingPlan | None
@@ -94,6 +95,31 @@ class OwnerShardedModule(nn.Module):
         for unit in units:
             unit.reshard_after_forward = bool(reshard_after_forward)
 
+    def set_modules_to_forward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
+        """After this module's all-gather in forward, issue those of ``modules`` (async), as
+        FSDP2's method of the same name; replaces the automatic next-unit prefetch here."""
+        getattr(self, _UNIT_ATTR).forward_prefetch = self._units_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
+        """After this module's re-gather in backward, issue those of ``modules`` (async)."""
+        getattr(self, _UNIT_ATTR).backward_prefetch = self._units_of(modules)
+
+    def set_auto_prefetch(self, enabled: bool) -> None:
+        """Turn the automatic next-unit prefetch (on by default) on or off for the whole model."""
+        _ensure_sharded(self)
+        getattr(self, _UNIT_ATTR).ctx.auto_prefetch = bool(enabled)
+
+    def _units_of(self, modules: "list[OwnerShardedModule]") -> list[ShardedUnit]:
+        _ensure_sharded(self)
+        ctx = getattr(self, _UNIT_ATTR).ctx
+        units = []
+        for m in modules:
+            unit = getattr(m, _UNIT_ATTR, None)
+            if unit is None or unit.ctx is not ctx:
+                raise ValueError(f"{type(m).__name__} is not a fully_shard unit of this model")
+            units.append(unit)
+        return units
+
     @property
     def sharding_plan(self) -> ShardingPlan:
         _ensure_sharded(self)
@@ -119,22 +145,22 @@ def _swap_class(module: nn.Module) -> None:
     module.__class__ = new_cls
 
 
-def _resolve_group(mesh: Any) -> Any:
+def _resolve_group(mesh: Any) -> tuple[Any, Any]:
+    """(shard group, replicate group or None) of ``mesh``; a 2D mesh is (replicate, shard)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group (torch.distributed.init_process_group)")
     if mesh is None:
-        return dist.group.WORLD
+        return dist.group.WORLD, None
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh
+        return mesh, None
     ndim = getattr(mesh, "ndim", None)
     if ndim is None or not hasattr(mesh, "get_group"):
-        raise TypeError(f"mesh must be a 1D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
-    if ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard got a {ndim}D DeviceMesh; owner-shaped sharding takes a 1D mesh "
-            "(HSDP on a 2D mesh is not implemented yet)"
-        )
-    return mesh.get_group()
+        raise TypeError(f"mesh must be a 1D or 2D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+    if ndim == 1:
+        return mesh.get_group(), None
+    if ndim == 2:  # HSDP: owner-shaped inside dim 1, replicated (all-reduced) across dim 0
+        return mesh.get_group(1), mesh.get_group(0)
+    raise NotImplementedError(f"fully_shard got a {ndim}D DeviceMesh; use a 1D mesh or a 2D (replicate, shard) mesh")
 
 
 def _has_parent_module(module: nn.Module) -> bool:
@@ -161,7 +187,9 @@ def fully_shard(
 
     Args:
         module: a block (call these first) or the root model (call last).
-        mesh: ``None`` (default process group), a 1D ``DeviceMesh`` or a ``ProcessGroup``.
+        mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
+            2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
+            shard dim, gradients all-reduced across the replicate dim and averaged over both.
         reshard_after_forward: free non-owned tensors after forward and gather them again
             before backward (the root unit keeps its tensors, as in FSDP2).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` (compute
@@ -177,7 +205,7 @@ def fully_shard(
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if getattr(module, _UNIT_ATTR, None) is not None or getattr(module, _PENDING_ATTR, False):
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
-    group = _resolve_group(mesh)
+    group, replicate_group = _resolve_group(mesh)
     if plan is not None:
         _check_plan_world_size(plan, dist.get_world_size(group))
     for sub in module.modules():
@@ -188,7 +216,7 @@ def fully_shard(
                 "on the root"
             )
     _swap_class(module)
-    entry = _Pending(weakref.ref(module), group, reshard_after_forward, mp_policy, plan)
+    entry = _Pending(weakref.ref(module), group, replicate_group, reshard_after_forward, mp_policy, plan)
     setattr(module, _PENDING_ATTR, True)
     module.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, with_kwargs=True)
@@ -310,8 +338,9 @@ def _normalize(plan: ShardingPlan, specs: list) -> dict[str, MatrixShard]:
 def _shard(root: nn.Module, entries: list[_Pending], *, is_container: bool) -> None:
     """Plan ``root`` with ``entries`` as units (call order) and shard every unit."""
     group = entries[-1].group
+    replicate_group = entries[-1].replicate_group
     for p in entries:
-        if p.group is not group:
+        if p.group is not group or p.replicate_group is not replicate_group:
             raise ValueError("fully_shard: every unit of one model must use the same mesh / process group")
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     names = {id(m): n for n, m in root.named_modules()}
@@ -330,7 +359,7 @@ def _shard(root: nn.Module, entries: list[_Pending], *, is_container: bool) -> N
     locations = _locations(root)
     by_fqn = dict(root.named_parameters())
 
-    ctx = ShardingContext(group, rank, W, plan)
+    ctx = ShardingContext(group, rank, W, plan, replicate_group=replicate_group)
     root_unit = len(prefixes) - 1 if not is_container else -1
     handles_of: list[list[ParamHandle]] = [[] for _ in entries]
     for s in specs:

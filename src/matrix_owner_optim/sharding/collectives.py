@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import comm
 from ..planning.metadata import MatrixShard, Role
 
-__all__ = ["SegmentEntry", "SegmentLayout", "all_gather_v", "reduce_scatter_v", "uses_nccl"]
+__all__ = ["SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "reduce_scatter_v", "uses_nccl"]
 
 
 @dataclass(frozen=True)
@@ -80,28 +80,50 @@ def uses_nccl(group: Any, device: torch.device) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> list[torch.Tensor]:
-    """Gather every rank's segment; returns one 1D tensor per rank (``send`` itself for ``rank``)."""
+class PendingGather:
+    """An issued all-gather-v: :meth:`wait` returns one 1D tensor per rank."""
+
+    def __init__(self, work: Any, parts: list[torch.Tensor], keep: tuple = ()) -> None:
+        self._work = work
+        self._parts = parts
+        self._keep = keep  # send buffers must outlive the collective
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._keep = ()
+        return self._parts
+
+
+def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
+                 async_op: bool = False) -> "list[torch.Tensor] | PendingGather":
+    """Gather every rank's segment; returns one 1D tensor per rank (``send`` itself for ``rank``).
+
+    ``async_op=True`` issues the collective and returns a :class:`PendingGather` (prefetch).
+    """
     W = len(sizes)
     if send.numel() != sizes[rank]:
         raise RuntimeError(f"segment of rank {rank} has {send.numel()} elements, layout says {sizes[rank]}")
     if W == 1 or sum(sizes) == 0:
-        return [send if r == rank else send.new_empty(0) for r in range(W)]
+        parts = [send if r == rank else send.new_empty(0) for r in range(W)]
+        return PendingGather(None, parts) if async_op else parts
     if uses_nccl(group, send.device):
         flat = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
         outs = list(flat.split(list(sizes)))
-        comm.all_gather_v(outs, send, group=group, name="all_gather_v")
-        outs[rank] = send
-        return outs
+        work = comm.all_gather_v(outs, send, group=group, name="all_gather_v", async_op=async_op)
+        parts = list(outs)
+        parts[rank] = send
+        return PendingGather(work, parts, (send, outs)) if async_op else parts
     in_splits = [0 if r == rank else sizes[rank] for r in range(W)]
     out_splits = [0 if r == rank else sizes[r] for r in range(W)]
     inp = send.repeat(W - 1) if sizes[rank] else send
     out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
-    comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group, op="all_gather_v")
+    work = comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, op="all_gather_v", async_op=async_op)
     parts = list(out.split(out_splits))
     parts[rank] = send
-    return parts
+    return PendingGather(work, parts, (inp, out)) if async_op else parts
 
 
 def reduce_scatter_v(chunks: Sequence[torch.Tensor], rank: int, group: Any) -> torch.Tensor:

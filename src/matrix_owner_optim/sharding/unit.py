@@ -13,6 +13,27 @@ Lifecycle of a unit (one ``fully_shard`` call) per step::
       |   reduce-scatter-v; the averaged gradient lands as ``.grad`` of the sharded parameter
     SHARDED
 
+Parity features:
+
+* **Frozen parameters** (``requires_grad=False``, set before or after ``fully_shard``; the
+  flag is re-read at every pre-forward, identically on every rank) are gathered for compute
+  but never reduced and never get a gradient. **Unused parameters** (no gradient in a step)
+  are left out of that step's reduce-scatter and keep ``grad`` None, as in the unsharded
+  model; as in FSDP2, which parameters go unused must be the same on every rank.
+* **Activation checkpointing**: the pre-backward hook revives *and swaps in* the unsharded
+  tensors, so a recomputation (``torch.utils.checkpoint`` inside a block's forward, or
+  ``checkpoint_wrapper``) reads the gathered parameters; they are swapped out after the
+  unit's reduction.
+* **Prefetch**: after a unit's own all-gather, the next unit's all-gather-v is issued
+  asynchronously (``async_op=True``) and waited at that unit's pre-forward (pre-backward in
+  backward). Automatic: the next unit in the order the previous step ran (forward and
+  backward orders are recorded, so the first step does not prefetch); explicit lists from
+  ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace it for a
+  unit; ``set_auto_prefetch(False)`` turns the automatic one off. Still one all-gather-v per
+  unit per pass, the same bytes.
+* **HSDP**: with a replicate group, the owner's reduced segment is all-reduced across
+  replicas and averaged over the whole data-parallel world (shard size x replicate size).
+
 Two tensor objects per parameter, as FSDP2: ``sharded`` (an ``nn.Parameter`` registered on the
 module, what ``model.parameters()`` and the optimizer see) and ``unsharded`` (a leaf
 ``nn.Parameter`` swapped in for compute). On the owner at full precision the unsharded tensor
@@ -31,7 +52,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..comm import comm_phase
 from ..planning.metadata import MatrixShard, ShardingPlan
-from .collectives import SegmentLayout, all_gather_v, reduce_scatter_v
+from .. import comm
+from .collectives import PendingGather, SegmentLayout, all_gather_v, reduce_scatter_v
 
 __all__ = ["ParamHandle", "ShardedUnit", "ShardingContext", "in_backward"]
 
@@ -66,10 +88,24 @@ class ParamHandle:
                 torch.empty(self.shard.shape, dtype=self.compute_dtype, device=self.sharded.device),
                 requires_grad=requires_grad,
             )
-        if requires_grad:
-            t.register_post_accumulate_grad_hook(on_accumulate)
         self.unsharded = t
+        self._on_accumulate = on_accumulate
+        self._hooked = False
         self._nbytes = t.numel() * t.element_size()
+        self.sync_requires_grad()
+
+    def sync_requires_grad(self) -> bool:
+        """Follow ``sharded.requires_grad`` (frozen / unfrozen by the user); True if it changed."""
+        want = self.sharded.requires_grad
+        changed = self.unsharded.requires_grad != want
+        if changed:
+            self.unsharded.requires_grad_(want)
+            if not want:
+                self.unsharded.grad = None
+        if want and not self._hooked:
+            self.unsharded.register_post_accumulate_grad_hook(self._on_accumulate)
+            self._hooked = True
+        return changed
 
     def alloc(self) -> None:
         """Revive the unsharded storage in place (same storage object autograd saved)."""
@@ -99,13 +135,49 @@ class ParamHandle:
 class ShardingContext:
     """What the units of one sharded model share: group, rank, plan, end-of-backward callback."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, plan: ShardingPlan) -> None:
-        self.group = group
+    def __init__(self, group: Any, rank: int, world_size: int, plan: ShardingPlan,
+                 replicate_group: Any = None) -> None:
+        self.group = group  # the shard group: owners, all-gather-v and reduce-scatter-v
         self.rank = rank
         self.world_size = world_size
         self.plan = plan
+        # HSDP: the replicas of this shard group; gradients are averaged over shard x replicate
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else dist_world_size(replicate_group)
+        self.dp_size = world_size * self.replicate_size
         self.units: list[ShardedUnit] = []
         self._queued_for: int | None = None
+        # prefetch: orders recorded from the previous step (the same on every rank)
+        self.auto_prefetch = True
+        self.forward_order: list[ShardedUnit] = []
+        self.backward_order: list[ShardedUnit] = []
+        self._fwd_seq: list[ShardedUnit] = []
+        self._bwd_seq: list[ShardedUnit] = []
+        # (phase, issuing unit index, prefetched unit index) per issued prefetch; tests read it
+        self.prefetch_log: list[tuple[str, int, int]] = []
+
+    def note_forward(self, unit: "ShardedUnit") -> None:
+        if any(u is unit for u in self._fwd_seq):  # a new forward began without a backward
+            self.forward_order = self._fwd_seq
+            self._fwd_seq = []
+        self._fwd_seq.append(unit)
+
+    def note_backward(self, unit: "ShardedUnit") -> None:
+        if not any(u is unit for u in self._bwd_seq):
+            self._bwd_seq.append(unit)
+
+    @staticmethod
+    def _next(order: list["ShardedUnit"], unit: "ShardedUnit") -> "list[ShardedUnit]":
+        for i, u in enumerate(order):
+            if u is unit:
+                return order[i + 1:i + 2]
+        return []
+
+    def next_forward(self, unit: "ShardedUnit") -> "list[ShardedUnit]":
+        return self._next(self.forward_order, unit) if self.auto_prefetch else []
+
+    def next_backward(self, unit: "ShardedUnit") -> "list[ShardedUnit]":
+        return self._next(self.backward_order, unit) if self.auto_prefetch else []
 
     def queue_final_callback(self) -> None:
         """Run :meth:`_final_callback` once at the end of the current backward pass."""
@@ -120,6 +192,16 @@ class ShardingContext:
         with comm_phase("backward"):
             for unit in self.units:  # same order on every rank
                 unit.finish_backward()
+        if self._fwd_seq:
+            self.forward_order, self._fwd_seq = self._fwd_seq, []
+        if self._bwd_seq:
+            self.backward_order, self._bwd_seq = self._bwd_seq, []
+
+
+def dist_world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 class ShardedUnit:
@@ -135,10 +217,9 @@ class ShardedUnit:
         self.mp_policy = mp_policy
         self.is_root = is_root
         W = ctx.world_size
-        shards = [h.shard for h in handles]
-        self.gather_layout = SegmentLayout.build(shards, W)
-        self.reduce_layout = SegmentLayout.build(shards, W, include=lambda s: s.requires_grad)
-        self._grad_indices = frozenset(i for i, h in enumerate(handles) if h.sharded.requires_grad)
+        self._shards = [h.shard for h in handles]
+        self.gather_layout = SegmentLayout.build(self._shards, W)
+        self._reduce_layouts: dict[frozenset[int], SegmentLayout] = {}
         dtypes = {h.compute_dtype for h in handles}
         if len(dtypes) > 1:
             names = ", ".join(f"{h.shard.fqn}: {h.compute_dtype}" for h in handles)
@@ -154,16 +235,37 @@ class ShardedUnit:
         self.data_valid = False  # flips identically on every rank: decides whether to gather
         self.swapped_in = False
         self.user_unsharded = False
+        self._pending: PendingGather | None = None  # an issued (prefetched) all-gather-v
+        self.forward_prefetch: list[ShardedUnit] | None = None  # explicit; None: automatic
+        self.backward_prefetch: list[ShardedUnit] | None = None
         self._accumulated: set[int] = set()
         self._reduced = False
         for i, h in enumerate(handles):
             h.create_unsharded(self._make_accumulate_hook(i))
             h.free()
+        self._grad_indices = self._trainable()
+
+    def _trainable(self) -> frozenset[int]:
+        return frozenset(i for i, h in enumerate(self.handles) if h.sharded.requires_grad)
+
+    def sync_requires_grad(self) -> None:
+        """Pick up parameters frozen or unfrozen since the last forward (same on every rank)."""
+        for h in self.handles:
+            h.sync_requires_grad()
+        self._grad_indices = self._trainable()
+
+    def reduce_layout(self, indices: frozenset[int]) -> SegmentLayout:
+        layout = self._reduce_layouts.get(indices)
+        if layout is None:
+            keep = {id(self._shards[i]) for i in indices}
+            layout = SegmentLayout.build(self._shards, self.ctx.world_size, include=lambda s: id(s) in keep)
+            self._reduce_layouts[indices] = layout
+        return layout
 
     # -- data movement ------------------------------------------------------------------------
-    def unshard_data(self) -> None:
-        """All-gather-v every rank's segment into the unsharded tensors (no-op if valid)."""
-        if self.data_valid:
+    def issue_gather(self) -> None:
+        """Issue the all-gather-v asynchronously (prefetch); :meth:`unshard_data` waits on it."""
+        if self.data_valid or self._pending is not None:
             return
         ctx, layout = self.ctx, self.gather_layout
         me = ctx.rank
@@ -173,7 +275,22 @@ class ShardedUnit:
                 send[e.offset:e.offset + e.length].copy_(self.handles[e.index].sharded.reshape(-1))
             for h in self.handles:
                 h.alloc()
-            parts = all_gather_v(send, layout.sizes, me, ctx.group)
+            self._pending = all_gather_v(send, layout.sizes, me, ctx.group, async_op=True)
+
+    def unshard_data(self) -> bool:
+        """All-gather-v every rank's segment into the unsharded tensors (no-op if valid).
+
+        Returns True when the data came from a prefetch issued earlier."""
+        if self.data_valid:
+            return False
+        prefetched = self._pending is not None
+        if not prefetched:
+            self.issue_gather()
+        pending, self._pending = self._pending, None
+        ctx, layout = self.ctx, self.gather_layout
+        me = ctx.rank
+        with torch.no_grad():
+            parts = pending.wait()
             for r in range(ctx.world_size):
                 for e in layout.entries[r]:
                     h = self.handles[e.index]
@@ -181,11 +298,22 @@ class ShardedUnit:
                         continue
                     h.write(parts[r][e.offset:e.offset + e.length], e.rows)
         self.data_valid = True
+        return prefetched
 
     def free_data(self) -> None:
+        if self._pending is not None:  # a prefetch nobody used: complete it, then drop it
+            self._pending.wait()
+            self._pending = None
         for h in self.handles:
             h.free()
         self.data_valid = False
+
+    def _prefetch(self, phase: str, targets: "list[ShardedUnit]") -> None:
+        for t in targets:
+            if t is self or t.data_valid or t._pending is not None:
+                continue
+            t.issue_gather()
+            self.ctx.prefetch_log.append((phase, self.index, t.index))
 
     def swap_in(self) -> None:
         if not self.swapped_in:
@@ -200,23 +328,30 @@ class ShardedUnit:
             self.swapped_in = False
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter-v the unsharded gradients; the DDP average lands on the owners."""
-        ctx, layout = self.ctx, self.reduce_layout
+        """Reduce-scatter-v the unsharded gradients; the DDP average lands on the owners.
+
+        Only parameters with a gradient take part (frozen and unused ones keep ``grad`` None);
+        with HSDP the owner's segment is then all-reduced across the replicas."""
+        ctx = self.ctx
         W, me = ctx.world_size, ctx.rank
+        with_grad = frozenset(i for i in self._grad_indices if self.handles[i].unsharded.grad is not None)
+        if not with_grad:
+            return
+        layout = self.reduce_layout(with_grad)
         with torch.no_grad():
             chunks = []
             for r in range(W):
                 buf = torch.zeros(layout.sizes[r], dtype=self.reduce_dtype, device=self.device)
                 for e in layout.entries[r]:
                     g = self.handles[e.index].unsharded.grad
-                    if g is None:
-                        continue
                     if e.rows is not None:
                         g = g[e.rows[0]:e.rows[1]]
                     buf[e.offset:e.offset + e.length].copy_(g.reshape(-1))
                 chunks.append(buf)
             total = reduce_scatter_v(chunks, me, ctx.group)
-            total.div_(W)
+            if ctx.replicate_group is not None and ctx.replicate_size > 1 and total.numel():
+                comm.all_reduce(total, group=ctx.replicate_group, name="replicate_all_reduce")
+            total.div_(ctx.dp_size)
             for e in layout.entries[me]:
                 h = self.handles[e.index]
                 g = total[e.offset:e.offset + e.length].view(h.sharded.shape).to(h.sharded.dtype)
@@ -229,8 +364,17 @@ class ShardedUnit:
 
     # -- hooks --------------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with comm_phase("backward" if in_backward() else "forward"):
+        backward = in_backward()  # checkpoint_wrapper recomputing a sharded module
+        if not backward and not self.user_unsharded:
+            self.sync_requires_grad()
+        if not backward:
+            self.ctx.note_forward(self)
+        with comm_phase("backward" if backward else "forward"):
             self.unshard_data()
+            if not backward:
+                targets = self.forward_prefetch if self.forward_prefetch is not None \
+                    else self.ctx.next_forward(self)
+                self._prefetch("forward", targets)
         self.swap_in()
         mp = self.mp_policy
         param_dtype = getattr(mp, "param_dtype", None) if mp is not None else None
@@ -245,7 +389,7 @@ class ShardedUnit:
             keep = self.is_root and torch.is_grad_enabled()  # FSDP2: the root stays for backward
             if self.reshard_after_forward and not keep and not in_backward():
                 self.free_data()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not in_backward():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
@@ -259,9 +403,15 @@ class ShardedUnit:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
-        if not self.data_valid:
-            with comm_phase("backward"):
-                self.unshard_data()
+        self.ctx.note_backward(self)
+        with comm_phase("backward"):
+            self.unshard_data()
+            targets = self.backward_prefetch if self.backward_prefetch is not None \
+                else self.ctx.next_backward(self)
+            self._prefetch("backward", targets)
+        # swapped in for the backward: an activation-checkpoint recomputation reads the
+        # module's parameters and must find the gathered ones
+        self.swap_in()
 
     def _make_accumulate_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
@@ -273,6 +423,7 @@ class ShardedUnit:
                     self.reduce_grads()
                 self._reduced = True
                 if not self.user_unsharded:
+                    self.swap_out()
                     self.free_data()
 
         return hook
@@ -280,8 +431,7 @@ class ShardedUnit:
     def finish_backward(self) -> None:
         """End of backward: reduce what the hooks did not (same decision on every rank)."""
         if self.requires_gradient_sync and not self._reduced:
-            if any(self.handles[i].unsharded.grad is not None for i in self._grad_indices):
-                self.reduce_grads()
+            self.reduce_grads()  # only parameters that got a gradient; none: no collective
         self._accumulated.clear()
         self._reduced = False
         if not self.user_unsharded:
