@@ -204,6 +204,21 @@ def dist_world_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the whole unit's backward is done
+    (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, unit: "ShardedUnit", *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
 class ShardedUnit:
     """The parameters of one ``fully_shard`` call and their per-step lifecycle."""
 
@@ -381,7 +396,22 @@ class ShardedUnit:
         if param_dtype is not None and getattr(mp, "cast_forward_inputs", False):
             cast = lambda t: t.to(param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if not backward and self.has_frozen and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:  # nothing to hang it on: the end-of-backward callback frees the unit
+            return args, kwargs
+        out = _PostBackward.apply(self, *[flat[i] for i in where])
+        out = out if isinstance(out, tuple) else (out,)
+        for i, t in zip(where, out):
+            flat[i] = t
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(flat, spec)
 
     def post_forward(self, output: Any) -> Any:
         if not self.user_unsharded:
@@ -422,11 +452,27 @@ class ShardedUnit:
                 with comm_phase("backward"):
                     self.reduce_grads()
                 self._reduced = True
-                if not self.user_unsharded:
+                # a frozen parameter may still be read by a later backward node of this unit
+                # (e.g. a frozen LayerNorm weight for its input gradient): free at post-backward
+                if not self.user_unsharded and not self.has_frozen:
                     self.swap_out()
                     self.free_data()
 
         return hook
+
+    @property
+    def has_frozen(self) -> bool:
+        return len(self._grad_indices) < len(self.handles)
+
+    def post_backward(self) -> None:
+        """The unit's backward is complete (all its inputs have gradients): reduce, free."""
+        with comm_phase("backward"):
+            if self.requires_gradient_sync and not self._reduced:
+                self.reduce_grads()
+                self._reduced = True
+        if self.requires_gradient_sync and not self.user_unsharded:
+            self.swap_out()
+            self.free_data()
 
     def finish_backward(self) -> None:
         """End of backward: reduce what the hooks did not (same decision on every rank)."""
