@@ -135,3 +135,13 @@ def full_grad_rows(shard: Any, rank: int, grad: torch.Tensor) -> torch.Tensor:
         a, b = shard.row_range(rank)
         return grad[a:b]
     return grad
+
+
+def roundtrip(obj):
+    """``obj`` through ``torch.save`` / ``torch.load``, as a resumed job would see it."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

@@ -15,7 +15,6 @@ scheduler from a serialized ``state_dict``) continues the same trajectory.
 from __future__ import annotations
 
 import functools
-import io
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.launch import spawn_ranks
 from matrix_owner_optim.models import GPT, GPTConfig
+from _ref import roundtrip
 
 W = 2
 STEPS = 20
@@ -47,13 +47,6 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def make(model, replicated: str):
     opt = OwnerRoutedOptimizer(model, replicated=replicated, **OPTS)
     return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import io
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from matrix_owner_optim.optim import available_preconditioners, simulated_parame
 from matrix_owner_optim.planning import Role
 from matrix_owner_optim.planning.roles import module_roles
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
+from _ref import roundtrip
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
 
@@ -38,13 +38,6 @@ def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
     return max(((x - y).norm() / y.norm().clamp_min(1e-12)).item()
                for x, y in zip(a.parameters(), b.parameters()))
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
 import math
 
 import pytest
@@ -31,6 +30,7 @@ from torch import nn
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.launch import spawn_ranks
 from matrix_owner_optim.models import GPT, GPTConfig
+from _ref import roundtrip
 
 STEPS = 20
 BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible by 2, 3, 4
@@ -102,13 +102,6 @@ def make_optimizer(model: nn.Module, opts: dict, sched: bool):
     opt = OwnerRoutedOptimizer(model, **opts)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS) if sched else None
     return opt, scheduler
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 @functools.lru_cache(maxsize=None)
