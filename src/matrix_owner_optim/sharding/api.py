@@ -222,9 +222,13 @@ def fully_shard(
     module.register_forward_hook(_post_forward_hook, with_kwargs=True)
 
     inside = {id(m) for m in module.modules()}
-    inner = [p for p in _live_pending() if id(p.module) in inside]
+    live = _live_pending()
+    inner = [p for p in live if id(p.module) in inside]
+    # A block of the same class as one already pending is another block (FSDP2's blocks-first
+    # order): no need for the referrer scan, which costs a pass over the heap per call.
+    sibling = any(type(p.module) is type(module) for p in live)
     _pending.append(entry)
-    if inner or not _has_parent_module(module):
+    if inner or (not sibling and not _has_parent_module(module)):
         _shard_or_forget(module, inner + [entry], is_container=False)
     return module
 
