@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..planning.metadata import MatrixShard, Role, get_matrix_shard, parse_role
+from ..planning.metadata import MatrixShard, Role, get_matrix_shard, is_awaiting_shard, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, validate_role
 
 __all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles"]
@@ -114,6 +114,12 @@ def resolve_roles(
     """Fill ``role`` (and ``shard``) of every :class:`RoutedParam`, validating matrix shapes."""
     for g in groups:
         for rp in g.params:
+            if is_awaiting_shard(rp.param):
+                raise ValueError(
+                    f"parameter {rp.label!r} belongs to a module passed to fully_shard that is not "
+                    "sharded yet: call fully_shard on the root model (after the blocks) before "
+                    "building the optimizer, so it receives the sharded parameters"
+                )
             rp.shard = get_matrix_shard(rp.param)
             names = []
             if rp.name is not None:

@@ -296,3 +296,19 @@ def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
 def get_shard_rank(param: torch.Tensor) -> int | None:
     """This process's rank in the group ``param`` is sharded over (None if unsharded)."""
     return getattr(param, _RANK_ATTR, None)
+
+
+_PENDING_PARAM_ATTR = "_moo_awaiting_shard"
+
+
+def mark_awaiting_shard(param: torch.Tensor) -> None:
+    """Flag a parameter of a module passed to ``fully_shard`` that is not sharded yet.
+
+    Sharding replaces the parameter object, so an optimizer built over it would update a
+    tensor the model no longer uses; the optimizer checks this flag and says so.
+    """
+    setattr(param, _PENDING_PARAM_ATTR, True)
+
+
+def is_awaiting_shard(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _PENDING_PARAM_ATTR, False)) and get_matrix_shard(param) is None

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_shard
+from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_shard, mark_awaiting_shard
 from ..planning.planner import plan_tensors
 from ..planning.roles import specs_from_module
 from .agreement import check_plan_agreement
@@ -218,6 +218,8 @@ def fully_shard(
     _swap_class(module)
     entry = _Pending(weakref.ref(module), group, replicate_group, reshard_after_forward, mp_policy, plan)
     setattr(module, _PENDING_ATTR, True)
+    for param in module.parameters():
+        mark_awaiting_shard(param)
     module.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, with_kwargs=True)
 
