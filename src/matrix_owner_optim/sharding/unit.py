@@ -76,8 +76,15 @@ class ParamHandle:
         self.is_owner = shard.is_owned_by(rank)
         # owner at full precision: the unsharded tensor *is* the resident storage
         self.aliases_resident = self.is_owner and compute_dtype == sharded.dtype
-        self.unsharded: nn.Parameter | None = None
+        self._unsharded: nn.Parameter | None = None
         self._nbytes = 0
+
+    @property
+    def unsharded(self) -> nn.Parameter:
+        """The tensor swapped in for compute (created once, revived and freed in place)."""
+        if self._unsharded is None:
+            raise RuntimeError(f"{self.shard.fqn}: the unsharded tensor was not created yet")
+        return self._unsharded
 
     def create_unsharded(self, on_accumulate: Callable[[torch.Tensor], None]) -> None:
         requires_grad = self.sharded.requires_grad
@@ -88,7 +95,7 @@ class ParamHandle:
                 torch.empty(self.shard.shape, dtype=self.compute_dtype, device=self.sharded.device),
                 requires_grad=requires_grad,
             )
-        self.unsharded = t
+        self._unsharded = t
         self._on_accumulate = on_accumulate
         self._hooked = False
         self._nbytes = t.numel() * t.element_size()
@@ -129,7 +136,7 @@ class ParamHandle:
 
     def swap(self, tensor: torch.Tensor) -> None:
         for module, name in self.locations:
-            module._parameters[name] = tensor
+            module._parameters[name] = tensor  # type: ignore[assignment]  # as FSDP2 swaps
 
 
 class ShardingContext:
@@ -290,7 +297,9 @@ class ShardedUnit:
                 send[e.offset:e.offset + e.length].copy_(self.handles[e.index].sharded.reshape(-1))
             for h in self.handles:
                 h.alloc()
-            self._pending = all_gather_v(send, layout.sizes, me, ctx.group, async_op=True)
+            pending = all_gather_v(send, layout.sizes, me, ctx.group, async_op=True)
+            assert isinstance(pending, PendingGather)
+            self._pending = pending
 
     def unshard_data(self) -> bool:
         """All-gather-v every rank's segment into the unsharded tensors (no-op if valid).
@@ -302,6 +311,7 @@ class ShardedUnit:
         if not prefetched:
             self.issue_gather()
         pending, self._pending = self._pending, None
+        assert pending is not None  # issued just above, or by the previous unit's prefetch
         ctx, layout = self.ctx, self.gather_layout
         me = ctx.rank
         with torch.no_grad():
@@ -359,6 +369,7 @@ class ShardedUnit:
                 buf = torch.zeros(layout.sizes[r], dtype=self.reduce_dtype, device=self.device)
                 for e in layout.entries[r]:
                     g = self.handles[e.index].unsharded.grad
+                    assert g is not None  # e is in with_grad
                     if e.rows is not None:
                         g = g[e.rows[0]:e.rows[1]]
                     buf[e.offset:e.offset + e.length].copy_(g.reshape(-1))
