@@ -54,6 +54,7 @@ class ReconstructionMuon(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        assert p.grad is not None  # step() skips parameters without a gradient
         local_p, local_g, mesh_group = _local(p), _local(p.grad), _group(p)
         state = self.state[p]
         if "momentum_buffer" not in state:

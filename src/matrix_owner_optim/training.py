@@ -229,13 +229,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
         if prof is not None:
             prof.__exit__(None, None, None)
             profiled = _profiled_bytes(prof, world_size)
-        rec = {"step": step, "loss": float(loss.detach()), "step_time_s": t2 - t0,
-               "optimizer_time_s": t2 - t1, "comm": cc.by_phase()}
+        loss_value, comm_bytes = float(loss.detach()), cc.by_phase()
+        rec: dict[str, Any] = {"step": step, "loss": loss_value, "step_time_s": t2 - t0,
+                               "optimizer_time_s": t2 - t1, "comm": comm_bytes}
         records.append(rec)
         if bar is not None:
-            c = rec["comm"]
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", step_ms=f"{1e3 * rec['step_time_s']:.0f}",
-                            opt_ms=f"{1e3 * rec['optimizer_time_s']:.1f}",
+            c = comm_bytes
+            bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * (t2 - t0):.0f}",
+                            opt_ms=f"{1e3 * (t2 - t1):.1f}",
                             fwd_B=c["forward"]["bytes_sent"], bwd_B=c["backward"]["bytes_sent"],
                             opt_B=c["optimizer"]["bytes_sent"])
             bar.update(1)

@@ -162,6 +162,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             child.add_param_group(group)
         self._child_groups[role].append((parent_index, child.param_groups[-1]))
         for rp in local:
+            assert rp.proxy is not None
             self.state[rp.param] = child.state[rp.proxy]
 
     # -- the step --------------------------------------------------------------------------------

@@ -53,7 +53,9 @@ def as_matrix_shape(shape: Shape) -> tuple[int, int]:
 class CostModel(Protocol):
     """What a preconditioner costs on the rank that updates one tensor of ``shape``."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The preconditioner's name, as reported in plans."""
 
     def state_bytes(self, shape: Shape, dtype: torch.dtype) -> int:
         """Bytes of optimizer state kept between steps."""

@@ -220,7 +220,7 @@ def _refine(ranks: list[_Rank], items: list[_Item], level, iterations: int) -> N
                         best = (cand, i, lo, j)
         if best is None:
             return
-        _, i, lo, j = best
+        _, i, lo, swap_with = best
         a = items[i]
         ranks[hi].items.remove(i)
         ranks[lo].items.append(i)
@@ -228,10 +228,10 @@ def _refine(ranks: list[_Rank], items: list[_Item], level, iterations: int) -> N
         ranks[hi].flops -= a.flops
         ranks[lo].bytes += a.bytes
         ranks[lo].flops += a.flops
-        if j is not None:
-            b = items[j]
-            ranks[lo].items.remove(j)
-            ranks[hi].items.append(j)
+        if swap_with is not None:
+            b = items[swap_with]
+            ranks[lo].items.remove(swap_with)
+            ranks[hi].items.append(swap_with)
             ranks[lo].bytes -= b.bytes
             ranks[lo].flops -= b.flops
             ranks[hi].bytes += b.bytes
