@@ -16,15 +16,10 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .planning.metadata import chunk_row_range
 from .preconditioners.muon import adjust_lr, newton_schulz
 
 __all__ = ["ReconstructionMuon", "ReconstructionOptimizer"]
-
-
-def _rows_of(rank: int, world: int, rows: int) -> tuple[int, int]:
-    per = -(-rows // world) if rows else 0
-    start = min(rows, per * rank)
-    return start, min(rows, start + per)
 
 
 class ReconstructionMuon(torch.optim.Optimizer):
@@ -55,7 +50,7 @@ class ReconstructionMuon(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         assert p.grad is not None  # step() skips parameters without a gradient
-        local_p, local_g, mesh_group = _local(p), _local(p.grad), _group(p)
+        local_p, local_g = _local(p), _local(p.grad)
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(local_g)
@@ -63,20 +58,9 @@ class ReconstructionMuon(torch.optim.Optimizer):
         buf.lerp_(local_g, 1 - group["momentum"])
         update = local_g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
         rows, cols = p.shape
-        world = dist.get_world_size(mesh_group) if mesh_group is not None else 1
-        rank = dist.get_rank(mesh_group) if mesh_group is not None else 0
-        if world > 1:
-            per = -(-rows // world)
-            padded = torch.zeros(per, cols, dtype=update.dtype, device=update.device)
-            padded[: update.shape[0]].copy_(update)
-            gathered = torch.empty(per * world, cols, dtype=update.dtype, device=update.device)
-            comm.all_gather_into_tensor(gathered, padded, group=mesh_group, name="reconstruct_all_gather")
-            full = gathered[:rows]
-        else:
-            full = update
-        ortho = newton_schulz(full, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                              group["ns_dtype"])
-        start, stop = _rows_of(rank, world, rows)
+        ortho = newton_schulz(_gather_rows(update, p), group["ns_coefficients"], group["ns_steps"],
+                              group["eps"], group["ns_dtype"])
+        start, stop = _own_rows(p)
         local_p.mul_(1 - group["lr"] * group["weight_decay"])
         lr = adjust_lr(group["lr"], group["adjust_lr_fn"], (rows, cols))
         local_p.add_(ortho[start:stop].to(local_p.dtype), alpha=-lr)
@@ -97,6 +81,33 @@ def _group(p: torch.Tensor) -> Any:
     return mesh.get_group(mesh.ndim - 1)
 
 
+def _rank_world(p: torch.Tensor) -> tuple[int, int]:
+    group = _group(p)
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _own_rows(p: torch.Tensor) -> tuple[int, int]:
+    """This rank's rows of ``p`` under ``Shard(0)``."""
+    rank, world = _rank_world(p)
+    return chunk_row_range(p.shape[0], world, rank)
+
+
+def _gather_rows(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The full matrix from every rank's rows of ``p`` (padded all-gather, counted)."""
+    _, world = _rank_world(p)
+    if world == 1:
+        return local
+    rows, cols = p.shape
+    per = -(-rows // world)
+    padded = torch.zeros(per, cols, dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]].copy_(local)
+    gathered = torch.empty(per * world, cols, dtype=local.dtype, device=local.device)
+    comm.all_gather_into_tensor(gathered, padded, group=_group(p), name="reconstruct_all_gather")
+    return gathered[:rows]
+
+
 class ReconstructionOptimizer(torch.optim.Optimizer):
     """Any matrix optimizer over ``Shard(0)`` DTensors by full reconstruction (the baseline).
 
@@ -112,23 +123,10 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             replicas = []
             for p in group["params"]:
-                self._replicas[p] = self._gather(_local(p).detach(), p).clone()
+                self._replicas[p] = _gather_rows(_local(p).detach(), p).clone()
                 replicas.append(self._replicas[p])
             inner_groups.append({"params": replicas})
         self.inner = inner(inner_groups, **options)
-
-    def _gather(self, local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        mesh_group = _group(p)
-        world = dist.get_world_size(mesh_group) if mesh_group is not None else 1
-        if world == 1:
-            return local
-        rows, cols = p.shape
-        per = -(-rows // world)
-        padded = torch.zeros(per, cols, dtype=local.dtype, device=local.device)
-        padded[: local.shape[0]].copy_(local)
-        gathered = torch.empty(per * world, cols, dtype=local.dtype, device=local.device)
-        comm.all_gather_into_tensor(gathered, padded, group=mesh_group, name="reconstruct_all_gather")
-        return gathered[:rows]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -138,16 +136,13 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with comm.comm_phase("optimizer"):
             for p, replica in self._replicas.items():
-                replica.grad = None if p.grad is None else self._gather(_local(p.grad), p)
+                replica.grad = None if p.grad is None else _gather_rows(_local(p.grad), p)
             for outer, inner_group in zip(self.param_groups, self.inner.param_groups):
                 for key in options_keys(outer, inner_group):
                     inner_group[key] = outer[key]  # e.g. an lr scheduler's lr
             self.inner.step()
             for p, replica in self._replicas.items():
-                group = _group(p)
-                world = dist.get_world_size(group) if group is not None else 1
-                rank = dist.get_rank(group) if group is not None else 0
-                start, stop = _rows_of(rank, world, p.shape[0])
+                start, stop = _own_rows(p)
                 _local(p).copy_(replica[start:stop])
                 replica.grad = None
         return loss

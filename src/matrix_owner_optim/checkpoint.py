@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .planning.metadata import Role, get_matrix_shard, get_shard_rank
+from .tensors import is_dtensor as _is_dtensor
 
 __all__ = ["save", "load", "CheckpointError", "MODEL_PREFIX", "OPTIM_STATE_PREFIX", "OPTIM_GROUPS_PREFIX"]
 
@@ -60,19 +61,6 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------
 # layouts
 # --------------------------------------------------------------------------------------------
-def _dtensor_cls() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
-
-
-def _is_dtensor(t: Any) -> bool:
-    cls = _dtensor_cls()
-    return cls is not None and isinstance(t, cls)
-
-
 _MESHES: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(group), device type) -> (group, mesh)
 
 

@@ -46,17 +46,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import comm
 from ..planning import Role
 from ..planning.cost import itemsize
+from ..planning.metadata import chunk_row_sizes
 from .placements import Placement, RouterConfig
 from .replicated_placement import plan_owners
 from .routing import RoutedParam
 
-__all__ = ["DTensorPlacement", "chunk_rows"]
-
-
-def chunk_rows(rows: int, world_size: int) -> list[int]:
-    """Rows of each rank under ``Shard(0)`` (``torch.chunk`` sizes; trailing ranks may be 0)."""
-    per = -(-rows // world_size) if rows else 0
-    return [max(0, min(rows, per * (r + 1)) - min(rows, per * r)) for r in range(world_size)]
+__all__ = ["DTensorPlacement"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -221,7 +216,7 @@ class DTensorPlacement(Placement):
             )
             for rp, owner in zip(rps, owners):
                 shape = tuple(rp.param.shape)
-                rows = chunk_rows(shape[0], W)
+                rows = chunk_row_sizes(shape[0], W)
                 local = _local(rp.param)
                 if local.shape[0] != rows[me] or tuple(local.shape[1:]) != shape[1:]:
                     raise ValueError(

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..planning.metadata import Role, get_shard_rank
+from ..tensors import is_dtensor
 from .routing import RoutedParam
 
 __all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for", "is_multi_rank"]
@@ -97,7 +98,7 @@ class LocalPlacement(Placement):
 
     @staticmethod
     def accepts(param: torch.Tensor) -> bool:
-        if _is_dtensor(param):
+        if is_dtensor(param):
             return False
         return get_shard_rank(param) is not None or not is_multi_rank()
 
@@ -135,14 +136,6 @@ class LocalPlacement(Placement):
         for rp in self.entries:
             if rp.proxy is not None and rp.proxy is not rp.param:
                 rp.proxy.grad = None
-
-
-def _is_dtensor(param: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(param, DTensor)
 
 
 PLACEMENTS: list[type[Placement]] = [LocalPlacement]

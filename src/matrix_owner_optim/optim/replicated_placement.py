@@ -32,7 +32,8 @@ from .. import comm
 from ..planning import Role, TensorSpec, plan_tensors
 from ..planning.cost import itemsize
 from ..planning.metadata import ShardingPlan, get_shard_rank
-from .placements import Placement, RouterConfig, _is_dtensor, is_multi_rank, matrix_view
+from ..tensors import is_dtensor
+from .placements import Placement, RouterConfig, is_multi_rank, matrix_view
 from .routing import RoutedParam
 
 __all__ = ["ReplicatedPlacement", "plan_owners", "verify_plan"]
@@ -113,7 +114,7 @@ class ReplicatedPlacement(Placement):
 
     @staticmethod
     def accepts(param: torch.Tensor) -> bool:
-        return not _is_dtensor(param) and get_shard_rank(param) is None and is_multi_rank()
+        return not is_dtensor(param) and get_shard_rank(param) is None and is_multi_rank()
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         super().__init__(config)

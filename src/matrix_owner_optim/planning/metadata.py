@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role"]
+__all__ = ["chunk_row_range", "chunk_row_sizes", "Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role"]
 
 
 class Role(str, enum.Enum):
@@ -47,6 +47,19 @@ def parse_role(value: "str | Role", *, where: str) -> Role:
         raise ValueError(
             f"unknown role {value!r} for {where}; use one of {valid}"
         ) from None
+
+
+def chunk_row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``rank`` when ``rows`` are split as ``torch.chunk`` splits them
+    (FSDP2's ``Shard(0)``): ``ceil(rows / W)`` per rank, trailing ranks short or empty."""
+    per = -(-rows // world_size) if rows else 0
+    start = min(rows, per * rank)
+    return start, min(rows, start + per)
+
+
+def chunk_row_sizes(rows: int, world_size: int) -> list[int]:
+    """Rows of every rank under :func:`chunk_row_range`."""
+    return [stop - start for start, stop in (chunk_row_range(rows, world_size, r) for r in range(world_size))]
 
 
 @dataclass(frozen=True)
@@ -105,10 +118,7 @@ class MatrixShard:
         """
         if self.role is not Role.SHARDED:
             raise ValueError(f"{self.fqn}: row_range is only defined for role 'sharded'")
-        rows = self.shape[0] if self.shape else 1
-        per = -(-rows // self.world_size) if rows else 0
-        start = min(rows, per * rank)
-        return start, min(rows, start + per)
+        return chunk_row_range(self.shape[0] if self.shape else 1, self.world_size, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the tensor this rank keeps resident when sharded."""

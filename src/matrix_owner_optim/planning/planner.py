@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, numel
-from .metadata import MatrixShard, RankLoad, Role, ShardingPlan
+from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes
 from .roles import TensorSpec, specs_from_module
 
 __all__ = ["plan_tensors", "plan_model", "tensor_resident_bytes", "tensor_flops"]
@@ -54,12 +54,6 @@ class _Rank:
     items: list[int] = field(default_factory=list)
 
 
-def _sharded_rows(spec: TensorSpec, world_size: int) -> list[int]:
-    rows = spec.shape[0]
-    per = -(-rows // world_size)
-    return [max(0, min(rows, per * (r + 1)) - min(rows, per * r)) for r in range(world_size)]
-
-
 def plan_tensors(
     specs: Sequence[TensorSpec],
     world_size: int,
@@ -86,7 +80,7 @@ def plan_tensors(
     base_flops = [0.0] * W
     for s in specs:
         if s.role is Role.SHARDED:
-            rows = _sharded_rows(s, W)
+            rows = chunk_row_sizes(s.shape[0], W)
             total_rows = max(1, s.shape[0])
             for r in range(W):
                 frac = rows[r] / total_rows

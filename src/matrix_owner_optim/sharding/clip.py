@@ -16,18 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..tensors import is_dtensor
 from ..planning.metadata import get_matrix_shard
 from .api import GROUP_ATTR
 
 __all__ = ["clip_grad_norm_"]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 def clip_grad_norm_(
@@ -53,7 +46,7 @@ def clip_grad_norm_(
             params.append(p)
     groups = [getattr(p, GROUP_ATTR, None) for p in params if get_matrix_shard(p) is not None]
     groups = [g for g in groups if g is not None]
-    if not groups or any(_is_dtensor(p) for p in params) or not dist.is_initialized():
+    if not groups or any(is_dtensor(p) for p in params) or not dist.is_initialized():
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     group = groups[0]
