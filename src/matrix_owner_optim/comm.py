@@ -2,9 +2,9 @@
 
 All collectives the package issues go through the wrappers here, which report to every
 active :class:`CommCounter`. Bytes are the logical payload a rank sends and receives (its own
-chunk excluded): all-to-all counts the splits to and from other ranks, broadcast counts
-``(W-1)·n`` sent by the root and ``n`` received elsewhere, all-reduce counts the ring
-algorithm's ``2·(W-1)/W·n`` each way. Phases are set by the runtime (``forward``,
+chunk excluded): all-to-all counts the splits to and from other ranks, all-gather counts
+``(W-1)`` times the local input each way, all-reduce counts the ring algorithm's
+``2·(W-1)/W·n`` each way. Phases are set by the runtime (``forward``,
 ``backward``), the optimizer (``optimizer``) and default to ``other``.
 
 Counting never replaces the profiler: tests cross-check these numbers against the
@@ -31,11 +31,8 @@ __all__ = [
     "record",
     "all_to_all_single",
     "all_reduce",
-    "broadcast",
     "all_gather_into_tensor",
-    "reduce_scatter_tensor",
     "all_gather_object",
-    "batch_isend_irecv",
     "all_gather_v",
     "reduce_scatter_v",
 ]
@@ -204,14 +201,6 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, name: st
     dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, name: str = "broadcast") -> None:
-    """``src`` is a global rank, as in ``torch.distributed.broadcast``."""
-    W, rank = _world(group)
-    n = _nbytes(tensor)
-    is_src = dist.get_rank() == src
-    record(name, n * (W - 1) if is_src else 0, 0 if is_src else n)
-    dist.broadcast(tensor, src=src, group=group)
-
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
                            name: str = "all_gather_into_tensor") -> None:
@@ -220,13 +209,6 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
     record(name, n * (W - 1), n * (W - 1))
     dist.all_gather_into_tensor(output, input, group=group)
 
-
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = None, group: Any = None,
-                          name: str = "reduce_scatter_tensor") -> None:
-    W, _ = _world(group)
-    n = _nbytes(output)
-    record(name, n * (W - 1), n * (W - 1))
-    dist.reduce_scatter_tensor(output, input, op=op if op is not None else dist.ReduceOp.SUM, group=group)
 
 
 def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_object") -> list[Any]:
@@ -238,15 +220,6 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
     record(name, size * (W - 1), sum(len(repr(o).encode()) for o in out) - size)
     return out
 
-
-def batch_isend_irecv(ops: list[dist.P2POp], name: str = "batch_isend_irecv") -> None:
-    """Batched point-to-point transfers, counted per direction, waited to completion."""
-    sent = sum(_nbytes(o.tensor) for o in ops if o.op is dist.isend)
-    recv = sum(_nbytes(o.tensor) for o in ops if o.op is dist.irecv)
-    record(name, sent, recv)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
 
 def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES"]
 
@@ -72,6 +72,3 @@ def op_bytes(op: BackendOp, world_size: int, itemsize: int = 4) -> int:
         return n  # upper bound: the root sends n to each peer in a tree, others relay
     return n
 
-
-def total_bytes(ops: Iterable[BackendOp], world_size: int, itemsize: int = 4) -> int:
-    return sum(op_bytes(o, world_size, itemsize) for o in ops)

@@ -271,11 +271,9 @@ def _profiled_bytes(prof: Any, world_size: int) -> dict[str, int]:
     windows = phase_windows(prof)
     out = {}
     for phase in ("forward", "backward", "optimizer"):
-        total = 0
-        for w in windows.get(phase, []):
-            total += sum(op_bytes(o, world_size) for o in backend_ops(prof, w))
-        out[phase] = total
-        out[f"{phase}_ops"] = sum(len(backend_ops(prof, w)) for w in windows.get(phase, []))
+        ops = [o for w in windows.get(phase, []) for o in backend_ops(prof, w)]
+        out[phase] = sum(op_bytes(o, world_size) for o in ops)
+        out[f"{phase}_ops"] = len(ops)
     return out
 
 
