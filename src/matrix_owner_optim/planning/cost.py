@@ -21,6 +21,11 @@ __all__ = [
     "MUON_COST",
     "SHAMPOO_COST",
     "SOAP_COST",
+    "shampoo_cost",
+    "soap_cost",
+    "shampoo_sides",
+    "soap_working_shape",
+    "block_sizes",
     "ADAMW_COST",
     "SGD_COST",
     "register_cost_model",
@@ -95,44 +100,152 @@ MUON_COST = FunctionCostModel(
     "muon", lambda shape, dtype: numel(shape) * itemsize(dtype), _muon_flops
 )
 
-# --- Shampoo: two Kronecker factors and their inverse roots, float32 ------------------------
+# --- Shampoo: blocked Kronecker factors and their inverse roots -----------------------------
 SHAMPOO_PRECONDITION_FREQUENCY = 1  # Shampoo's default: roots recomputed every step
+SHAMPOO_MAX_PRECONDITIONER_DIM = 1024  # Shampoo's (and Distributed Shampoo's) default block size
 SOAP_PRECONDITION_FREQUENCY = 10  # SOAP's default basis refresh interval
+SOAP_MAX_PRECOND_DIM = 10000  # SOAP's default cap (the reference implementation's)
 EIGH_FLOPS_PER_N3 = 9.0  # symmetric eigendecomposition, order-of-magnitude constant
 
 
-def _shampoo_state(shape: Shape, dtype: torch.dtype) -> int:
-    m, n = as_matrix_shape(shape)
-    return 2 * (m * m + n * n) * 4  # L, R and their inverse roots in float32
+def block_sizes(dim: int, block: int) -> list[int]:
+    """``dim`` split into chunks of ``block`` (the last one smaller): Shampoo's blocking."""
+    if block < 1:
+        raise ValueError(f"block size must be >= 1, got {block}")
+    return [min(block, dim - start) for start in range(0, dim, block)] or [0]
 
 
-def _shampoo_flops(shape: Shape) -> float:
-    m, n = as_matrix_shape(shape)
-    factors = 2.0 * m * m * n + 2.0 * m * n * n  # G G^T and G^T G
-    precondition = 2.0 * m * m * n + 2.0 * m * n * n  # L^-1/4 G R^-1/4
-    roots = (EIGH_FLOPS_PER_N3 + 4.0) * (m**3 + n**3) / SHAMPOO_PRECONDITION_FREQUENCY
-    return factors + precondition + roots + 6.0 * m * n
+def _state_itemsize(dtype: torch.dtype) -> int:
+    # matrix optimizers keep state in float64 for float64 parameters, else float32
+    return 8 if dtype == torch.float64 else 4
 
 
-SHAMPOO_COST = FunctionCostModel("shampoo", _shampoo_state, _shampoo_flops)
+def shampoo_sides(rows: int, cols: int, max_aspect_ratio: float | None) -> tuple[bool, bool]:
+    """Which Kronecker factors Shampoo keeps for a block: ``(left, right)``.
+
+    Both, unless ``max_aspect_ratio`` is set and the block's ``max/min`` side ratio exceeds it;
+    then only the small side's (one-sided Shampoo).
+    """
+    ratio = max(rows, cols) / max(min(rows, cols), 1)
+    if max_aspect_ratio is not None and ratio > max_aspect_ratio:
+        return (rows < cols, rows >= cols)
+    return (True, True)
+
+
+def shampoo_cost(
+    *,
+    max_preconditioner_dim: int = SHAMPOO_MAX_PRECONDITIONER_DIM,
+    precondition_frequency: int = SHAMPOO_PRECONDITION_FREQUENCY,
+    max_aspect_ratio: float | None = None,
+    filtered_grad: bool = True,
+    momentum: bool = False,
+    grafting_state: bool = False,
+) -> FunctionCostModel:
+    """The cost of :class:`~matrix_owner_optim.preconditioners.Shampoo` configured like this.
+
+    Blocks of at most ``max_preconditioner_dim`` per side each keep their factors and roots
+    (``2 (r^2 + c^2)`` elements for an ``r x c`` block, one side only when one-sided), and pay
+    ``G G^T``, ``G^T G``, the preconditioning products and, every ``precondition_frequency``
+    steps, two eigendecompositions. Per-element state: the filtered gradient (``beta1 > 0``),
+    the momentum buffer and the grafting accumulator, as configured.
+    """
+
+    def blocks(shape: Shape) -> list[tuple[int, int]]:
+        m, n = as_matrix_shape(shape)
+        return [
+            (r, c)
+            for r in block_sizes(m, max_preconditioner_dim)
+            for c in block_sizes(n, max_preconditioner_dim)
+        ]
+
+    def state_bytes(shape: Shape, dtype: torch.dtype) -> int:
+        elements = 0
+        for r, c in blocks(shape):
+            left, right = shampoo_sides(r, c, max_aspect_ratio)
+            elements += 2 * (r * r * left + c * c * right)
+        per_element = int(filtered_grad) + int(momentum) + int(grafting_state)
+        return (elements + per_element * numel(shape)) * _state_itemsize(dtype)
+
+    def flops(shape: Shape) -> float:
+        total = 0.0
+        for r, c in blocks(shape):
+            left, right = shampoo_sides(r, c, max_aspect_ratio)
+            outer = 2.0 * r * r * c * left + 2.0 * r * c * c * right  # G G^T, G^T G
+            precondition = outer  # L^-1/4 G R^-1/4
+            roots = (EIGH_FLOPS_PER_N3 + 4.0) * (r**3 * left + c**3 * right)
+            total += outer + precondition + roots / precondition_frequency
+        return total + 10.0 * numel(shape)
+
+    return FunctionCostModel("shampoo", state_bytes, flops)
+
+
+SHAMPOO_COST = shampoo_cost()
 
 # --- SOAP: factors, their eigenbases, Adam moments in the rotated space ---------------------
 
 
-def _soap_state(shape: Shape, dtype: torch.dtype) -> int:
-    m, n = as_matrix_shape(shape)
-    return (2 * (m * m + n * n) + 2 * m * n) * 4
+def soap_working_shape(
+    rows: int, cols: int, max_precond_dim: int, merge_dims: bool
+) -> tuple[int, ...]:
+    """The shape SOAP preconditions a ``rows x cols`` matrix as.
+
+    Without ``merge_dims`` the matrix itself. With it, adjacent dimensions are merged while their
+    product stays within ``max_precond_dim`` (the reference implementation's rule): a small
+    matrix becomes one vector of ``rows * cols`` elements.
+    """
+    if not merge_dims:
+        return (rows, cols)
+    merged: list[int] = []
+    current = 1
+    for size in (rows, cols):
+        if current * size > max_precond_dim:
+            if current > 1:
+                merged.append(current)
+                current = size
+            else:
+                merged.append(size)
+                current = 1
+        else:
+            current *= size
+    if current > 1 or not merged:
+        merged.append(current)
+    return tuple(merged)
 
 
-def _soap_flops(shape: Shape) -> float:
-    m, n = as_matrix_shape(shape)
-    rotate = 2.0 * m * m * n + 2.0 * m * n * n  # one projection into (or out of) the basis
-    factors = rotate  # G G^T and G^T G
-    refresh = (EIGH_FLOPS_PER_N3 + 4.0) * (m**3 + n**3) / SOAP_PRECONDITION_FREQUENCY
-    return factors + 3.0 * rotate + refresh + 12.0 * m * n
+def soap_cost(
+    *,
+    max_precond_dim: int = SOAP_MAX_PRECOND_DIM,
+    merge_dims: bool = False,
+    precondition_frequency: int = SOAP_PRECONDITION_FREQUENCY,
+) -> FunctionCostModel:
+    """The cost of :class:`~matrix_owner_optim.preconditioners.SOAP` configured like this.
+
+    Each dimension of the working shape (see :func:`soap_working_shape`) of at most
+    ``max_precond_dim`` keeps a factor and its eigenbasis (``2 d^2`` elements) and pays its
+    rotations and, every ``precondition_frequency`` steps, a power-iteration refresh; a larger
+    dimension keeps nothing and is left unrotated. Adam's two moments are per element.
+    """
+
+    def dims(shape: Shape) -> tuple[int, list[int]]:
+        m, n = as_matrix_shape(shape)
+        work = soap_working_shape(m, n, max_precond_dim, merge_dims)
+        return m * n, [d for d in work if d <= max_precond_dim]
+
+    def state_bytes(shape: Shape, dtype: torch.dtype) -> int:
+        size, kept = dims(shape)
+        return (sum(2 * d * d for d in kept) + 2 * size) * _state_itemsize(dtype)
+
+    def flops(shape: Shape) -> float:
+        size, kept = dims(shape)
+        rotate = sum(2.0 * d * size for d in kept)  # one projection into (or out of) the basis
+        factors = rotate  # G G^T and G^T G
+        refresh = sum((EIGH_FLOPS_PER_N3 + 4.0) * d**3 for d in kept) / precondition_frequency
+        return factors + 3.0 * rotate + refresh + 12.0 * size
+
+    return FunctionCostModel("soap", state_bytes, flops)
 
 
-SOAP_COST = FunctionCostModel("soap", _soap_state, _soap_flops)
+SOAP_COST = soap_cost()
 
 # --- coordinate-wise optimizers -------------------------------------------------------------
 ADAMW_COST = FunctionCostModel(

@@ -76,6 +76,23 @@ def as_float(value: float | Tensor) -> float:
     return float(value)
 
 
+def _eigh_with_retry(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh(a)``; on a convergence failure retried in float64 (``a``'s dtype out).
+
+    This is Distributed Shampoo's "protected eigh": low-precision eigendecompositions of
+    ill-conditioned factors occasionally fail to converge, and float64 almost never does. An
+    exception is the only failure signal used (checking the result for NaN would need a host
+    sync); a float64 failure propagates.
+    """
+    try:
+        return torch.linalg.eigh(a)
+    except RuntimeError:
+        if a.dtype == torch.float64:
+            raise
+        evals, evecs = torch.linalg.eigh(a.to(torch.float64))
+        return evals.to(a.dtype), evecs.to(a.dtype)
+
+
 def matrix_inverse_root(
     mat: Tensor,
     exponent: float,
@@ -94,8 +111,11 @@ def matrix_inverse_root(
     degrades to plain SGD rather than to a huge ``eps^(-1/p)`` multiplier.
 
     Eigenvalues of ``mat + damping I`` are clamped below at ``damping`` before the power, so
-    round-off (e.g. in float32, where ``eps=1e-12`` is below machine precision) can never
+    round-off (e.g. in float32, where a tiny ``eps`` is below machine precision) can never
     produce a negative or zero eigenvalue and hence NaN/inf.
+
+    No host synchronisation: the zero-matrix case and the clamp are tensor operations. A
+    float32 eigendecomposition that fails to converge is retried in float64.
 
     Args:
         mat: square symmetric PSD matrix.
@@ -108,15 +128,15 @@ def matrix_inverse_root(
         raise ValueError(f"matrix_inverse_root needs a square matrix, got {tuple(mat.shape)}")
     out_dtype = mat.dtype if out_dtype is None else out_dtype
     a = mat.to(root_dtype)
-    scale = float(torch.linalg.matrix_norm(a))  # Frobenius norm
-    if scale == 0.0:
-        return torch.eye(a.shape[0], dtype=out_dtype, device=mat.device)
+    scale = torch.linalg.matrix_norm(a)  # Frobenius norm, a 0-dim tensor (no sync)
     damping = eps * scale
     eye = torch.eye(a.shape[0], dtype=root_dtype, device=mat.device)
-    evals, evecs = torch.linalg.eigh(a + damping * eye)
-    floor = max(damping, torch.finfo(root_dtype).tiny)
-    evals = evals.clamp_min(floor).pow(-1.0 / exponent)
-    return ((evecs * evals.unsqueeze(0)) @ evecs.T).to(out_dtype)
+    evals, evecs = _eigh_with_retry(a + damping * eye)
+    floor = damping.clamp_min(torch.finfo(root_dtype).tiny)
+    evals = torch.maximum(evals, floor).pow(-1.0 / exponent)
+    root = (evecs * evals.unsqueeze(0)) @ evecs.T
+    root = torch.where(scale > 0, root, eye)
+    return root.to(out_dtype)
 
 
 class MatrixOptimizer(Optimizer):

@@ -1,35 +1,80 @@
-"""Shampoo (Gupta, Koren & Singer, 2018) for whole 2D tensors.
+"""Shampoo (Gupta, Koren & Singer, 2018) over whole 2D tensors, with Distributed Shampoo's options.
 
-For a gradient ``G`` of shape ``(m, n)`` Shampoo keeps two Kronecker factors::
+Semantics follow Meta's Distributed Shampoo (Shi et al. 2023, arXiv:2309.06497) for a matrix
+parameter ``W`` (``m x n``) with gradient ``G``, per step ``t = 1, 2, ...``:
 
-    L <- L + G G^T      (m x m)         or, with beta2 < 1, L <- beta2 L + (1 - beta2) G G^T
-    R <- R + G^T G      (n x n)
+1. **Blocking.** ``W`` is cut into blocks of at most ``max_preconditioner_dim`` rows and columns
+   (the last block of each side smaller). Every block has its own Kronecker factors, roots and
+   graft norm; all blocks of a matrix stay with the matrix (on its owner).
+2. **Factors** (raw gradient, every step), per block ``B``::
 
-and updates ``p <- p - lr * L^{-1/4} G R^{-1/4}``. The inverse roots are computed with
-``torch.linalg.eigh`` in ``root_dtype`` (float64 by default) on ``L + eps*||L||_F*I``
-(see :func:`~._common.matrix_inverse_root`: a *relative*, isotropic damping -- the update
-stays invariant to the gradient's scale and equivariant to orthogonal rotations,
-``update(U G V^T) = U update(G) V^T``). Roots are recomputed every ``precondition_frequency``
-steps starting at ``start_preconditioning_step``; in between the stored roots are reused while
-the factors keep accumulating every step.
+       L_B <- L_B + B B^T                                   beta2 == 1 (AdaGrad-style sum)
+       L_B <- beta2 L_B + (1 - beta2) B B^T                 beta2 <  1 (EMA)
 
-Options:
+   and likewise ``R_B`` with ``B^T B``.
+3. **Grafting state** (raw gradient, per element): AdaGrad ``v += G^2``; RMSprop and Adam
+   ``v = b v + (1 - b) G^2`` with ``b = grafting_beta2``.
+4. **Filtering** (``beta1 > 0``): ``F = lerp(F, G, 1 - beta1)``; the search uses
+   ``Gf = F / (1 - beta1^t)`` (bias-corrected when ``use_bias_correction``), else ``Gf = G``.
+5. **Roots**, recomputed at step ``t`` when ``t == start`` or ``t > start and t % frequency ==
+   0`` (Distributed Shampoo's schedule), otherwise reused::
 
-* one-sided mode: when ``max_aspect_ratio`` is set and ``max(m, n) / min(m, n)`` exceeds it,
-  only the small side's factor is kept and the update is ``L^{-1/2} G`` (``m < n``) or
-  ``G R^{-1/2}`` (``m >= n``). This saves the big ``max(m,n)^2`` factor and its eigh.
-* grafting (``"sgd"`` or ``"adagrad"``): the Shampoo direction ``D`` is rescaled to the
-  Frobenius norm of the graft's direction (``G`` for SGD, ``G / (sqrt(sum G^2) + grafting_eps)``
-  for AdaGrad); before ``start_preconditioning_step`` the graft's direction is used as is
-  (without grafting, plain ``G``, i.e. SGD).
-* momentum: heavy-ball on the final (preconditioned, grafted) direction,
-  ``buf <- momentum * buf + D; p <- p - lr * buf`` (as Meta's Distributed Shampoo applies it to
-  the search direction). The factors always see the raw gradient.
-* weight decay: decoupled, ``p <- p * (1 - lr * weight_decay)`` before the update.
+       L_root = (L_B / (1 - beta2^t) + eps ||.||_F I)^(-1/4)      (the bias correction only
+                                                                  when beta2 < 1)
 
-State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
-``L``/``R`` and their roots ``L_root``/``R_root`` (one side only in one-sided mode), plus
-``momentum_buffer`` when ``momentum > 0`` and ``graft_sum`` for AdaGrad grafting.
+   The root runs in ``root_dtype`` (float32 by default); an eigendecomposition that fails to
+   converge is retried in float64 (Distributed Shampoo's protected eigh).
+6. **Direction.** For ``t < start``: the graft's direction (below), or ``Gf`` without grafting.
+   From ``start`` on, per block, ``D_B = L_root Gf_B R_root`` rescaled by grafting to
+   ``||graft_B|| / (||D_B|| + 1e-16)``. The graft's direction is ``Gf`` (SGD) or
+   ``Gf / (sqrt(v / c) + grafting_eps)`` with ``c = 1 - grafting_beta2^t`` for Adam and ``1``
+   for AdaGrad/RMSprop.
+7. **Weight decay** (decoupled, as Distributed Shampoo's default): ``D += weight_decay * W``.
+8. **Momentum**: ``M = momentum M + D``; ``D = D + momentum M`` (Nesterov) or ``D = M``.
+9. ``W <- W - lr D``.
+
+Defaults, ours against Distributed Shampoo's (``DistributedShampoo.__init__``):
+
+=========================== ==================== =======================================
+option                      here                 Distributed Shampoo
+=========================== ==================== =======================================
+lr                          1e-3                 1e-2
+betas                       (0.9, 1.0)           (0.9, 1.0)
+eps                         1e-6, *relative*     1e-12, absolute (added to the factor)
+momentum / nesterov         0.0 / False          0.0 / False
+weight_decay                0.0 (decoupled)      0.0 (decoupled)
+max_preconditioner_dim      1024                 1024
+precondition_frequency      1                    1
+start_preconditioning_step  -1 (= frequency)     -1 (= frequency)
+use_bias_correction         True                 True
+grafting                    None                 None (grafting_config)
+grafting_eps                1e-10 AdaGrad,       AdaGrad 1e-10, RMSprop 1e-8, Adam 1e-8
+                            1e-8 RMSprop/Adam
+grafting_beta2              0.99 RMSprop,        RMSprop 0.99, Adam 0.999
+                            0.999 Adam
+root_dtype                  float32 (+ float64   float32 (+ float64 retry, use_protected_eigh)
+                            retry)
+=========================== ==================== =======================================
+
+Deliberate differences: ``eps`` is relative (``eps * ||L||_F`` is added to the diagonal), so the
+update stays invariant to the gradient's scale; 1e-6 because a relative damping below float32's
+resolution of the factors (1e-12) gives 3-5% root errors on rank-deficient gradients in float32.
+No ``use_merge_dims`` (Distributed Shampoo would flatten a matrix with ``m * n <=
+max_preconditioner_dim`` into a vector with one factor): a matrix here is always preconditioned
+as a matrix. ``max_aspect_ratio`` (ours) makes a block whose long/short side ratio exceeds it
+one-sided: only the small side's factor, exponent ``-1/2``. No coupled (L2) weight decay, no
+``beta3``, ``dampening``, ``exponent_multiplier`` or ``inv_root_override``.
+
+No host synchronisation inside :meth:`step` (no ``float()``, ``.item()`` or ``int()`` of a
+tensor): the step count is a Python int in the state, and the root's zero-factor guard is a
+tensor operation. A tensor ``lr`` is applied as a tensor.
+
+State per parameter (float32, or float64 for float64 parameters): ``step`` (a Python int);
+per block the factors and roots, keyed ``L``/``R``/``L_root``/``R_root`` when the matrix is
+one block and ``L_i_j`` ... for block ``(i, j)`` otherwise (one side only when one-sided);
+per element ``filtered_grad`` (``beta1 > 0``), ``momentum_buffer`` (``momentum > 0``) and
+``graft_state`` (AdaGrad/RMSprop/Adam grafting) -- what :func:`~..planning.cost.shampoo_cost`
+prices.
 """
 
 from __future__ import annotations
@@ -39,35 +84,59 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..planning.cost import SHAMPOO_COST, FunctionCostModel
-from ._common import MatrixOptimizer, as_float, matrix_inverse_root, state_dtype_for
+from ..planning.cost import (
+    SHAMPOO_COST,
+    FunctionCostModel,
+    block_sizes,
+    shampoo_cost,
+    shampoo_sides,
+)
+from ._common import MatrixOptimizer, matrix_inverse_root, state_dtype_for
 
-__all__ = ["Shampoo"]
+__all__ = ["Shampoo", "GRAFTING_TYPES"]
 
-_GRAFTING = (None, "sgd", "adagrad")
+GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
+_GRAFTING_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rmsprop": 1e-8, "adam": 1e-8}
+_GRAFTING_BETA2 = {"sgd": 1.0, "adagrad": 1.0, "rmsprop": 0.99, "adam": 0.999}
+# Distributed Shampoo adds this to the Shampoo direction's norm before grafting.
+_GRAFT_NORM_EPS = 1e-16
+
+
+def _block_slices(dim: int, block: int) -> list[slice]:
+    starts = range(0, dim, block)
+    return [slice(s, s + size) for s, size in zip(starts, block_sizes(dim, block))]
 
 
 class Shampoo(MatrixOptimizer):
-    """Two-sided (or optionally one-sided) Shampoo over whole 2D tensors.
+    """Blocked Shampoo with Distributed Shampoo's options over whole 2D tensors.
+
+    See the module docstring for the exact step and for the defaults next to Distributed
+    Shampoo's.
 
     Args:
         params: 2D parameters or parameter groups (named parameters work too).
         lr: learning rate (default 1e-3). A float or a one-element tensor.
-        beta2: factor EMA; 1.0 accumulates ``L += G G^T`` (default 1.0). For ``beta2 < 1``:
-            ``L = beta2 L + (1 - beta2) G G^T``.
+        betas: ``(beta1, beta2)``: gradient filtering (0 disables it) and the factors' EMA (1.0
+            sums) (default ``(0.9, 1.0)``).
         eps: relative damping: ``eps * ||L||_F`` is added to the diagonal before the root
-            (default 1e-12).
-        momentum: heavy-ball momentum on the preconditioned direction; 0 disables it and
-            keeps no buffer (default 0.0).
-        weight_decay: decoupled weight decay (default 0.0).
-        precondition_frequency: recompute the inverse roots every this many steps (default 1).
-        start_preconditioning_step: first step (1-based) that uses the preconditioner; earlier
-            steps use the graft's direction, or the raw gradient (default 1).
-        max_aspect_ratio: above this ``max(m,n)/min(m,n)`` use only the small side's factor
-            with exponent -1/2 (default None: always two-sided).
-        grafting: None, ``"sgd"`` or ``"adagrad"`` (default None).
-        grafting_eps: AdaGrad graft's denominator epsilon (default 1e-10).
-        root_dtype: precision of the eigendecomposition, float32 or float64 (default float64).
+            (default 1e-6).
+        momentum: momentum on the search direction; 0 keeps no buffer (default 0.0).
+        nesterov: Nesterov momentum (default False).
+        weight_decay: decoupled weight decay, added to the search direction (default 0.0).
+        max_preconditioner_dim: block size per side (default 1024).
+        precondition_frequency: recompute the roots every this many steps (default 1).
+        start_preconditioning_step: first step that uses Shampoo's direction; -1 means
+            ``precondition_frequency`` (default -1).
+        max_aspect_ratio: blocks whose long/short side ratio exceeds this are one-sided
+            (default None: always two-sided).
+        grafting: None, ``"sgd"``, ``"adagrad"``, ``"rmsprop"`` or ``"adam"`` (default None).
+        grafting_beta2: the RMSprop/Adam graft's EMA factor (default 0.99 / 0.999).
+        grafting_eps: the graft's denominator epsilon (default 1e-10 AdaGrad, 1e-8 otherwise).
+        use_bias_correction: bias-correct the filtered gradient, the EMA factors and Adam's
+            graft (default True).
+        root_dtype: precision of the eigendecomposition, float32 or float64 (default float32,
+            retried in float64 when it fails to converge).
+        beta2: the factors' EMA factor; overrides ``betas[1]`` when given (default None).
 
     Raises:
         ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
@@ -81,147 +150,247 @@ class Shampoo(MatrixOptimizer):
         self,
         params: Any,
         lr: float | Tensor = 1e-3,
-        beta2: float = 1.0,
-        eps: float = 1e-12,
+        betas: tuple[float, float] = (0.9, 1.0),
+        eps: float = 1e-6,
         momentum: float = 0.0,
+        nesterov: bool = False,
         weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
         precondition_frequency: int = 1,
-        start_preconditioning_step: int = 1,
+        start_preconditioning_step: int = -1,
         max_aspect_ratio: float | None = None,
         grafting: str | None = None,
-        grafting_eps: float = 1e-10,
-        root_dtype: torch.dtype = torch.float64,
+        grafting_beta2: float | None = None,
+        grafting_eps: float | None = None,
+        use_bias_correction: bool = True,
+        root_dtype: torch.dtype = torch.float32,
+        beta2: float | None = None,
     ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 < beta2 <= 1.0:
-            raise ValueError(f"beta2 must be in (0, 1], got {beta2}")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be (beta1, beta2), got {betas}")
+        beta1, factor_beta2 = betas[0], betas[1] if beta2 is None else beta2
+        if not 0.0 <= beta1 < 1.0:
+            raise ValueError(f"beta1 (betas[0]) must be in [0, 1), got {beta1}")
+        if not 0.0 < factor_beta2 <= 1.0:
+            raise ValueError(f"beta2 must be in (0, 1], got {factor_beta2}")
         if not 0.0 <= eps:
             raise ValueError(f"eps must be >= 0, got {eps}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if int(precondition_frequency) < 1:
-            raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-        if int(start_preconditioning_step) < 1:
+        if not (isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1):
             raise ValueError(
-                f"start_preconditioning_step must be >= 1, got {start_preconditioning_step}"
+                f"max_preconditioner_dim must be an int >= 1, got {max_preconditioner_dim!r}"
+            )
+        if not (isinstance(precondition_frequency, int) and precondition_frequency >= 1):
+            raise ValueError(
+                f"precondition_frequency must be an int >= 1, got {precondition_frequency!r}"
+            )
+        if start_preconditioning_step == -1:
+            start_preconditioning_step = precondition_frequency
+        if not (isinstance(start_preconditioning_step, int) and start_preconditioning_step >= 1):
+            raise ValueError(
+                "start_preconditioning_step must be -1 (= precondition_frequency) or an int >= 1, "
+                f"got {start_preconditioning_step!r}"
             )
         if max_aspect_ratio is not None and not max_aspect_ratio >= 1.0:
             raise ValueError(f"max_aspect_ratio must be None or >= 1, got {max_aspect_ratio}")
-        if grafting not in _GRAFTING:
-            raise ValueError(f"grafting must be one of {_GRAFTING}, got {grafting!r}")
+        if grafting not in GRAFTING_TYPES:
+            raise ValueError(f"grafting must be one of {GRAFTING_TYPES}, got {grafting!r}")
+        if grafting_beta2 is None:
+            grafting_beta2 = _GRAFTING_BETA2.get(grafting or "sgd", 1.0)
+        if grafting_eps is None:
+            grafting_eps = _GRAFTING_EPS.get(grafting or "sgd", 0.0)
+        if not 0.0 < grafting_beta2 <= 1.0:
+            raise ValueError(f"grafting_beta2 must be in (0, 1], got {grafting_beta2}")
+        if grafting in ("rmsprop", "adam") and grafting_beta2 == 1.0:
+            raise ValueError(f"grafting={grafting!r} needs grafting_beta2 < 1; use 'adagrad'")
+        if not 0.0 <= grafting_eps:
+            raise ValueError(f"grafting_eps must be >= 0, got {grafting_eps}")
         if root_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"root_dtype must be torch.float32 or torch.float64, got {root_dtype}")
         defaults = {
             "lr": lr,
-            "beta2": beta2,
+            "betas": (beta1, factor_beta2),
             "eps": eps,
             "momentum": momentum,
+            "nesterov": nesterov,
             "weight_decay": weight_decay,
-            "precondition_frequency": int(precondition_frequency),
-            "start_preconditioning_step": int(start_preconditioning_step),
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "precondition_frequency": precondition_frequency,
+            "start_preconditioning_step": start_preconditioning_step,
             "max_aspect_ratio": max_aspect_ratio,
             "grafting": grafting,
+            "grafting_beta2": grafting_beta2,
             "grafting_eps": grafting_eps,
+            "use_bias_correction": use_bias_correction,
             "root_dtype": root_dtype,
         }
         super().__init__(params, defaults)
+        # This instance's own price (blocks, caps, frequency), for planners given the instance.
+        self.cost_model = shampoo_cost(
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            max_aspect_ratio=max_aspect_ratio,
+            filtered_grad=beta1 > 0,
+            momentum=momentum > 0,
+            grafting_state=grafting not in (None, "sgd"),
+        )
 
+    # -- blocks ----------------------------------------------------------------------------------
     @staticmethod
-    def _sides(shape: torch.Size, max_aspect_ratio: float | None) -> tuple[bool, bool]:
-        """Which factors to keep: ``(use_left, use_right)``."""
+    def block_keys(
+        shape: torch.Size | tuple[int, ...], group: dict[str, Any]
+    ) -> list[tuple[str, slice, slice, bool, bool]]:
+        """Per block: ``(key suffix, row slice, column slice, has left, has right)``.
+
+        The suffix is ``""`` when the matrix is a single block (state keys ``L``, ``R``, ...)
+        and ``"_i_j"`` for block ``(i, j)`` otherwise.
+        """
         m, n = int(shape[0]), int(shape[1])
-        if max_aspect_ratio is not None and max(m, n) / min(m, n) > max_aspect_ratio:
-            return (m < n, m >= n)
-        return (True, True)
+        size = group["max_preconditioner_dim"]
+        rows, cols = _block_slices(m, size), _block_slices(n, size)
+        single = len(rows) == 1 and len(cols) == 1
+        out = []
+        for i, rs in enumerate(rows):
+            for j, cs in enumerate(cols):
+                r, c = rs.stop - rs.start, cs.stop - cs.start
+                left, right = shampoo_sides(r, c, group["max_aspect_ratio"])
+                out.append(("" if single else f"_{i}_{j}", rs, cs, left, right))
+        return out
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
-        dtype = state_dtype_for(p)
-        m, n = p.shape
-        use_left, use_right = self._sides(p.shape, group["max_aspect_ratio"])
-        state["step"] = torch.tensor(0, dtype=torch.int64)
-        if use_left:
-            state["L"] = torch.zeros(m, m, dtype=dtype, device=p.device)
-            state["L_root"] = torch.eye(m, dtype=dtype, device=p.device)
-        if use_right:
-            state["R"] = torch.zeros(n, n, dtype=dtype, device=p.device)
-            state["R_root"] = torch.eye(n, dtype=dtype, device=p.device)
+        kw = {"dtype": state_dtype_for(p), "device": p.device}
+        state["step"] = 0
+        for suffix, rs, cs, left, right in self.block_keys(p.shape, group):
+            r, c = rs.stop - rs.start, cs.stop - cs.start
+            if left:
+                state[f"L{suffix}"] = torch.zeros(r, r, **kw)
+                state[f"L_root{suffix}"] = torch.eye(r, **kw)
+            if right:
+                state[f"R{suffix}"] = torch.zeros(c, c, **kw)
+                state[f"R_root{suffix}"] = torch.eye(c, **kw)
+        if group["betas"][0] > 0:
+            state["filtered_grad"] = torch.zeros(p.shape, **kw)
         if group["momentum"] > 0:
-            state["momentum_buffer"] = torch.zeros(m, n, dtype=dtype, device=p.device)
-        if group["grafting"] == "adagrad":
-            state["graft_sum"] = torch.zeros(m, n, dtype=dtype, device=p.device)
+            state["momentum_buffer"] = torch.zeros(p.shape, **kw)
+        if group["grafting"] not in (None, "sgd"):
+            state["graft_state"] = torch.zeros(p.shape, **kw)
         return state
 
+    # -- the step --------------------------------------------------------------------------------
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr = as_float(group["lr"])
-        beta2 = group["beta2"]
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
         grafting = group["grafting"]
+        bias_correction = group["use_bias_correction"]
+        start = group["start_preconditioning_step"]
+        frequency = group["precondition_frequency"]
         for p, grad in self._grads(group):
             state = self.state[p]
             if "step" not in state:
                 state = self._init_state(p, group)
             state["step"] += 1
-            step = int(state["step"])
-            has_left, has_right = "L" in state, "R" in state
-            ref = state["L"] if has_left else state["R"]
-            g = grad.to(ref.dtype)
+            t: int = state["step"]
+            dtype = state_dtype_for(p)
+            g = grad.to(dtype)
+            blocks = self.block_keys(p.shape, group)
 
-            # 1. Kronecker factors see the raw gradient every step.
-            if has_left:
-                outer = g @ g.T
-                if beta2 == 1.0:
-                    state["L"].add_(outer)
-                else:
-                    state["L"].mul_(beta2).add_(outer, alpha=1 - beta2)
-            if has_right:
-                outer = g.T @ g
-                if beta2 == 1.0:
-                    state["R"].add_(outer)
-                else:
-                    state["R"].mul_(beta2).add_(outer, alpha=1 - beta2)
+            # 1. Factors (raw gradient, every step).
+            for suffix, rs, cs, left, right in blocks:
+                gb = g[rs, cs]
+                for side, has, outer in (("L", left, gb @ gb.T if left else None),
+                                         ("R", right, gb.T @ gb if right else None)):
+                    if not has:
+                        continue
+                    factor: Tensor = state[f"{side}{suffix}"]
+                    if beta2 == 1.0:
+                        factor.add_(outer)
+                    else:
+                        factor.mul_(beta2).add_(outer, alpha=1 - beta2)
 
-            # 2. The graft's direction (if any).
+            # 2. Grafting state (raw gradient, per element).
+            graft_beta2 = group["grafting_beta2"]
+            if grafting == "adagrad":
+                state["graft_state"].addcmul_(g, g)
+            elif grafting in ("rmsprop", "adam"):
+                state["graft_state"].mul_(graft_beta2).addcmul_(g, g, value=1 - graft_beta2)
+
+            # 3. Filtered gradient.
+            if beta1 > 0:
+                filtered: Tensor = state["filtered_grad"]
+                filtered.lerp_(g, 1 - beta1)
+                gf = filtered / (1 - beta1**t) if bias_correction else filtered
+            else:
+                gf = g
+
+            # 4. The graft's direction.
             graft: Tensor | None = None
             if grafting == "sgd":
-                graft = g
-            elif grafting == "adagrad":
-                if "graft_sum" not in state:
-                    state["graft_sum"] = torch.zeros_like(g)
-                state["graft_sum"].addcmul_(g, g)
-                graft = g / (state["graft_sum"].sqrt() + group["grafting_eps"])
+                graft = gf
+            elif grafting is not None:
+                v = state["graft_state"]
+                if grafting == "adam" and bias_correction:
+                    v = v / (1 - graft_beta2**t)
+                graft = gf / (v.sqrt() + group["grafting_eps"])
 
-            # 3. Preconditioned direction.
-            start = group["start_preconditioning_step"]
-            if step >= start:
-                if (step - start) % group["precondition_frequency"] == 0:
-                    exponent = 4.0 if (has_left and has_right) else 2.0
-                    for side in ("L", "R"):
-                        if side in state:
-                            state[f"{side}_root"] = matrix_inverse_root(
-                                state[side], exponent, group["eps"], root_dtype=group["root_dtype"]
-                            )
-                direction = g
-                if has_left:
-                    direction = state["L_root"] @ direction
-                if has_right:
-                    direction = direction @ state["R_root"]
-                if graft is not None:
-                    d_norm = torch.linalg.matrix_norm(direction)
-                    g_norm = torch.linalg.matrix_norm(graft)
-                    direction = direction * (g_norm / d_norm.clamp_min(torch.finfo(g.dtype).tiny))
+            # 5. Roots (Distributed Shampoo's schedule) and the search direction.
+            if t < start:
+                direction = graft if graft is not None else gf
             else:
-                direction = graft if graft is not None else g
+                if t == start or t % frequency == 0:
+                    self._compute_roots(state, blocks, group, t)
+                direction = torch.empty_like(gf)
+                for suffix, rs, cs, left, right in blocks:
+                    d = gf[rs, cs]
+                    if left:
+                        d = state[f"L_root{suffix}"] @ d
+                    if right:
+                        d = d @ state[f"R_root{suffix}"]
+                    if graft is not None:
+                        scale = torch.linalg.matrix_norm(graft[rs, cs]) / (
+                            torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS
+                        )
+                        d = d * scale
+                    direction[rs, cs] = d
 
-            # 4. Momentum on the search direction, decoupled weight decay, update.
-            if group["momentum"] > 0:
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
-                buf.mul_(group["momentum"]).add_(direction)
-                direction = buf
+            # 6. Decoupled weight decay, momentum, update.
             if group["weight_decay"] != 0:
-                p.mul_(1 - lr * group["weight_decay"])
-            p.add_(direction.to(p.dtype), alpha=-lr)
+                direction = direction + group["weight_decay"] * p.to(dtype)
+            if group["momentum"] > 0:
+                buf: Tensor = state["momentum_buffer"]
+                buf.mul_(group["momentum"]).add_(direction)
+                direction = direction + group["momentum"] * buf if group["nesterov"] else buf
+            if isinstance(lr, Tensor):
+                p.sub_((direction * lr.to(direction.device)).to(p.dtype))
+            else:
+                p.add_(direction.to(p.dtype), alpha=-lr)
+
+    @staticmethod
+    def _compute_roots(
+        state: dict[str, Any],
+        blocks: list[tuple[str, slice, slice, bool, bool]],
+        group: dict[str, Any],
+        t: int,
+    ) -> None:
+        beta2 = group["betas"][1]
+        correction = 1.0
+        if group["use_bias_correction"] and beta2 < 1.0:
+            correction = 1.0 - beta2**t
+        for suffix, _, _, left, right in blocks:
+            exponent = 4.0 if (left and right) else 2.0
+            for side, has in (("L", left), ("R", right)):
+                if not has:
+                    continue
+                factor = state[f"{side}{suffix}"]
+                if correction != 1.0:
+                    factor = factor / correction
+                state[f"{side}_root{suffix}"] = matrix_inverse_root(
+                    factor, exponent, group["eps"], root_dtype=group["root_dtype"]
+                )
