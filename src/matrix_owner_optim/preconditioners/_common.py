@@ -154,7 +154,13 @@ class MatrixOptimizer(Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
-                require_2d(p, self._NAME, self._param_name(group, i))
+                self._check_shape(p, group, self._param_name(group, i), "parameter")
+
+    def _check_shape(
+        self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str
+    ) -> None:
+        """Raise unless ``tensor`` has a shape this optimizer takes (2D here; SOAP widens it)."""
+        require_2d(tensor, self._NAME, name, what=what)
 
     @staticmethod
     def _param_name(group: Mapping[str, Any], index: int) -> str | None:
@@ -173,7 +179,7 @@ class MatrixOptimizer(Optimizer):
                 raise RuntimeError(f"{self._NAME} does not support sparse gradients")
             if torch.is_complex(grad):
                 raise RuntimeError(f"{self._NAME} does not support complex parameters")
-            require_2d(grad, self._NAME, self._param_name(group, i), what="gradient")
+            self._check_shape(grad, group, self._param_name(group, i), "gradient")
             yield p, grad
 
     def _step_group(self, group: dict[str, Any]) -> None:  # pragma: no cover - abstract

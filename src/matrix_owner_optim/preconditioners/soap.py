@@ -31,20 +31,35 @@ Step order (following the official code, github.com/nikhilvyas/SOAP, for 2D tens
    between projecting and projecting back, and ``v`` holds squares). So with distinct
    eigenvalues the update is equivariant to orthogonal rotations ``G -> U G V^T``.
 
+Options of the reference implementation, with its defaults:
+
+* ``max_precond_dim`` (10000): a dimension larger than this keeps no factor and is left
+  unrotated (identity basis), so a vocabulary-sized side never gets a ``V x V`` factor or an
+  eigendecomposition; Adam still runs on it, in the other side's eigenbasis.
+* ``merge_dims`` (False): precondition the matrix in a merged shape: adjacent dimensions are
+  merged while their product stays within ``max_precond_dim`` (see
+  :func:`~..planning.cost.soap_working_shape`), so an ``m x n`` matrix with ``m n <=
+  max_precond_dim`` is preconditioned as one vector with a single ``mn x mn`` factor.
+* ``precondition_1d`` (False): give 1D parameters a factor (when within ``max_precond_dim``);
+  only then does this class accept 1D parameters (without it the reference runs plain Adam on
+  them, which is the tail optimizer's job).
+* ``normalize_grads`` (False): divide the projected-back update by its RMS (``+1e-30``).
+
 State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
-``exp_avg``, ``exp_avg_sq`` (m x n), ``L``, ``R``, ``QL``, ``QR`` -- what
-``planning.cost.SOAP_COST`` assumes.
+``exp_avg``, ``exp_avg_sq`` (the parameter's shape), and per preconditioned side ``L``/``QL``
+(rows, or the merged vector) and ``R``/``QR`` (columns) -- what
+:func:`~..planning.cost.soap_cost` prices.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-from ..planning.cost import SOAP_COST, FunctionCostModel
-from ._common import MatrixOptimizer, as_float, state_dtype_for
+from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
+from ._common import MatrixOptimizer, as_float, require_2d, state_dtype_for
 
 __all__ = ["SOAP"]
 
@@ -78,7 +93,8 @@ class SOAP(MatrixOptimizer):
     """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors.
 
     Args:
-        params: 2D parameters or parameter groups (named parameters work too).
+        params: 2D parameters or parameter groups (named parameters work too); 1D parameters
+            too when ``precondition_1d``.
         lr: learning rate (default 3e-3). A float or a one-element tensor.
         betas: Adam's ``(beta1, beta2)`` (default ``(0.95, 0.95)``).
         shampoo_beta: EMA factor of ``L``/``R`` (default None = ``betas[1]``).
@@ -86,6 +102,11 @@ class SOAP(MatrixOptimizer):
         weight_decay: decoupled weight decay, applied after the update (default 0.01).
         precondition_frequency: refresh the eigenbases every this many Adam steps (default 10).
         correct_bias: Adam bias correction (default True).
+        max_precond_dim: dimensions above this keep no factor and stay unrotated
+            (default 10000, the reference's).
+        merge_dims: precondition in the merged shape (default False).
+        precondition_1d: give 1D tensors a factor, and accept 1D parameters (default False).
+        normalize_grads: divide the update by its RMS (default False).
 
     Raises:
         ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
@@ -105,6 +126,10 @@ class SOAP(MatrixOptimizer):
         weight_decay: float = 0.01,
         precondition_frequency: int = 10,
         correct_bias: bool = True,
+        max_precond_dim: int = 10000,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+        normalize_grads: bool = False,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
@@ -118,6 +143,8 @@ class SOAP(MatrixOptimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if int(precondition_frequency) < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+        if not (isinstance(max_precond_dim, int) and max_precond_dim >= 1):
+            raise ValueError(f"max_precond_dim must be an int >= 1, got {max_precond_dim!r}")
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -126,8 +153,45 @@ class SOAP(MatrixOptimizer):
             "weight_decay": weight_decay,
             "precondition_frequency": int(precondition_frequency),
             "correct_bias": correct_bias,
+            "max_precond_dim": max_precond_dim,
+            "merge_dims": merge_dims,
+            "precondition_1d": precondition_1d,
+            "normalize_grads": normalize_grads,
         }
         super().__init__(params, defaults)
+        # This instance's own price (cap, merged shape, refresh interval), for planners.
+        self.cost_model = soap_cost(
+            max_precond_dim=max_precond_dim,
+            merge_dims=merge_dims,
+            precondition_frequency=int(precondition_frequency),
+        )
+
+    def _check_shape(
+        self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str
+    ) -> None:
+        if tensor.ndim == 1 and group.get("precondition_1d", False):
+            return
+        require_2d(tensor, self._NAME, name, what=what)
+
+    @staticmethod
+    def layout(
+        shape: torch.Size | tuple[int, ...], group: dict[str, Any]
+    ) -> tuple[tuple[int, int], bool, bool]:
+        """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates.
+
+        ``(a, b)`` is the parameter itself, or ``(k, 1)`` for a vector (a 1D parameter, or a
+        matrix that ``merge_dims`` merged into one vector); a side is rotated when it has at
+        most ``max_precond_dim`` elements (and, for a 1D parameter, ``precondition_1d``).
+        """
+        cap = group["max_precond_dim"]
+        if len(shape) == 1:
+            k = int(shape[0])
+            return (k, 1), bool(group["precondition_1d"]) and k <= cap, False
+        m, n = int(shape[0]), int(shape[1])
+        work = soap_working_shape(m, n, cap, bool(group["merge_dims"]))
+        if len(work) == 1:
+            return (m * n, 1), work[0] <= cap, False
+        return (m, n), m <= cap, n <= cap
 
     def _step_group(self, group: dict[str, Any]) -> None:
         lr = as_float(group["lr"])
@@ -137,51 +201,66 @@ class SOAP(MatrixOptimizer):
             shampoo_beta = beta2
         for p, grad in self._grads(group):
             state = self.state[p]
-            if "QL" not in state:
+            (a, b), left, right = self.layout(p.shape, group)
+            if "exp_avg" not in state:
                 # First step: build the factors and bases from this gradient, do not update.
                 dtype = state_dtype_for(p)
-                g = grad.to(dtype)
-                m, n = p.shape
+                g = grad.to(dtype).reshape(a, b)
+                kw = {"dtype": dtype, "device": p.device}
                 state["step"] = torch.tensor(0, dtype=torch.int64)
-                state["exp_avg"] = torch.zeros(m, n, dtype=dtype, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(m, n, dtype=dtype, device=p.device)
-                state["L"] = torch.zeros(m, m, dtype=dtype, device=p.device)
-                state["R"] = torch.zeros(n, n, dtype=dtype, device=p.device)
-                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
-                state["QL"] = _eigh_basis(state["L"])
-                state["QR"] = _eigh_basis(state["R"])
+                state["exp_avg"] = torch.zeros(p.shape, **kw)
+                state["exp_avg_sq"] = torch.zeros(p.shape, **kw)
+                if left:
+                    state["L"] = torch.zeros(a, a, **kw).lerp_(g @ g.T, 1 - shampoo_beta)
+                    state["QL"] = _eigh_basis(state["L"])
+                if right:
+                    state["R"] = torch.zeros(b, b, **kw).lerp_(g.T @ g, 1 - shampoo_beta)
+                    state["QR"] = _eigh_basis(state["R"])
                 continue
 
-            ql: Tensor = state["QL"]
-            qr: Tensor = state["QR"]
-            g = grad.to(ql.dtype)
+            ql: Tensor | None = state.get("QL")
+            qr: Tensor | None = state.get("QR")
+            exp_avg: Tensor = state["exp_avg"]
+            g = grad.to(exp_avg.dtype).reshape(a, b)
             state["step"] += 1
             step = int(state["step"])
 
-            g_rot = ql.T @ g @ qr
-            exp_avg: Tensor = state["exp_avg"]
-            exp_avg_sq: Tensor = state["exp_avg_sq"]
-            exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+            def project(x: Tensor) -> Tensor:
+                x = ql.T @ x if ql is not None else x
+                return x @ qr if qr is not None else x
+
+            def project_back(x: Tensor) -> Tensor:
+                x = ql @ x if ql is not None else x
+                return x @ qr.T if qr is not None else x
+
+            g_rot = project(g)
+            exp_avg.mul_(beta1).add_(grad.to(exp_avg.dtype), alpha=1 - beta1)
+            exp_avg_sq = state["exp_avg_sq"].view(a, b)
             exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
             denom = exp_avg_sq.sqrt().add_(group["eps"])
-            m_rot = ql.T @ exp_avg @ qr
+            m_rot = project(exp_avg.view(a, b))
 
             step_size = lr
             if group["correct_bias"]:
                 bias_correction1 = 1.0 - beta1**step
                 bias_correction2 = 1.0 - beta2**step
                 step_size = lr * (bias_correction2**0.5) / bias_correction1
-            direction = ql @ (m_rot / denom) @ qr.T
-            p.add_(direction.to(p.dtype), alpha=-step_size)
+            direction = project_back(m_rot / denom)
+            if group["normalize_grads"]:
+                direction = direction / (1e-30 + direction.square().mean().sqrt())
+            p.add_(direction.reshape(p.shape).to(p.dtype), alpha=-step_size)
             if group["weight_decay"] > 0.0:
                 p.mul_(1 - lr * group["weight_decay"])
 
             # Update the factors after the step, so the current gradient never shapes its own
             # projection; refresh the bases every precondition_frequency Adam steps.
-            state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-            state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
+            if ql is not None:
+                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
+            if qr is not None:
+                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
             if step % group["precondition_frequency"] == 0:
-                state["QL"], exp_avg_sq = _refresh_basis(state["L"], ql, exp_avg_sq, 0)
-                state["QR"], exp_avg_sq = _refresh_basis(state["R"], qr, exp_avg_sq, 1)
-                state["exp_avg_sq"] = exp_avg_sq
+                if ql is not None:
+                    state["QL"], exp_avg_sq = _refresh_basis(state["L"], ql, exp_avg_sq, 0)
+                if qr is not None:
+                    state["QR"], exp_avg_sq = _refresh_basis(state["R"], qr, exp_avg_sq, 1)
+                state["exp_avg_sq"] = exp_avg_sq.reshape(p.shape)
