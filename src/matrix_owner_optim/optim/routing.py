@@ -4,18 +4,29 @@
 come, in order of precedence, from a ``"role"`` key of a param group, from ``roles=`` globs
 (wherever names are known), from the parameter's :class:`MatrixShard` (after ``fully_shard``),
 from the module types (when a module is given), from the name, and finally from the shape.
+
+Routing by shape alone (``model.parameters()`` of a model that is not sharded: DDP or one
+process) cannot tell an embedding table or an output head from a weight matrix, so it sends
+every 2D tensor to the matrix optimizer. That is allowed but never silent: one warning per
+param group lists every parameter routed so, and says how to give names.
+
+A >2D tensor in the ``matrix`` role is updated through a 2D ``(out, rest)`` view of its storage;
+one whose memory layout admits no such view (a channels-last conv kernel) is refused here,
+naming it, because a flattening copy would be updated instead of the parameter.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ..planning.metadata import MatrixShard, Role, get_matrix_shard, is_awaiting_shard, parse_role
+from ..planning.metadata import MatrixShard, Role, ensure_sharded, get_matrix_shard, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, validate_role
+from ..tensors import is_dtensor
 
 __all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles"]
 
@@ -39,7 +50,9 @@ class RoutedParam:
 
     @property
     def label(self) -> str:
-        return self.name if self.name is not None else f"parameter #{self.index} {tuple(self.param.shape)}"
+        if self.name is not None:
+            return self.name
+        return f"parameter #{self.index} {tuple(self.param.shape)}"
 
 
 @dataclass
@@ -94,7 +107,9 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
         routed = []
         for name, p in _named(ps):
             if id(p) in seen:
-                raise ValueError(f"parameter {name or tuple(p.shape)} appears in more than one group")
+                raise ValueError(
+                    f"parameter {name or tuple(p.shape)} appears in more than one group"
+                )
             seen.add(id(p))
             routed.append(RoutedParam(p, name, index))
             index += 1
@@ -111,16 +126,17 @@ def resolve_roles(
     *,
     check_globs: bool = True,
 ) -> None:
-    """Fill ``role`` (and ``shard``) of every :class:`RoutedParam`, validating matrix shapes."""
+    """Fill ``role`` (and ``shard``) of every :class:`RoutedParam`, validating matrix shapes.
+
+    Warns once per group listing the parameters routed to ``matrix`` by their shape alone
+    (no name, no sharding plan, no module), and raises for a >2D ``matrix`` whose memory
+    layout has no 2D view.
+    """
     for g in groups:
+        by_shape: list[str] = []
         for rp in g.params:
-            if is_awaiting_shard(rp.param):
-                raise ValueError(
-                    f"parameter {rp.label!r} belongs to a module passed to fully_shard that is not "
-                    "sharded yet: call fully_shard on the root model (after the blocks) before "
-                    "building the optimizer, so it receives the sharded parameters"
-                )
-            rp.shard = get_matrix_shard(rp.param)
+            # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
+            rp.shard = ensure_sharded(rp.param)
             names = []
             if rp.name is not None:
                 names.append(rp.name)
@@ -140,12 +156,45 @@ def resolve_roles(
                 role = role_from_name(rp.name, shape)
             else:
                 role = Role.MATRIX if len(shape) == 2 else Role.TAIL
+                if role is Role.MATRIX:
+                    by_shape.append(rp.label)
             validate_role(rp.label, shape, role)
+            if role is Role.MATRIX:
+                _require_matrix_view(rp)
             if rp.shard is not None and rp.shard.role is Role.SHARDED and role is Role.MATRIX:
                 raise ValueError(
-                    f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot be "
-                    "routed to the matrix optimizer; re-plan with roles={...: 'matrix'} in fully_shard"
+                    f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot "
+                    "be routed to the matrix optimizer; re-plan with roles={...: 'matrix'} in "
+                    "fully_shard"
                 )
             rp.role = role
+        if by_shape:
+            warnings.warn(
+                f"{len(by_shape)} parameter(s) without names were routed by shape alone to the "
+                f"matrix optimizer: {', '.join(by_shape)}. An embedding table or an output head "
+                "among them gets the matrix optimizer. Pass the model itself or "
+                "model.named_parameters() (roles by module type or name), or param groups "
+                "with a 'role'.",
+                UserWarning,
+                stacklevel=5,  # the caller of OwnerRoutedOptimizer(...)
+            )
     if check_globs:
         overrides.check_all_used()
+
+
+def _require_matrix_view(rp: RoutedParam) -> None:
+    """Refuse a >2D matrix whose storage has no ``(out, rest)`` view (e.g. channels-last)."""
+    param = rp.param
+    if param.dim() <= 2 or param.numel() == 0 or is_dtensor(param):
+        return
+    try:
+        param.detach().view(param.shape[0], -1)
+    except RuntimeError:
+        layout = "channels_last" if param.is_contiguous(memory_format=torch.channels_last) \
+            else f"strides {tuple(param.stride())}"
+        raise ValueError(
+            f"parameter {rp.label!r} (shape {tuple(param.shape)}, {layout}) takes role 'matrix' "
+            "but its memory has no 2D (out, rest) view, so the matrix optimizer would update a "
+            "copy. Make it contiguous (model.to(memory_format=torch.contiguous_format)) or "
+            f"route it to the tail (roles={{{rp.label!r}: 'tail'}})."
+        ) from None

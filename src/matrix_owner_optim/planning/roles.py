@@ -1,8 +1,11 @@
 """Default roles and user overrides.
 
 From a module: weights of ``nn.Linear`` (and any other 2D parameter used as a matrix) are
-``matrix``; ``nn.Embedding`` weights and output heads that are tied to an embedding or have
-an embedding table's shape are ``sharded``; everything else is ``tail``.
+``matrix``; ``nn.Embedding`` weights and output heads are ``sharded``; everything else is
+``tail``. An output head is a Linear tied to an embedding (the same weight), named like a head
+(see :data:`EMBEDDING_NAME_HINTS`), or the model's final projection (see
+:func:`final_projection`) -- never just any Linear whose weight has the vocabulary table's
+shape: with ``vocab = 4 d`` every MLP up-projection has that shape.
 From names alone (``model.named_parameters()`` handed to an optimizer): 2D tensors are
 ``matrix`` unless their name marks them as an embedding or an output head.
 Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
@@ -26,6 +29,7 @@ __all__ = [
     "role_from_name",
     "specs_from_module",
     "module_roles",
+    "final_projection",
     "validate_role",
 ]
 
@@ -111,18 +115,39 @@ def role_from_name(fqn: str, shape: tuple[int, ...]) -> Role:
     return Role.TAIL
 
 
+def final_projection(model: nn.Module, vocab_sizes: set[int]) -> nn.Linear | None:
+    """The model's final projection onto a vocabulary, if it has one.
+
+    That is the last ``nn.Linear`` registered in ``model`` when (a) its ``out_features`` is a
+    vocabulary size (the row count of an embedding table with more rows than columns) and (b) it
+    is the only Linear among its parent module's direct children. (b) keeps a block's own
+    projections out: in a model whose head is tied functionally (no head module), the last
+    Linear is inside the last block (e.g. an MLP's ``w3``), next to its siblings.
+    """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears or not vocab_sizes:
+        return None
+    name, last = linears[-1]
+    if last.out_features not in vocab_sizes:
+        return None
+    parent = name.rpartition(".")[0]
+    siblings = [n for n, _ in linears if n.rpartition(".")[0] == parent]
+    return last if len(siblings) == 1 else None
+
+
 def module_roles(model: nn.Module) -> dict[int, Role]:
     """Default role of every parameter object of ``model``, keyed by ``id``."""
     embedding_ids: set[int] = set()
-    vocab_shapes: set[tuple[int, ...]] = set()
+    vocab_sizes: set[int] = set()
     for module in model.modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             embedding_ids.add(id(module.weight))
             rows, cols = module.weight.shape
             # Only a table with more rows than columns reads as a vocabulary; a square
-            # positional table would otherwise mark every d x d projection as a head.
+            # positional table would otherwise make a d x d projection look like a head.
             if rows > cols:
-                vocab_shapes.add((int(rows), int(cols)))
+                vocab_sizes.add(int(rows))
+    head = final_projection(model, vocab_sizes)
     roles: dict[int, Role] = {}
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
@@ -130,13 +155,11 @@ def module_roles(model: nn.Module) -> dict[int, Role]:
                 continue
             fqn = f"{mod_name}.{p_name}" if mod_name else p_name
             shape = tuple(param.shape)
-            if id(param) in embedding_ids:
+            if id(param) in embedding_ids:  # an embedding, or a head tied to one
                 roles[id(param)] = Role.SHARDED
             elif isinstance(module, nn.Linear) and p_name == "weight":
-                # An output head: tied to an embedding (caught above), shaped like a
-                # vocabulary table, or named like a head.
-                head = shape in vocab_shapes or role_from_name(fqn, shape) is Role.SHARDED
-                roles[id(param)] = Role.SHARDED if head else Role.MATRIX
+                is_head = module is head or role_from_name(fqn, shape) is Role.SHARDED
+                roles[id(param)] = Role.SHARDED if is_head else Role.MATRIX
             elif len(shape) == 2 and not isinstance(module, nn.modules.conv._ConvNd):
                 roles[id(param)] = role_from_name(fqn, shape)
             else:
