@@ -181,6 +181,7 @@ class DTensorPlacement(Placement):
         self._buckets: dict[tuple[Any, int, torch.dtype], _Bucket] = {}
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
+        self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
 
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
@@ -228,6 +229,7 @@ class DTensorPlacement(Placement):
                     row_numel *= int(d)
                 m = _Matrix(rp, rows, row_numel, owner)
                 rp.owner = owner
+                self._group_of[id(rp)] = bucket.group
                 if owner == me:
                     m.full = torch.zeros(shape, dtype=dtype, device=local.device)
                     rp.proxy = m.full if len(shape) == 2 else m.full.view(shape[0], -1)
@@ -333,6 +335,58 @@ class DTensorPlacement(Placement):
         for rp in self.entries:
             if rp.proxy is not None:
                 rp.proxy.grad = None
+
+    # -- state dicts ---------------------------------------------------------------------------
+    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        """A matrix's state (on its owner's full copy): an ``OwnedTensor`` over the shard group;
+        shard-local state (tail): a DTensor with the parameter's mesh and placements."""
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        p = rp.param
+        if rp.owner is not None:
+            from ..sharding.state_dict import OwnedTensor, mesh_of_group
+
+            mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
+            return OwnedTensor.make(value, rp.owner, mesh, tuple(value.shape), value.dtype)
+        local = _local(p)
+        if tuple(value.shape) != tuple(local.shape):
+            raise ValueError(
+                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; shard-local "
+                f"state must be per element (local shard {tuple(local.shape)}) or a scalar"
+            )
+        return DTensor.from_local(value, p.device_mesh, list(p.placements), run_check=False,  # type: ignore[attr-defined]
+                                  shape=p.shape, stride=p.stride())
+
+    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        from .placements import plain_local
+
+        what = f"optimizer state {key!r} of {rp.label!r}"
+        if not isinstance(value, torch.Tensor):
+            return value
+        if rp.owner is not None or value.dim() == 0:
+            from ..sharding.state_dict import OwnedTensor
+
+            if isinstance(value, OwnedTensor):
+                if value.owner != rp.owner or not value.is_owner:
+                    raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
+                                     f"{rp.owner} here; load a full state dict or go through DCP")
+                return value._local_tensor
+            return plain_local(value, what)
+        p = rp.param
+        if isinstance(value, DTensor) and value.device_mesh == p.device_mesh \
+                and tuple(value.placements) == tuple(p.placements):  # type: ignore[attr-defined]
+            return _local(value)
+        full = plain_local(value, what)
+        if tuple(full.shape) != tuple(p.shape):
+            local = _local(p)
+            if tuple(full.shape) == tuple(local.shape):
+                return full
+            raise ValueError(f"{what}: shape {tuple(full.shape)} is neither the parameter's "
+                             f"{tuple(p.shape)} nor its local shard's {tuple(local.shape)}")
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
     # -- introspection -------------------------------------------------------------------------
     def bytes_per_step(self) -> int:

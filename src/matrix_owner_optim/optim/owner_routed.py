@@ -6,12 +6,16 @@ schedulers, ``add_param_group`` and ``state_dict`` work as with any torch optimi
 hood two ordinary optimizers (the *children*) update only what this rank updates: on the
 owner-shaped layout that is the matrices and tail it owns plus its rows of ``sharded``
 tensors, and the step moves zero bytes. Hyperparameters flow from the parent groups to the
-children at every step; optimizer state is shared between the two, so ``state_dict`` holds
-exactly this rank's state keyed like any torch optimizer's.
+children at every step, and values the children set themselves (Prodigy's ``d``, schedule-free
+``k``) flow back to the parent groups; optimizer state is shared between the two. ``state_dict``
+is keyed like any torch optimizer's and holds pieces of global tensors where the state is
+partitioned, so ``get_optimizer_state_dict`` / DCP reshard it across world sizes and layouts.
 """
 
 from __future__ import annotations
 
+from copy import deepcopy
+from itertools import chain
 from typing import Any, Callable, Mapping
 
 import torch
@@ -98,6 +102,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._child_groups: dict[Role, list[tuple[int, dict[str, Any]]]] = {Role.MATRIX: [], Role.TAIL: []}
         self._placements: dict[type[Placement], Placement] = {}
         self._routed: list[RoutedParam] = []
+        self._pushed: list[dict[str, Any]] = []
+        self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         user_groups, self._type_roles = normalize_params(params)
         self._pending: list[UserGroup] = user_groups
         # torch's constructor calls add_param_group once per group; we hand it our groups.
@@ -161,18 +167,43 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         else:
             child.add_param_group(group)
         self._child_groups[role].append((parent_index, child.param_groups[-1]))
-        for rp in local:
-            assert rp.proxy is not None
-            self.state[rp.param] = child.state[rp.proxy]
 
     # -- the step --------------------------------------------------------------------------------
     def _sync_hyperparameters(self) -> None:
+        """Parent groups -> child groups (the user's and schedulers' values); remember what was
+        pushed so that :meth:`_pull_child_values` sees what the child itself changed."""
+        self._pushed: list[dict[str, Any]] = []
         for role, pairs in self._child_groups.items():
             for parent_index, child_group in pairs:
                 parent = self.param_groups[parent_index]
                 for key in child_group:
                     if key != "params" and key in parent:
                         child_group[key] = parent[key]
+                self._pushed.append({k: v for k, v in child_group.items() if k != "params"})
+
+    def _pull_child_values(self) -> None:
+        """Child groups -> parent groups, for the values the child optimizer set in its step
+        (Prodigy's ``d``, schedule-free ``k``, ...), so that they persist and are saved."""
+        pushed = iter(self._pushed)
+        for role, pairs in self._child_groups.items():
+            for parent_index, child_group in pairs:
+                before = next(pushed, {})
+                parent = self.param_groups[parent_index]
+                for key, value in child_group.items():
+                    if key != "params" and (key not in before or before[key] is not value):
+                        parent[key] = value
+
+    def _link_state(self) -> None:
+        """Share each child's per-parameter state dict with ``self.state``. Linked after the
+        child's step creates it, so a fresh optimizer has empty ``state`` as torch's do (which
+        ``get_optimizer_state_dict`` relies on to initialise it)."""
+        for rp in self._routed:
+            if rp.proxy is None:
+                continue
+            child = self._children[_ROLE_OPTIMIZER[rp.role]]
+            st = child.state.get(rp.proxy) if child is not None else None
+            if st is not None and self.state.get(rp.param) is not st:
+                self.state[rp.param] = st
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter this rank updates; returns ``closure()`` if given."""
@@ -187,8 +218,11 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for child in self._children.values():
                 if child is not None:
                     child.step()
+            self._pull_child_values()
             for placement in self._placements.values():
                 placement.after_step()
+            self._link_state()
+        self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -197,17 +231,196 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             placement.zero_grad(set_to_none)
 
     # -- state -------------------------------------------------------------------------------------
+    def _ordered(self) -> list[RoutedParam]:
+        """Routed parameters in param-group order: the integer keys of ``state_dict()``."""
+        by_id = {id(rp.param): rp for rp in self._routed}
+        return [by_id[id(p)] for g in self.param_groups for p in g["params"]]
+
+    def _placement_of(self) -> dict[int, Placement]:
+        return {id(rp): pl for pl in self._placements.values() for rp in pl.entries}
+
+    def _partitioned_replicas(self) -> bool:
+        from .replicated_placement import ReplicatedPlacement
+
+        pl = self._placements.get(ReplicatedPlacement)
+        return isinstance(pl, ReplicatedPlacement) and pl.partitioned
+
+    @staticmethod
+    def _label(rp: RoutedParam) -> str:
+        if rp.name is not None:
+            return rp.name
+        return rp.shard.fqn if rp.shard is not None else rp.label
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``), in pieces where the
+        state is partitioned, so that ``get_optimizer_state_dict`` and DCP reshard it.
+
+        * one process, and DDP with ``replicated="redundant"``: plain tensors, as torch's.
+        * owner layout: owner-held state as ``OwnedTensor`` (whole on the owner), row-block
+          state of ``sharded`` tensors as ``Shard(0)`` DTensors; only what this rank holds.
+        * stock FSDP2: matrices' state as ``OwnedTensor`` over the shard group, shard-local
+          state as DTensors with the parameter's placements.
+        * DDP with owners (``replicated="owner"``, several ranks): the whole state in plain
+          tensors after :meth:`consolidate_state_dict`; an error before it.
+
+        Param groups carry the inner optimizers' own values (Prodigy's ``d``, ...).
+        """
+        if self._partitioned_replicas():
+            return self._consolidated_state_dict()
+        sd = super().state_dict()
+        placement = self._placement_of()
+        ordered = self._ordered()
+        for idx, st in list(sd["state"].items()):
+            rp = ordered[idx]
+            pl = placement[id(rp)]
+            sd["state"][idx] = {k: pl.state_entry(rp, k, v) for k, v in st.items()}
+        for idx in range(len(ordered)):  # held by another rank, or stateless: an empty entry, so
+            sd["state"].setdefault(idx, {})  # every rank's keys cover every parameter (DSD needs that)
+        return sd
+
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """Collective (every rank): gather the owners' matrix state of a DDP job
+        (``replicated="owner"``) on rank ``to`` (every rank with ``None``), so that
+        :meth:`state_dict` there returns the whole state, as
+        ``ZeroRedundancyOptimizer.consolidate_state_dict`` does. Valid until the next step.
+        A no-op on layouts whose ``state_dict`` needs no consolidation."""
+        self._consolidated = None
+        if not self._partitioned_replicas():
+            return
+        import torch.distributed as dist
+
+        ordered = self._ordered()
+        mine = {
+            i: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.state[rp.param].items()}
+            for i, rp in enumerate(ordered)
+            if rp.owner is not None and rp.proxy is not None and self.state.get(rp.param)
+        }
+        rank, W = dist.get_rank(), dist.get_world_size()
+        if to is None:
+            gathered: list[Any] = [None] * W
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [None] * W if rank == to else None  # type: ignore[assignment]
+            dist.gather_object(mine, gathered, dst=to)
+        if to is None or rank == to:
+            merged: dict[int, Any] = {}
+            for part in gathered:
+                merged.update(part)
+            self._consolidated = merged
+        else:
+            self._consolidated = to
+
+    def _consolidated_state_dict(self) -> dict[str, Any]:
+        if self._consolidated is None:
+            raise RuntimeError(
+                "OwnerRoutedOptimizer.state_dict(): under DDP with replicated='owner' each rank keeps "
+                "the matrix state of the matrices it owns only; call optimizer.consolidate_state_dict() "
+                "on every rank first (to=0 for a rank-0 torch.save, to=None for every rank, e.g. "
+                "before get_optimizer_state_dict), as with ZeroRedundancyOptimizer"
+            )
+        if isinstance(self._consolidated, int):
+            raise RuntimeError(
+                f"OwnerRoutedOptimizer.state_dict(): the state was consolidated on rank "
+                f"{self._consolidated}, not on this rank; call it there, or consolidate_state_dict(to=None)"
+            )
+        sd = super().state_dict()
+        for idx, st in self._consolidated.items():
+            if not sd["state"].get(idx):
+                sd["state"][idx] = st
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does, then hand the loaded state to the child optimizers."""
-        super().load_state_dict(state_dict)
-        for rp in self._routed:
+        """Load a state dict of this optimizer saved on any layout and world size.
+
+        Accepts :meth:`state_dict`'s forms (pieces, or plain tensors), full tensors (one
+        process, consolidated DDP, ``full_state_dict=True``) and fqn-keyed state
+        (``set_optimizer_state_dict``). Each rank keeps what it updates. State keeps its dtype
+        (fp32 Shampoo/SOAP factors of a bf16 model stay fp32) and moves to the parameter's
+        device (``step`` stays where it is). Raises ``KeyError`` naming the trainable parameters
+        this rank updates whose state is missing while others of their param group have state.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                f"{len(groups)}; build OwnerRoutedOptimizer with the same param groups and roles"
+            )
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"loaded state dict's parameter group {i} has {len(sg['params'])} "
+                                 f"parameters, the optimizer's {len(g['params'])}")
+            if "role" in sg and sg["role"] != g.get("role"):
+                raise ValueError(f"loaded state dict's parameter group {i} has role {sg['role']!r}, "
+                                 f"the optimizer's {g.get('role')!r}")
+        saved_state = state_dict["state"]
+        by_param = {id(rp.param): rp for rp in self._routed}
+        placement = self._placement_of()
+        loaded: dict[int, dict[str, Any]] = {}
+        missing: list[str] = []
+        pairs = [(key, param, any(saved_state.get(k) for k in sg["params"]))
+                 for sg, g in zip(saved_groups, groups) for key, param in zip(sg["params"], g["params"])]
+        for key, param, group_has_state in pairs:
+            rp = by_param[id(param)]
             if rp.proxy is None:
-                self.state.pop(rp.param, None)
                 continue
+            st = saved_state.get(key)
+            if not st:
+                if param.requires_grad and group_has_state:
+                    missing.append(key if isinstance(key, str) else self._label(rp))
+                continue
+            current = self.state.get(param, {})
+            loaded[id(rp)] = {k: self._load_value(rp, placement[id(rp)], k, v, current.get(k))
+                              for k, v in st.items()}
+        if missing:
+            raise KeyError(
+                f"optimizer state dict has no state for {', '.join(repr(m) for m in missing)} "
+                f"(which this rank updates) but has state for others of its param group; load a state dict "
+                "saved from the whole optimizer (under DDP, after consolidate_state_dict())"
+            )
+        for g, sg in zip(groups, saved_groups):
+            params_, names = g["params"], g.get("param_names")
+            g.clear()
+            g.update(sg)
+            g["params"] = params_
+            if names is not None:
+                g["param_names"] = names
+        for rp in self._routed:
             child = self._children[_ROLE_OPTIMIZER[rp.role]]
+            values = loaded.get(id(rp))
+            if rp.proxy is None or values is None:
+                self.state.pop(rp.param, None)
+                if rp.proxy is not None and child is not None:
+                    child.state.pop(rp.proxy, None)
+                continue
             assert child is not None
-            child.state[rp.proxy] = self.state[rp.param]
+            st: dict[str, Any] = dict(values)
+            child.state[rp.proxy] = st
+            self.state[rp.param] = st
+        self._consolidated = None
         self._sync_hyperparameters()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @staticmethod
+    def _load_value(rp: RoutedParam, placement: Placement, key: str, value: Any, current: Any) -> Any:
+        """This rank's copy of one saved state value (no copy when DCP already wrote it in place)."""
+        local = placement.state_local(rp, key, value)
+        if not isinstance(local, torch.Tensor):
+            return deepcopy(local)
+        local = local.detach()
+        if (isinstance(current, torch.Tensor) and current.dtype == local.dtype
+                and current.shape == local.shape and current.device == local.device
+                and (current.numel() == 0 or current.data_ptr() == local.data_ptr())):
+            return current  # read in place through a piece of this optimizer's own state_dict()
+        assert rp.proxy is not None
+        device = local.device if key == "step" else rp.proxy.device
+        return local.to(device=device, copy=True)
 
     # -- introspection ------------------------------------------------------------------------------
     @property

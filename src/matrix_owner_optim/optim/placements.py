@@ -25,7 +25,8 @@ from ..planning.metadata import Role, get_shard_rank
 from ..tensors import is_dtensor
 from .routing import RoutedParam
 
-__all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for", "is_multi_rank"]
+__all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for",
+           "is_multi_rank", "plain_local"]
 
 
 def is_multi_rank() -> bool:
@@ -85,6 +86,35 @@ class Placement(ABC):
         """Working memory the layout keeps beyond parameters, gradients and optimizer state."""
         return 0
 
+    # -- state dicts: how this rank's optimizer state of ``rp`` reads as a piece of a global tensor --
+    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        """``value`` (state ``key`` of ``rp`` on this rank) as a state-dict entry.
+
+        Default: the tensor itself (one process, replicated layouts). Partitioned layouts return
+        DCP pieces of the global tensor (``DTensor`` / ``OwnedTensor``) so that DCP reshards.
+        """
+        return value
+
+    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        """This rank's value of state ``key`` of ``rp`` from a state-dict entry: a piece written
+        by :meth:`state_entry` on this layout, a full tensor, or a replicated DTensor."""
+        return plain_local(value, f"optimizer state {key!r} of {rp.label!r}")
+
+
+def plain_local(value: Any, what: str) -> Any:
+    """A full tensor from a plain tensor or a replicated DTensor; other pieces are an error."""
+    if is_dtensor(value):
+        from torch.distributed.tensor import Replicate
+
+        if all(isinstance(p, Replicate) for p in value.placements) and type(value).__name__ != "OwnedTensor":
+            return value._local_tensor
+        raise ValueError(
+            f"{what}: the state dict holds a piece ({type(value).__name__}, placements "
+            f"{tuple(value.placements)}) but this rank keeps the whole tensor; load a full state dict "
+            "or go through DCP (dcp.load into get_optimizer_state_dict(model, optimizer))"
+        )
+    return value
+
 
 class LocalPlacement(Placement):
     """Parameters this process can update without talking to anyone.
@@ -136,6 +166,51 @@ class LocalPlacement(Placement):
         for rp in self.entries:
             if rp.proxy is not None and rp.proxy is not rp.param:
                 rp.proxy.grad = None
+
+    @staticmethod
+    def _sharded(rp: RoutedParam) -> tuple[Any, int, Any] | None:
+        shard, rank = rp.shard, get_shard_rank(rp.param)
+        if shard is None or rank is None or shard.world_size <= 1:
+            return None
+        return shard, rank, getattr(rp.param, "_moo_process_group", None)
+
+    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        """Owner-held state: an ``OwnedTensor`` of its own shape; row-block state (``sharded``):
+        a ``Shard(0)`` DTensor of the parameter's global shape; scalars as they are."""
+        info = self._sharded(rp)
+        if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        from ..planning.metadata import Role
+        from ..sharding.state_dict import piece_of
+
+        shard, rank, group = info
+        if shard.role is Role.SHARDED:
+            if tuple(value.shape) != tuple(shard.local_shape(rank)):
+                raise ValueError(
+                    f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; state of "
+                    f"a row-sharded parameter must be per element (rows {tuple(shard.local_shape(rank))}) "
+                    "or a scalar to be saved as a piece of a global tensor"
+                )
+            return piece_of(value, shard, rank, group)
+        return piece_of(value, shard, rank, group, shape=tuple(value.shape))
+
+    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        info = self._sharded(rp)
+        what = f"optimizer state {key!r} of {rp.label!r}"
+        if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return plain_local(value, what) if isinstance(value, torch.Tensor) else value
+        from ..planning.metadata import Role
+        from ..sharding.state_dict import OwnedTensor, local_piece
+
+        shard, rank, _ = info
+        if shard.role is Role.SHARDED:
+            return local_piece(value, shard, rank, what=what, like=rp.param)
+        if isinstance(value, OwnedTensor):
+            if value.owner != shard.owner:
+                raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
+                                 f"{shard.owner} here; load a full state dict or go through DCP")
+            return value._local_tensor
+        return plain_local(value, what)
 
 
 PLACEMENTS: list[type[Placement]] = [LocalPlacement]

@@ -13,8 +13,10 @@ ways to update them, chosen by ``OwnerRoutedOptimizer(replicated=...)``:
 * ``"redundant"``: every rank updates every parameter; zero bytes, ``W`` times the optimizer
   FLOPs. The result is identical on every rank because the inputs are.
 
-Matrix optimizer state lives only on the owner under ``"owner"``: ``state_dict()`` holds this
-rank's share, like every other layout of :class:`OwnerRoutedOptimizer`.
+Matrix optimizer state lives only on the owner under ``"owner"``: for the usual rank-0
+``torch.save(optimizer.state_dict())``, every rank first calls
+``OwnerRoutedOptimizer.consolidate_state_dict()`` (as with ``ZeroRedundancyOptimizer``);
+``state_dict()`` refuses otherwise rather than return a part of the state.
 
 :func:`plan_owners` (shared with the DTensor placement) plans owners for a batch of matrices,
 checks that every rank of the group computed the same plan, and balances successive batches
@@ -200,6 +202,11 @@ class ReplicatedPlacement(Placement):
         for rp in self._views:
             if rp.proxy is not None:
                 rp.proxy.grad = None
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether matrix state lives on owners only (``"owner"`` mode over several ranks)."""
+        return bool(self._owned) and self.world_size > 1
 
     def bytes_per_step(self) -> int:
         """Bytes sent plus received by this rank in one step (0 under ``"redundant"``)."""
