@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
+from matrix_owner_optim.planning.metadata import peek_matrix_shard
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, OwnerShardedModule, clip_grad_norm_, fully_shard
 
 
@@ -156,13 +157,17 @@ def _plan_errors(rank: int, W: int) -> dict:
     model, _ = make_models()
     for block in model.layers:
         fully_shard(block)
+    fully_shard(model, plan=plan)  # sharding is lazy: the plan is checked when it is fixed
     with pytest.raises(ValueError, match=r"disagree.*parameter 'wte\.weight' differs \(role: 'sharded' vs 'tail'") as info:
-        fully_shard(model, plan=plan)
+        model(*local_batch(0, rank, W))  # before any data moves
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        model.sharding_plan
     # a plan that does not describe the model
     other = plan_model(torch.nn.Linear(4, 4), W)
     model, _ = make_models()
+    fully_shard(model, plan=other)
     with pytest.raises(ValueError, match="does not cover parameter 'wte.weight'"):
-        fully_shard(model, plan=other)
+        model.sharding_plan
     # the same valid plan on every rank is accepted (units follow the fully_shard calls)
     model, ref = make_models()
     _shard_gpt(model, plan=plan_model(fresh, W))
@@ -176,10 +181,11 @@ def _plan_errors(rank: int, W: int) -> dict:
 
 
 def _layouts(rank: int, W: int) -> dict:
-    # root-only call: one unit, sharded at once (the model has no parent module)
+    # root-only call: one unit, sharded when its metadata is first read
     model, ref = make_models(seed=7)
     fully_shard(model, reshard_after_forward=False)
     assert isinstance(model, OwnerShardedModule) and type(model).__name__ == "OwnerShardedGPT"
+    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), ref.parameters()))
     assert all(get_matrix_shard(p) is not None for p in model.parameters())
     assert {get_matrix_shard(p).unit for p in model.parameters()} == {0}
     with CommCounter() as cc:
@@ -197,7 +203,7 @@ def _layouts(rank: int, W: int) -> dict:
     model, _ = make_models(seed=7)
     for block in model.layers:
         fully_shard(block)
-    assert all(get_matrix_shard(p) is None for p in model.parameters())
+    assert all(peek_matrix_shard(p) is None for p in model.parameters())
     model(*local_batch(0, rank, W)).backward()
     block_params = [p for b in model.layers for p in b.parameters()]
     assert all(get_matrix_shard(p) is not None for p in block_params)

@@ -1,5 +1,7 @@
-"""An optimizer built between the block calls and the root call would hold parameters that
-sharding then replaces: it must fail loudly, naming the parameter, not train a stale copy."""
+"""The plan is fixed lazily, by the first forward or the first reader of the metadata (the
+optimizer). A root ``fully_shard`` call after that point cannot re-plan its blocks: it must
+fail loudly, naming the block, and an optimizer built after all calls must see every parameter
+sharded."""
 
 from __future__ import annotations
 
@@ -9,27 +11,34 @@ from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, get_matrix_sha
 from matrix_owner_optim.launch import spawn_ranks
 from matrix_owner_optim.models import GPT, GPTConfig
 
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
+
 
 def _job(rank: int, world_size: int) -> dict:
-    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4))
+    model = GPT(CFG)
     for block in model.layers:
         fully_shard(block)
+    OwnerRoutedOptimizer(model.layers)  # reads the blocks' metadata: their plan is fixed now
     try:
-        OwnerRoutedOptimizer(model)
-        early = "no error"
+        fully_shard(model)
+        late = "no error"
     except ValueError as exc:
-        early = str(exc)
+        late = str(exc)
+
+    model = GPT(CFG)
+    for block in model.layers:
+        fully_shard(block)
     fully_shard(model)
-    opt = OwnerRoutedOptimizer(model)  # after the root call: fine
-    return {"early": early, "all_sharded": all(get_matrix_shard(p) is not None for p in model.parameters()),
-            "local": sum(1 for r in opt.routes() if r["local"])}
+    opt = OwnerRoutedOptimizer(model)  # after every call: the whole model in one plan
+    return {"late": late, "all_sharded": all(get_matrix_shard(p) is not None for p in model.parameters()),
+            "units": len(model._moo_units()), "local": sum(1 for r in opt.routes() if r["local"])}
 
 
 @pytest.mark.multirank
-def test_optimizer_before_root_call_is_a_clear_error() -> None:
+def test_root_call_after_the_plan_is_fixed_is_a_clear_error() -> None:
     results = spawn_ranks(_job, 2)
     for res in results:
-        assert "layers.0." in res["early"] and "fully_shard on the root" in res["early"]
-        assert res["all_sharded"]
+        assert "'layers.0'" in res["late"] and "already sharded" in res["late"], res["late"]
+        assert res["all_sharded"] and res["units"] == 3
     # each rank updates only what it owns, plus its rows of the sharded embeddings
     assert all(0 < res["local"] for res in results)

@@ -12,7 +12,7 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Callable, Any, Iterator
 
 import torch
 
@@ -299,7 +299,15 @@ def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int) -> N
 
 
 def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
-    """The :class:`MatrixShard` of a parameter, or None for a parameter no plan covers."""
+    """The :class:`MatrixShard` of a parameter, or None for a parameter no plan covers.
+
+    A parameter of a module passed to ``fully_shard`` whose plan is not fixed yet is sharded
+    now (reading the metadata fixes the lazy plan, see :func:`ensure_sharded`)."""
+    return ensure_sharded(param)
+
+
+def peek_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
+    """The :class:`MatrixShard` recorded on ``param`` now, without fixing a pending plan."""
     return getattr(param, _SHARD_ATTR, None)
 
 
@@ -311,14 +319,25 @@ def get_shard_rank(param: torch.Tensor) -> int | None:
 _PENDING_PARAM_ATTR = "_moo_awaiting_shard"
 
 
-def mark_awaiting_shard(param: torch.Tensor) -> None:
-    """Flag a parameter of a module passed to ``fully_shard`` that is not sharded yet.
+def mark_awaiting_shard(param: torch.Tensor, shard_now: Callable[[], None]) -> None:
+    """Flag a parameter of a module passed to ``fully_shard`` whose plan is not fixed yet.
 
-    Sharding replaces the parameter object, so an optimizer built over it would update a
-    tensor the model no longer uses; the optimizer checks this flag and says so.
+    Sharding is lazy (the plan covers every unit, so it waits for the first forward or the
+    first reader of the metadata). ``shard_now`` fixes the plan and shards; a reader that
+    needs the :class:`MatrixShard` (the optimizer) calls :func:`ensure_sharded` instead of
+    importing the runtime. The parameter object itself stays the same: only its data changes.
     """
-    setattr(param, _PENDING_PARAM_ATTR, True)
+    setattr(param, _PENDING_PARAM_ATTR, shard_now)
 
 
 def is_awaiting_shard(param: torch.Tensor) -> bool:
-    return bool(getattr(param, _PENDING_PARAM_ATTR, False)) and get_matrix_shard(param) is None
+    return getattr(param, _PENDING_PARAM_ATTR, None) is not None and peek_matrix_shard(param) is None
+
+
+def ensure_sharded(param: torch.Tensor) -> MatrixShard | None:
+    """Shard ``param``'s model now if it waits for lazy sharding; return its MatrixShard."""
+    if is_awaiting_shard(param):
+        getattr(param, _PENDING_PARAM_ATTR)()
+    if hasattr(param, _PENDING_PARAM_ATTR):
+        delattr(param, _PENDING_PARAM_ATTR)
+    return peek_matrix_shard(param)

@@ -1,134 +1,267 @@
-"""``fully_shard``: owner-shaped ZeRO-3 with FSDP2's call pattern (blocks first, then the root).
+"""``fully_shard``: owner-shaped ZeRO-3 with FSDP2's call pattern and FSDP2's lazy initialisation.
 
-Planning balances the whole model, so sharding waits until the model is known:
+A ``fully_shard`` call records a *unit* (the module's parameters not already in a child unit)
+and installs its hooks; it moves no data. The plan balances the whole model, so it is fixed
+lazily, as FSDP2 initialises lazily, at the first of:
 
-* A call on a module that contains earlier, still pending units is the **root call**: it
-  plans the whole module (units in call order, the root last) and shards every unit now.
-* A call on a module with no parent module and no pending units inside (``fully_shard(model)``
-  alone) is a root call too.
-* Any other call (a block) is **pending**. If the root is never called, pending units are
-  planned together and sharded at the first forward of any of them.
+* the first forward of any recorded unit,
+* the first reader of the metadata: the optimizer (``OwnerRoutedOptimizer`` calls
+  :func:`~matrix_owner_optim.planning.metadata.ensure_sharded`), ``state_dict()``,
+  ``unshard()``, ``sharding_plan``.
 
-Construct the optimizer after the root call: only then does ``model.parameters()`` return the
-sharded parameters. A sharded module's class is swapped to a dynamic subclass that mixes in
-:class:`OwnerShardedModule` (``unshard``, ``reshard``, ``set_requires_gradient_sync``), as FSDP2
-does with ``FSDPModule``.
+All units recorded on the same mesh and not sharded yet are planned together then, in call
+order (FSDP2's order: blocks first, the root last), so it does not matter who holds the model
+or whether there is a root call at all; nothing guesses the root. The parameter objects never
+change: sharding only replaces their data (the whole tensor on the owner, a numel-0 tensor
+elsewhere, row blocks for ``sharded``), so an optimizer or any reference taken after the
+``fully_shard`` calls stays valid, and meta-device initialisation works (build on ``meta``,
+``fully_shard``, ``to_empty``, run the model's own init on full tensors, then train: non-owners
+drop what they do not own when the plan is fixed).
+
+A sharded module's class is swapped to a dynamic subclass that mixes in
+:class:`OwnerShardedModule` (FSDP2's ``FSDPModule``): ``unshard``, ``reshard``, the ``set_*``
+methods, and an ``nn.Module._apply`` that keeps the layout through ``to_empty``/``.to``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
+import functools
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_shard, mark_awaiting_shard
+from ..planning.metadata import (
+    MatrixShard,
+    Role,
+    ShardingPlan,
+    attach_matrix_shard,
+    mark_awaiting_shard,
+    peek_matrix_shard,
+)
 from ..planning.planner import plan_tensors
-from ..planning.roles import specs_from_module
+from ..planning.roles import TensorSpec, specs_from_module
 from .agreement import check_plan_agreement
-from .unit import ParamHandle, ShardedUnit, ShardingContext
+from .context import ShardingContext
+from .state_dict import install_state_dict_hooks
+from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
 
-__all__ = ["fully_shard", "OwnerShardedModule"]
+__all__ = ["fully_shard", "OwnerShardedModule", "UnshardHandle", "register_fsdp_forward_method"]
 
-_UNIT_ATTR = "_moo_unit"
-_PENDING_ATTR = "_moo_pending"
+_STATE_ATTR = "_moo_state"
 GROUP_ATTR = "_moo_process_group"
 
 
 @dataclass(eq=False)
-class _Pending:
-    module_ref: "weakref.ref[nn.Module]"  # a model the user dropped must not stay pending
-    group: Any
-    replicate_group: Any
+class OwnerShardState:
+    """Everything ``fully_shard`` knows about one module (one per sharded module)."""
+
+    group: Any  # shard process group
+    replicate_group: Any  # HSDP replicate group, or None
     reshard_after_forward: bool
     mp_policy: Any
-    plan: ShardingPlan | None
-
-    @property
-    def module(self) -> nn.Module | None:
-        return self.module_ref()
-
-
-_pending: list[_Pending] = []
+    plan: ShardingPlan | None  # given by the user, or None: planned at sharding time
+    call_index: int  # position in fully_shard call order (process-wide, same on every rank)
+    unit: ShardedUnit | None = None  # set when the plan is fixed
+    failed: str | None = None  # why sharding failed, if it did
+    forward_methods: list[str] = field(default_factory=list)
 
 
-def _live_pending() -> list[_Pending]:
-    _pending[:] = [p for p in _pending if p.module is not None]
-    return list(_pending)
+# Modules passed to fully_shard whose plan is not fixed yet, in call order. Weak: a model the
+# user dropped must not stay pending (nor be kept alive).
+_pending: "list[weakref.ref[nn.Module]]" = []
+_calls = 0
+
+
+def _state(module: nn.Module) -> OwnerShardState | None:
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def _require_state(module: nn.Module) -> OwnerShardState:
+    state = _state(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} was not passed to fully_shard")
+    return state
+
+
+def _unit(module: nn.Module) -> ShardedUnit:
+    """The unit of ``module``, fixing the plan now if it is still pending."""
+    state = _require_state(module)
+    _ensure_sharded(module)
+    assert state.unit is not None
+    return state.unit
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: :meth:`wait` completes the all-gathers."""
+
+    def __init__(self, units: list[ShardedUnit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for unit in self._units:
+            if unit.user_held:
+                unit.unshard()
+        self._units = []
 
 
 class OwnerShardedModule(nn.Module):
-    """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule`` analogue)."""
+    """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule``)."""
 
     def _moo_units(self) -> list[ShardedUnit]:
-        _ensure_sharded(self)
-        unit = getattr(self, _UNIT_ATTR)
+        """This module's unit and every unit nested in it (call order)."""
+        unit = _unit(self)
         inside = {id(m) for m in self.modules()}
         return [u for u in unit.ctx.units if id(u.module) in inside]
 
-    def unshard(self, async_op: bool = False) -> "_DoneHandle | None":
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit and every unit nested in it; until :meth:`reshard`,
-        ``named_parameters()`` yields the full tensors on every rank."""
-        for unit in self._moo_units():
-            unit.user_unshard()
-        return _DoneHandle() if async_op else None
+        ``named_parameters()`` yields the full tensors on every rank.
+
+        ``async_op=True`` issues the all-gathers and returns a handle; call its ``wait()``
+        before reading the parameters (a forward waits by itself)."""
+        units = self._moo_units()
+        for unit in units:
+            if not unit.user_held and unit.training_state is TrainingState.IDLE:
+                unit.free()  # data a forward left behind may predate an optimizer step
+            unit.user_held = True
+            unit.issue_gather()
+        handle = UnshardHandle(units)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Back to the owner layout: owners keep their tensors, others hold empty tensors."""
         for unit in self._moo_units():
-            unit.user_reshard()
+            unit.user_held = False
+            unit.free()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: keep accumulating unsharded gradients locally (no reduce-scatter) until a
+        """``False``: accumulate gradients locally (in ``reduce_dtype``, no collective) until a
         backward with sync enabled, which reduces the accumulated sum once (DDP ``no_sync``)."""
-        units = self._moo_units() if recurse else [getattr(self, _UNIT_ATTR)]
-        for unit in units:
+        for unit in self._targets(recurse):
             unit.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        units = self._moo_units() if recurse else [getattr(self, _UNIT_ATTR)]
-        for unit in units:
-            unit.reshard_after_forward = bool(reshard_after_forward)
+        """Free (``True``) or keep (``False``) non-owned tensors between forward and backward."""
+        value = _check_reshard_after_forward(reshard_after_forward)
+        for unit in self._targets(recurse):
+            unit.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the gathered tensors after backward for the next micro-batch's forward
+        (no all-gather). As in FSDP2, set it back to ``True`` before the last micro-batch: the
+        kept tensors do not see an optimizer step."""
+        for unit in self._targets(recurse):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's micro-batching hint. Here every reduction completes inside backward, so the
+        end of any backward leaves nothing in flight; the flag is recorded for scripts that
+        read it back (``is_last_backward``)."""
+        self._moo_is_last_backward = bool(is_last_backward)
+
+    @property
+    def is_last_backward(self) -> bool:
+        return bool(self.__dict__.get("_moo_is_last_backward", True))
 
     def set_modules_to_forward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
         """After this module's all-gather in forward, issue those of ``modules`` (async), as
         FSDP2's method of the same name; replaces the automatic next-unit prefetch here."""
-        getattr(self, _UNIT_ATTR).forward_prefetch = self._units_of(modules)
+        _unit(self).forward_prefetch = self._units_of(modules)
 
     def set_modules_to_backward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
         """After this module's re-gather in backward, issue those of ``modules`` (async)."""
-        getattr(self, _UNIT_ATTR).backward_prefetch = self._units_of(modules)
+        _unit(self).backward_prefetch = self._units_of(modules)
 
     def set_auto_prefetch(self, enabled: bool) -> None:
         """Turn the automatic next-unit prefetch (on by default) on or off for the whole model."""
-        _ensure_sharded(self)
-        getattr(self, _UNIT_ATTR).ctx.auto_prefetch = bool(enabled)
+        _unit(self).ctx.auto_prefetch = bool(enabled)
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        return _unit(self).ctx.plan
+
+    def _targets(self, recurse: bool) -> list[ShardedUnit]:
+        return self._moo_units() if recurse else [_unit(self)]
 
     def _units_of(self, modules: "list[OwnerShardedModule]") -> list[ShardedUnit]:
-        _ensure_sharded(self)
-        ctx = getattr(self, _UNIT_ATTR).ctx
+        ctx = _unit(self).ctx
         units = []
         for m in modules:
-            unit = getattr(m, _UNIT_ATTR, None)
-            if unit is None or unit.ctx is not ctx:
+            state = _state(m)
+            if state is None:
+                raise ValueError(f"{type(m).__name__} was not passed to fully_shard")
+            unit = _unit(m)
+            if unit.ctx is not ctx:
                 raise ValueError(f"{type(m).__name__} is not a fully_shard unit of this model")
             units.append(unit)
         return units
 
-    @property
-    def sharding_plan(self) -> ShardingPlan:
-        _ensure_sharded(self)
-        return getattr(self, _UNIT_ATTR).ctx.plan
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "OwnerShardedModule":
+        """``to_empty``, ``.to(device)``, ``.to(dtype)`` ... keep the layout (FSDP2's
+        ``FSDPModule`` does the same): the sharded parameters are converted, then the unit's
+        unsharded tensors, aliases and dtypes are rebuilt from them."""
+        state = _require_state(self)
+        unit = state.unit
+        if unit is None:  # pending: full tensors, nn.Module's own conversion
+            result = super()._apply(fn, recurse)
+            _mark_pending_params(self)
+            return result
+        if unit.training_state is not TrainingState.IDLE or unit.user_held:
+            raise RuntimeError(
+                f"{type(self).__name__}: cannot convert parameters while the unit is "
+                f"{'unsharded by unshard()' if unit.user_held else 'in ' + unit.training_state.value}; "
+                "call reshard() first (or convert outside forward/backward)"
+            )
+        unit.free()
+        result = super()._apply(fn, recurse)
+        for h in unit.handles:
+            now = h.registered()
+            if not isinstance(now, nn.Parameter):
+                raise RuntimeError(f"{h.shard.fqn}: nn.Module._apply left no parameter in place")
+            shard = dataclasses.replace(h.shard, dtype=now.dtype)
+            if now is not h.sharded:  # the conversion made a new parameter object
+                h.sharded = now
+                h.swap(now)
+            h.shard = shard
+            attach_matrix_shard(now, shard, unit.ctx.rank)
+            setattr(now, GROUP_ATTR, unit.ctx.group)
+        unit.rebuild_unsharded()
+        return result
 
 
-class _DoneHandle:
-    def wait(self) -> None:
-        return None
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and release the unit like
+    ``forward`` does, as ``torch.distributed.fsdp.register_fsdp_forward_method``."""
+    state = _state(module)
+    if state is None:
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    orig = getattr(type(module), method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _pre_forward_hook(self, args, kwargs)
+        ctx = _unit(self).ctx
+        ctx.method_depth += 1  # forwards inside the method belong to this pass
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            ctx.method_depth -= 1
+        return _post_forward_hook(self, args, kwargs, out)
+
+    module.__dict__[method_name] = wrapped.__get__(module)
+    state.forward_methods.append(method_name)
 
 
 _class_cache: dict[type, type] = {}
@@ -163,16 +296,33 @@ def _resolve_group(mesh: Any) -> tuple[Any, Any]:
     raise NotImplementedError(f"fully_shard got a {ndim}D DeviceMesh; use a 1D mesh or a 2D (replicate, shard) mesh")
 
 
-def _has_parent_module(module: nn.Module) -> bool:
-    """Whether some nn.Module holds ``module`` as a child (found through the gc referrers)."""
-    for ref in gc.get_referrers(module):
-        if isinstance(ref, dict):
-            for holder in gc.get_referrers(ref):
-                if isinstance(holder, nn.Module) and holder.__dict__.get("_modules") is ref:
-                    return True
-                if isinstance(holder, dict) and holder.get("_modules") is ref:
-                    return True
-    return False
+def _check_reshard_after_forward(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"reshard_after_forward={value!r}: the owner layout takes True or False. FSDP2's int form "
+        "(reshard to a smaller world size after forward) has no owner-shaped equivalent: every "
+        "tensor already lives whole on one rank; pass True to free, False to keep"
+    )
+
+
+class _ShardNow:
+    """The callback a pending parameter carries (weak: a dropped model must not stay alive)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self) -> None:
+        module = self._module()
+        if module is not None:
+            _ensure_sharded(module)
+
+
+def _mark_pending_params(module: nn.Module) -> None:
+    shard_now = _ShardNow(module)
+    for param in module.parameters():
+        if peek_matrix_shard(param) is None:
+            mark_awaiting_shard(param, shard_now)
 
 
 def fully_shard(
@@ -191,58 +341,45 @@ def fully_shard(
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
             shard dim, gradients all-reduced across the replicate dim and averaged over both.
         reshard_after_forward: free non-owned tensors after forward and gather them again
-            before backward (the root unit keeps its tensors, as in FSDP2).
+            before backward (the root unit keeps its tensors, as in FSDP2). A bool: FSDP2's
+            int form is refused with an explanation.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` (compute
-            and all-gather dtype), ``reduce_dtype`` (gradient reduction dtype),
-            ``output_dtype``, ``cast_forward_inputs``. Sharded parameters stay in their dtype.
+            and all-gather dtype), ``reduce_dtype`` (gradient reduction and accumulation
+            dtype), ``output_dtype``, ``cast_forward_inputs``. Sharded parameters keep their dtype.
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
             units and segments follow the ``fully_shard`` calls).
 
-    Returns ``module``; build the optimizer after the root call.
+    Returns ``module``. Nothing moves until the plan is fixed (module docstring); build the
+    optimizer after the ``fully_shard`` calls.
     """
+    global _calls
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if getattr(module, _UNIT_ATTR, None) is not None or getattr(module, _PENDING_ATTR, False):
+    if _state(module) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
+    rsf = _check_reshard_after_forward(reshard_after_forward)
     group, replicate_group = _resolve_group(mesh)
     if plan is not None:
         _check_plan_world_size(plan, dist.get_world_size(group))
-    for sub in module.modules():
-        if getattr(sub, _UNIT_ATTR, None) is not None:
+    for name, sub in module.named_modules():
+        sub_state = _state(sub)
+        if sub_state is not None and sub_state.unit is not None:
             raise ValueError(
-                f"fully_shard({type(module).__name__}): a submodule ({type(sub).__name__}) is already "
-                "sharded as part of another model; call fully_shard on the blocks first, then once "
-                "on the root"
+                f"fully_shard({type(module).__name__}): its submodule {name!r} "
+                f"({type(sub).__name__}) is already sharded (its plan was fixed by a forward or "
+                "by building the optimizer); call fully_shard on the blocks first, then on the "
+                "root, and only then run forward or build the optimizer"
             )
     _swap_class(module)
-    entry = _Pending(weakref.ref(module), group, replicate_group, reshard_after_forward, mp_policy, plan)
-    setattr(module, _PENDING_ATTR, True)
-    for param in module.parameters():
-        mark_awaiting_shard(param)
+    module.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls)
+    _calls += 1
+    _pending.append(weakref.ref(module))
+    _mark_pending_params(module)
     module.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, with_kwargs=True)
-
-    inside = {id(m) for m in module.modules()}
-    live = _live_pending()
-    inner = [p for p in live if id(p.module) in inside]
-    # A block of the same class as one already pending is another block (FSDP2's blocks-first
-    # order): no need for the referrer scan, which costs a pass over the heap per call.
-    sibling = any(type(p.module) is type(module) for p in live)
-    _pending.append(entry)
-    if inner or (not sibling and not _has_parent_module(module)):
-        _shard_or_forget(module, inner + [entry], is_container=False)
+    install_state_dict_hooks(module)  # state_dict() gives pieces of the global tensors
     return module
-
-
-def _shard_or_forget(root: nn.Module, entries: list[_Pending], *, is_container: bool) -> None:
-    try:
-        _shard(root, entries, is_container=is_container)
-    finally:
-        # sharded or failed (plan mismatch, bad plan): these calls are no longer pending
-        _pending[:] = [p for p in _pending if all(p is not e for e in entries)]
-        for e in entries:
-            setattr(e.module, _PENDING_ATTR, False)
 
 
 def _check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
@@ -255,41 +392,126 @@ def _check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
         )
 
 
-# -- hooks dispatching to the unit (registered at call time, so lazy sharding can happen) --------
+# -- hooks ---------------------------------------------------------------------------------------
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once every node of this forward of the
+    unit has produced its input gradients (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: ShardedUnit, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit = unit
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where:  # nothing to hang it on: the end-of-backward callback reduces this unit
+        return args, kwargs
+    out = _PostBackward.apply(unit, *[flat[i] for i in where])
+    out = out if isinstance(out, tuple) else (out,)
+    for i, t in zip(where, out):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    _ensure_sharded(module)
-    return getattr(module, _UNIT_ATTR).pre_forward(args, kwargs)
+    unit = _unit(module)
+    backward = in_backward()
+    parent = unit.parent
+    outermost = parent is None or parent.training_state is not TrainingState.FORWARD
+    if not backward and outermost and unit.ctx.method_depth == 0:
+        unit.ctx.begin_forward_pass()  # an outermost forward: a new iteration starts clean
+    unit.pre_forward()
+    mp = unit.mp_policy
+    param_dtype = getattr(mp, "param_dtype", None)
+    if param_dtype is not None and getattr(mp, "cast_forward_inputs", False):
+        args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
+    if not backward and torch.is_grad_enabled():
+        args, kwargs = _register_post_backward(unit, args, kwargs)
+    return args, kwargs
 
 
 def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    return getattr(module, _UNIT_ATTR).post_forward(output)
+    unit = _unit(module)
+    unit.post_forward()
+    if torch.is_grad_enabled() and not in_backward():
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: unit.pre_backward(), mode="any")
+    output_dtype = getattr(unit.mp_policy, "output_dtype", None)
+    if output_dtype is not None:
+        output = _cast_floating(output, output_dtype)
+    return output
 
 
+# -- lazy sharding -------------------------------------------------------------------------------
 def _ensure_sharded(module: nn.Module) -> None:
-    """Shard pending units lazily (the root was never passed to ``fully_shard``)."""
-    if getattr(module, _UNIT_ATTR, None) is not None:
+    """Fix the plan and shard every pending unit on ``module``'s mesh (no-op once sharded)."""
+    state = _require_state(module)
+    if state.unit is not None:
         return
-    if not getattr(module, _PENDING_ATTR, False):
+    if state.failed is not None:
         raise RuntimeError(
-            "this module was passed to fully_shard but is not sharded (its sharding failed); "
-            "build the model again and call fully_shard on it"
+            f"sharding of this {type(module).__name__} failed earlier ({state.failed}); build the "
+            "model again and call fully_shard on it"
         )
-    live = _live_pending()
-    group = next(p.group for p in live if p.module is module)
-    entries = [p for p in live if p.group is group]
-    ids = {id(p.module) for p in entries}
-    # outermost pending modules become children of a container that stands in for the root
-    nested: set[int] = set()
-    for p in entries:
-        for sub in p.module.modules():
-            if sub is not p.module and id(sub) in ids:
-                nested.add(id(sub))
-    container = nn.ModuleDict({f"unit{i}": p.module for i, p in enumerate(entries) if id(p.module) not in nested})
-    _shard_or_forget(container, entries, is_container=True)
+    live = [m for m in (ref() for ref in _pending) if m is not None]
+    _pending[:] = [weakref.ref(m) for m in live]
+    key = (state.group, state.replicate_group)
+    modules = [m for m in live if (_require_state(m).group, _require_state(m).replicate_group) == key]
+    modules.sort(key=lambda m: _require_state(m).call_index)
+    if not any(m is module for m in modules):
+        modules.append(module)
+    try:
+        _shard(modules)
+    except BaseException as exc:
+        for m in modules:
+            _require_state(m).failed = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        done = {id(m) for m in modules}
+        _pending[:] = [ref for ref in _pending if ref() is not None and id(ref()) not in done]
 
 
-def _locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+def _planning_root(modules: list[nn.Module]) -> tuple[nn.Module, bool]:
+    """The module the plan's fqns are relative to: the one unit module containing all others,
+    or a container over the outermost ones (blocks without a root call, several models)."""
+    inside: dict[int, set[int]] = {id(m): {id(s) for s in m.modules()} for m in modules}
+    outermost = [m for m in modules if not any(o is not m and id(m) in inside[id(o)] for o in modules)]
+    if len(outermost) == 1:
+        return outermost[0], False
+    return nn.ModuleDict({f"unit{i}": m for i, m in enumerate(outermost)}), True
+
+
+def _unit_of_modules(modules: list[nn.Module]) -> dict[int, int]:
+    """Module id -> index (in ``modules``) of the innermost unit containing it."""
+    owner: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        subtree = list(m.modules())
+        for s in subtree:
+            if id(s) not in owner or len(subtree) < size[id(s)]:
+                owner[id(s)] = i
+                size[id(s)] = len(subtree)
+    return owner
+
+
+def _locations(root: nn.Module, unit_of_module: dict[int, int], modules: list[nn.Module],
+               fqn_of: dict[int, str]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Parameter id -> every (module, name) it is registered under; refuses a parameter
+    registered in two units (each unit gathers its own parameters: a shared one has no home)."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
+    unit_seen: dict[int, int] = {}
     seen: set[tuple[int, str]] = set()
     for _, mod in root.named_modules(remove_duplicate=False):
         for name, p in mod._parameters.items():
@@ -297,14 +519,23 @@ def _locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
                 continue
             seen.add((id(mod), name))
             found.setdefault(id(p), []).append((mod, name))
+            u = unit_of_module[id(mod)]
+            if unit_seen.setdefault(id(p), u) != u:
+                a, b = modules[unit_seen[id(p)]], modules[u]
+                raise ValueError(
+                    f"fully_shard: parameter {fqn_of.get(id(p), name)!r} is registered in two "
+                    f"fully_shard units ({type(a).__name__} and {type(b).__name__}); a unit "
+                    "gathers only its own parameters. Call fully_shard on a module containing "
+                    "both uses (or untie the parameter)"
+                )
     return found
 
 
-def _validate_plan(plan: ShardingPlan, specs: list, world_size: int) -> None:
+def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int) -> None:
     _check_plan_world_size(plan, world_size)
     model_names = {n for s in specs for n in (s.fqn, *s.aliases)}
     plan_names = {n for s in plan for n in (s.fqn, *s.aliases)}
-    missing = [n for s in specs for n in (s.fqn,) if n not in plan]
+    missing = [s.fqn for s in specs if s.fqn not in plan]
     if missing:
         raise ValueError(f"fully_shard: the plan does not cover parameter {missing[0]!r} of the model; "
                          "build the plan from this model with plan_model")
@@ -322,9 +553,9 @@ def _validate_plan(plan: ShardingPlan, specs: list, world_size: int) -> None:
             raise ValueError(f"fully_shard: parameter {s.fqn!r} has no valid owner in the plan ({shard.owner!r})")
 
 
-def _normalize(plan: ShardingPlan, specs: list) -> dict[str, MatrixShard]:
+def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixShard]:
     """The plan's owners and roles with units and segment offsets of these fully_shard calls."""
-    cursor: dict[tuple[int, int], int] = {}
+    cursor: dict[tuple[int, int | None], int] = {}
     out: dict[str, MatrixShard] = {}
     for s in specs:
         shard = plan[s.fqn]
@@ -341,20 +572,31 @@ def _normalize(plan: ShardingPlan, specs: list) -> dict[str, MatrixShard]:
     return out
 
 
-def _shard(root: nn.Module, entries: list[_Pending], *, is_container: bool) -> None:
-    """Plan ``root`` with ``entries`` as units (call order) and shard every unit."""
-    group = entries[-1].group
-    replicate_group = entries[-1].replicate_group
-    for p in entries:
-        if p.group is not group or p.replicate_group is not replicate_group:
-            raise ValueError("fully_shard: every unit of one model must use the same mesh / process group")
+def _local_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
+    """This rank's data of a parameter: whole on its owner, row block, or a numel-0 tensor."""
+    if shard.role is Role.SHARDED:
+        start, stop = shard.row_range(rank)
+        return full.detach()[start:stop].clone()
+    if shard.is_owned_by(rank):
+        return full.detach()
+    return torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def _shard(modules: list[nn.Module]) -> None:
+    """Plan ``modules`` (units in call order) as one model and shard every unit."""
+    states = [_require_state(m) for m in modules]
+    group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
+    root, is_container = _planning_root(modules)
     names = {id(m): n for n, m in root.named_modules()}
-    prefixes = [names[id(p.module)] for p in entries]
+    prefixes = [names[id(m)] for m in modules]
     if not is_container:
         root._moo_unit_prefixes = list(prefixes)  # so planning.plan_model(root, W) agrees
     specs = specs_from_module(root, unit_prefixes=prefixes)
-    given = next((p.plan for p in reversed(entries) if p.plan is not None), None)
+    fqn_of = {id(p): n for n, p in root.named_parameters()}
+    unit_of_module = _unit_of_modules(modules)
+    locations = _locations(root, unit_of_module, modules, fqn_of)
+    given = next((s.plan for s in reversed(states) if s.plan is not None), None)
     if given is not None:
         _validate_plan(given, specs, W)
         plan = given
@@ -362,40 +604,47 @@ def _shard(root: nn.Module, entries: list[_Pending], *, is_container: bool) -> N
         plan = plan_tensors(specs, W)
     check_plan_agreement(plan, rank, group)  # the first collective, before any data moves
     shards = _normalize(plan, specs)
-    locations = _locations(root)
     by_fqn = dict(root.named_parameters())
 
     ctx = ShardingContext(group, rank, W, plan, replicate_group=replicate_group)
-    root_unit = len(prefixes) - 1 if not is_container else -1
-    handles_of: list[list[ParamHandle]] = [[] for _ in entries]
+    handles_of: list[list[ParamHandle]] = [[] for _ in modules]
     for s in specs:
-        if s.unit >= len(entries):  # the container's own (empty) root unit
+        if s.unit >= len(modules):  # the container's own (empty) root unit
             raise RuntimeError(f"parameter {s.fqn!r} is in no fully_shard unit")
-        entry = entries[s.unit]
         shard = shards[s.fqn]
-        full = by_fqn[s.fqn]
+        param = by_fqn[s.fqn]
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(f"fully_shard: {s.fqn!r} is a {type(param).__name__}, not an nn.Parameter")
         with torch.no_grad():
-            if shard.role is Role.SHARDED:
-                start, stop = shard.row_range(rank)
-                data = full.detach()[start:stop].clone()
-            elif shard.is_owned_by(rank):
-                data = full.detach()
-            else:
-                data = torch.empty(0, dtype=full.dtype, device=full.device)
-        sharded = nn.Parameter(data, requires_grad=full.requires_grad)
-        attach_matrix_shard(sharded, shard, rank)
-        setattr(sharded, GROUP_ATTR, group)
-        mp = entry.mp_policy
-        param_dtype = getattr(mp, "param_dtype", None) if mp is not None else None
-        compute = param_dtype if (param_dtype is not None and full.is_floating_point()) else full.dtype
-        handle = ParamHandle(shard, locations[id(full)], sharded, rank, compute)
-        handle.swap(sharded)
-        handles_of[s.unit].append(handle)
+            param.grad = None
+            param.data = _local_piece(param, shard, rank)
+        attach_matrix_shard(param, shard, rank)
+        setattr(param, GROUP_ATTR, group)
+        handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 
-    for i, entry in enumerate(entries):
-        unit = ShardedUnit(
-            ctx, i, entry.module, handles_of[i], reshard_after_forward=entry.reshard_after_forward,
-            mp_policy=entry.mp_policy, is_root=(i == root_unit),
-        )
-        ctx.units.append(unit)
-        setattr(entry.module, _UNIT_ATTR, unit)
+    units: list[ShardedUnit] = []
+    root_index = -1 if is_container else len(modules) - 1
+    for i, (m, st) in enumerate(zip(modules, states)):
+        units.append(ShardedUnit(
+            ctx, i, m, handles_of[i], reshard_after_forward=st.reshard_after_forward,
+            mp_policy=st.mp_policy, is_root=(i == root_index),
+        ))
+    for i, (unit, st) in enumerate(zip(units, states)):
+        parent_index = _parent_unit(i, modules)
+        unit.parent = units[parent_index] if parent_index is not None else None
+        st.unit = unit
+    ctx.units.extend(units)
+
+
+def _parent_unit(i: int, modules: list[nn.Module]) -> int | None:
+    """Index of the nearest unit module enclosing ``modules[i]`` (None: outermost)."""
+    best: int | None = None
+    best_size = None
+    target = modules[i]
+    for j, m in enumerate(modules):
+        if j == i:
+            continue
+        subtree = list(m.modules())
+        if any(s is target for s in subtree) and (best_size is None or len(subtree) < best_size):
+            best, best_size = j, len(subtree)
+    return best
