@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from _ref import roundtrip
 from matrix_owner_optim import OwnerRoutedOptimizer
-from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.launch import spawn_ranks
 from matrix_owner_optim.models.gpt import GPT, GPTConfig
 
@@ -48,7 +47,9 @@ BATCH = 6  # global batch, divisible by 2 and 3
 K = 3  # steps before the checkpoint, and after it
 ADAMW = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5}
 KINDS = {
-    "shampoo": dict(matrix="shampoo", matrix_options={"lr": 1e-2, "eps": 1e-6}, tail="adamw", tail_options=ADAMW),
+    "shampoo": dict(
+        matrix="shampoo", matrix_options={"lr": 1e-2, "eps": 1e-6}, tail="adamw", tail_options=ADAMW
+    ),
     "adamw": dict(matrix="adamw", matrix_options=ADAMW, tail="adamw", tail_options=ADAMW),
 }
 # Shampoo's own noise floor here: uninterrupted W=2 and W=3 runs differ from the one-process
@@ -65,7 +66,7 @@ def _batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor,
     idx = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
     tgt = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
     n = BATCH // world_size
-    return idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
+    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
 
 
 def _model(seed: int) -> GPT:
@@ -113,8 +114,10 @@ def _full(model) -> dict[str, torch.Tensor]:
         out = {n: p.detach().clone() for n, p in model.named_parameters()}
         model.reshard()
         return out
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _save(path: str, model, opt=None) -> None:
@@ -155,9 +158,11 @@ def _ddp_job(rank: int, W: int, d: str) -> dict:
     opt2.load_state_dict(saved["optim"])
     _steps(model, opt, range(K, 2 * K), rank, W)
     _steps(resumed, opt2, range(K, 2 * K), rank, W)
-    return {"n_states": sum(1 for st in saved["optim"]["state"].values() if st),
-            "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())),
-            "err": max(_rel(a, b) for a, b in zip(resumed.parameters(), model.parameters()))}
+    return {
+        "n_states": sum(1 for st in saved["optim"]["state"].values() if st),
+        "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())),
+        "err": max(_rel(a, b) for a, b in zip(resumed.parameters(), model.parameters())),
+    }
 
 
 def _rank_job(rank: int, W: int, d: str) -> dict:
@@ -166,9 +171,13 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
         model = _owner(0)
         _save(os.path.join(d, "model_own2"), model)
         out["own2_params"] = _full(model)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         out["full_keys"] = sorted(full)
-        out["full_equal"] = rank != 0 or all(torch.equal(full[n], t) for n, t in out["own2_params"].items())
+        out["full_equal"] = rank != 0 or all(
+            torch.equal(full[n], t) for n, t in out["own2_params"].items()
+        )
         out["full_on_cpu"] = all(t.device.type == "cpu" for t in full.values())
         fsdp = _fsdp2(5, W)
         _save(os.path.join(d, "model_fsdp2"), fsdp)
@@ -185,7 +194,8 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
             _load(os.path.join(d, f"own2_{kind}"), again, opt2)
             _steps(again, opt2, range(K, 2 * K), rank, W)
             out[f"{kind}_same_w_resume_exact"] = all(
-                torch.equal(a, b) for a, b in zip(_full(model).values(), _full(again).values()))
+                torch.equal(a, b) for a, b in zip(_full(model).values(), _full(again).values())
+            )
     else:
         # the model alone, bitwise: owner W=2 -> FSDP2 W=3, FSDP2 W=2 -> owner W=3, owner -> owner
         fsdp = _fsdp2(1, W)
@@ -226,11 +236,14 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
         assert torch.equal(got[n], want[n]), f"{what}: {n} is not bitwise equal"
 
 
-def _assert_follows(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
-                    rtol: float) -> None:
+def _assert_follows(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float
+) -> None:
     assert got.keys() == want.keys(), what
     worst = max(got, key=lambda n: _rel(got[n], want[n]))
-    assert _rel(got[worst], want[worst]) <= rtol, f"{what}: {worst} off by {_rel(got[worst], want[worst]):.3g}"
+    assert _rel(got[worst], want[worst]) <= rtol, (
+        f"{what}: {worst} off by {_rel(got[worst], want[worst]):.3g}"
+    )
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -271,13 +284,21 @@ def test_full_state_dict_cpu_offload_on_rank0(runs):
 def test_resume_at_w3_and_in_one_process(runs, kind):
     want, rtol = runs[f"ref_{kind}"], RTOL[kind]
     saved = runs["w2"][0][f"own2_{kind}_params"]
-    assert all(r[f"{kind}_same_w_resume_exact"] for r in runs["w2"]), f"{kind}: W=2 resume is not bitwise"
+    assert all(r[f"{kind}_same_w_resume_exact"] for r in runs["w2"]), (
+        f"{kind}: W=2 resume is not bitwise"
+    )
     for r in runs["w3"]:
         _assert_equal(r[f"{kind}_own3_loaded"], saved, f"{kind}: owner W=2 -> owner W=3, loaded")
-        _assert_follows(r[f"{kind}_own3_cont"], want, f"{kind}: owner W=2 -> owner W=3, continued", rtol)
+        _assert_follows(
+            r[f"{kind}_own3_cont"], want, f"{kind}: owner W=2 -> owner W=3, continued", rtol
+        )
     if kind == "adamw":
-        _assert_follows(runs["w3"][0]["adamw_fsdp3_cont"], want, "adamw: owner W=2 -> FSDP2 W=3, continued",
-                        rtol)
+        _assert_follows(
+            runs["w3"][0]["adamw_fsdp3_cont"],
+            want,
+            "adamw: owner W=2 -> FSDP2 W=3, continued",
+            rtol,
+        )
     model = _model(7)
     opt = OwnerRoutedOptimizer(model, **KINDS[kind])
     _load(os.path.join(runs["dir"], f"own2_{kind}"), model, opt)
@@ -292,15 +313,18 @@ def test_ddp_rank0_torch_save_resume(runs):
         for r in runs[key]:
             # W=2: bitwise. W=3: a fresh DDP's first all-reduce buckets differ from the rebuilt
             # ones of the uninterrupted run, so gloo sums 3 ranks in another order (round-off).
-            assert r["ddp"]["equal"] or (key == "w3" and r["ddp"]["err"] <= 1e-4), \
+            assert r["ddp"]["equal"] or (key == "w3" and r["ddp"]["err"] <= 1e-4), (
                 f"DDP {key}: resumed run off by {r['ddp']['err']:.3g}"
+            )
             assert r["ddp"]["n_states"] == n_params, f"DDP {key}: the rank-0 state dict is partial"
 
 
 # -- one process: dtypes, inner optimizers' group values, errors ---------------------------------------
 def _bf16_mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
+        torch.bfloat16
+    )
 
 
 def _mlp_steps(model, opt, steps) -> None:
@@ -312,22 +336,32 @@ def _mlp_steps(model, opt, steps) -> None:
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("matrix, options", [("soap", {"lr": 1e-2, "precondition_frequency": 2}),
-                                             ("shampoo", {"lr": 1e-2, "eps": 1e-6})])
+@pytest.mark.parametrize(
+    "matrix, options",
+    [("soap", {"lr": 1e-2, "precondition_frequency": 2}), ("shampoo", {"lr": 1e-2, "eps": 1e-6})],
+)
 def test_bf16_model_keeps_fp32_state_through_load(matrix, options):
     model = _bf16_mlp(0)
     opt = OwnerRoutedOptimizer(model, matrix=matrix, matrix_options=options, tail="adamw")
     _mlp_steps(model, opt, range(3))
     saved = roundtrip({"model": model.state_dict(), "optim": opt.state_dict()})
-    dtypes = {(i, k): v.dtype for i, st in saved["optim"]["state"].items() for k, v in st.items()
-              if isinstance(v, torch.Tensor)}
+    dtypes = {
+        (i, k): v.dtype
+        for i, st in saved["optim"]["state"].items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
     assert torch.float32 in dtypes.values()  # the preconditioner keeps fp32 factors
     model2 = _bf16_mlp(1)
     model2.load_state_dict(saved["model"])
     opt2 = OwnerRoutedOptimizer(model2, matrix=matrix, matrix_options=options, tail="adamw")
     opt2.load_state_dict(saved["optim"])
-    got = {(i, k): v.dtype for i, st in opt2.state_dict()["state"].items() for k, v in st.items()
-           if isinstance(v, torch.Tensor)}
+    got = {
+        (i, k): v.dtype
+        for i, st in opt2.state_dict()["state"].items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
     assert got == dtypes
     _mlp_steps(model, opt, range(3, 8))  # past SOAP's refresh (every 2 steps)
     _mlp_steps(model2, opt2, range(3, 8))
@@ -356,7 +390,9 @@ def test_inner_group_values_evolve_and_survive_a_load():
     def build(seed):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
-        return model, OwnerRoutedOptimizer(model, matrix=_DLike, matrix_options={"lr": 0.1}, tail="adamw")
+        return model, OwnerRoutedOptimizer(
+            model, matrix=_DLike, matrix_options={"lr": 0.1}, tail="adamw"
+        )
 
     def steps(model, opt, rng):
         for s in rng:

@@ -15,7 +15,6 @@ partitioned, so ``get_optimizer_state_dict`` / DCP reshard it across world sizes
 from __future__ import annotations
 
 from copy import deepcopy
-from itertools import chain
 from typing import Any, Callable, Mapping
 
 import torch

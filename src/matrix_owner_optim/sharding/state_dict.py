@@ -29,7 +29,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -37,8 +41,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..planning.metadata import MatrixShard, Role, get_matrix_shard, get_shard_rank
 
 __all__ = [
-    "OwnedTensor", "install_state_dict_hooks", "mesh_of_group", "piece_of", "local_piece",
-    "row_block", "contiguous_stride",
+    "OwnedTensor",
+    "install_state_dict_hooks",
+    "mesh_of_group",
+    "piece_of",
+    "local_piece",
+    "row_block",
+    "contiguous_stride",
 ]
 
 GROUP_ATTR = "_moo_process_group"  # the shard process group, set on parameters by fully_shard
@@ -88,17 +97,26 @@ class OwnedTensor(DTensor):
     _owner: int
 
     @staticmethod
-    def make(local: torch.Tensor, owner: int, mesh: Any, shape: Sequence[int],
-             dtype: torch.dtype | None = None) -> "OwnedTensor":
+    def make(
+        local: torch.Tensor,
+        owner: int,
+        mesh: Any,
+        shape: Sequence[int],
+        dtype: torch.dtype | None = None,
+    ) -> "OwnedTensor":
         """Wrap ``local`` (the whole tensor on the owner, numel 0 elsewhere); no copy."""
         shape = torch.Size(tuple(int(s) for s in shape))
         dtype = dtype or local.dtype
         me = mesh.get_local_rank()
         if me == owner and tuple(local.shape) != tuple(shape):
-            raise ValueError(f"the owner's piece has shape {tuple(local.shape)}, expected {tuple(shape)}")
+            raise ValueError(
+                f"the owner's piece has shape {tuple(local.shape)}, expected {tuple(shape)}"
+            )
         if me != owner and local.numel() != 0:
             raise ValueError(f"a non-owner's piece must be empty, got shape {tuple(local.shape)}")
-        spec = DTensorSpec(mesh, (Replicate(),), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype))
+        spec = DTensorSpec(
+            mesh, (Replicate(),), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype)
+        )
         r = DTensor.__new__(OwnedTensor, local, spec, requires_grad=False)  # type: ignore[call-arg]
         r._owner = int(owner)
         return r
@@ -113,8 +131,10 @@ class OwnedTensor(DTensor):
         return self.device_mesh.get_local_rank() == self._owner
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"OwnedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, owner={self._owner}, "
-                f"local={tuple(self._local_tensor.shape)})")
+        return (
+            f"OwnedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, owner={self._owner}, "
+            f"local={tuple(self._local_tensor.shape)})"
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -125,9 +145,16 @@ class OwnedTensor(DTensor):
             src = owned[0]
             local = func(src._local_tensor, *args[1:], **kwargs)
             if src.is_owner and tuple(local.shape) != tuple(src.shape):
-                raise NotImplementedError(f"OwnedTensor: {func} changes the shape; call full_tensor() first")
-            return OwnedTensor.make(local if src.is_owner else local.reshape(0), src._owner, src.device_mesh,
-                                    src.shape, local.dtype)
+                raise NotImplementedError(
+                    f"OwnedTensor: {func} changes the shape; call full_tensor() first"
+                )
+            return OwnedTensor.make(
+                local if src.is_owner else local.reshape(0),
+                src._owner,
+                src.device_mesh,
+                src.shape,
+                local.dtype,
+            )
         if name == "copy_" and len(args) == 2 and isinstance(args[0], OwnedTensor):
             dst, src = args
             if isinstance(src, OwnedTensor) and src._owner == dst._owner:
@@ -138,12 +165,21 @@ class OwnedTensor(DTensor):
             f"does not support {func}; call .full_tensor() (collective) for the whole tensor on every rank"
         )
 
-    def redistribute(self, device_mesh: Any = None, placements: Sequence[Any] | None = None, *,
-                     async_op: bool = False, **kwargs: Any) -> DTensor:  # type: ignore[override]
+    def redistribute(
+        self,
+        device_mesh: Any = None,
+        placements: Sequence[Any] | None = None,
+        *,
+        async_op: bool = False,
+        **kwargs: Any,
+    ) -> DTensor:  # type: ignore[override]
         """To ``Replicate`` (the only target): the owner broadcasts; a plain replicated DTensor."""
         mesh = device_mesh if device_mesh is not None else self.device_mesh
-        if mesh is not self.device_mesh or placements is None or \
-                not all(isinstance(p, Replicate) for p in placements):
+        if (
+            mesh is not self.device_mesh
+            or placements is None
+            or not all(isinstance(p, Replicate) for p in placements)
+        ):
             raise NotImplementedError(
                 "OwnedTensor redistributes only to Replicate() on its own mesh (full_tensor()); got "
                 f"{placements}"
@@ -154,8 +190,14 @@ class OwnedTensor(DTensor):
         else:
             full = torch.empty(self.shape, dtype=self.dtype, device=self._local_tensor.device)
         dist.broadcast(full, group_src=self._owner, group=group)
-        return DTensor.from_local(full, self.device_mesh, [Replicate()], run_check=False,
-                                  shape=self.shape, stride=self.stride())
+        return DTensor.from_local(
+            full,
+            self.device_mesh,
+            [Replicate()],
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride(),
+        )
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         return self.redistribute(self.device_mesh, [Replicate()]).to_local()
@@ -168,18 +210,26 @@ class OwnedTensor(DTensor):
         if not self.is_owner:
             return []
         chunk = self._chunk()
-        return [WriteItem(
-            index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
-                self._local_tensor), size=self.shape),
-        )]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._local_tensor),
+                    size=self.shape,
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [self._chunk()] if self.is_owner else []
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         if not self.is_owner:
-            raise ValueError(f"{index.fqn}: this rank is not the owner (rank {self._owner}) and holds no chunk")
+            raise ValueError(
+                f"{index.fqn}: this rank is not the owner (rank {self._owner}) and holds no chunk"
+            )
         return self._local_tensor
 
 
@@ -187,8 +237,9 @@ class OwnedTensor(DTensor):
 def row_block(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> DTensor:
     """``local`` rows (``torch.chunk`` split over ``mesh``) as a ``Shard(0)`` DTensor (no copy)."""
     shape = torch.Size(tuple(int(s) for s in shape))
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                              stride=contiguous_stride(shape))
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=contiguous_stride(shape)
+    )
 
 
 def _shard_info(param: torch.Tensor) -> tuple[MatrixShard, int, Any] | None:
@@ -202,8 +253,13 @@ def _shard_info(param: torch.Tensor) -> tuple[MatrixShard, int, Any] | None:
     return shard, rank, getattr(param, GROUP_ATTR, None)
 
 
-def piece_of(local: torch.Tensor, shard: MatrixShard, rank: int, group: Any,
-             shape: Sequence[int] | None = None) -> torch.Tensor:
+def piece_of(
+    local: torch.Tensor,
+    shard: MatrixShard,
+    rank: int,
+    group: Any,
+    shape: Sequence[int] | None = None,
+) -> torch.Tensor:
     """``local`` (this rank's piece of a tensor laid out like ``shard``) as a DCP piece.
 
     ``shape``: the global shape when it is not the parameter's (optimizer state such as
@@ -214,11 +270,14 @@ def piece_of(local: torch.Tensor, shard: MatrixShard, rank: int, group: Any,
     if shard.role is Role.SHARDED:
         return row_block(local, mesh, shard.shape if shape is None else shape)
     assert shard.owner is not None
-    return OwnedTensor.make(local, shard.owner, mesh, shard.shape if shape is None else shape, local.dtype)
+    return OwnedTensor.make(
+        local, shard.owner, mesh, shard.shape if shape is None else shape, local.dtype
+    )
 
 
-def local_piece(value: Any, shard: MatrixShard, rank: int, *, what: str,
-                like: torch.Tensor | None = None) -> torch.Tensor:
+def local_piece(
+    value: Any, shard: MatrixShard, rank: int, *, what: str, like: torch.Tensor | None = None
+) -> torch.Tensor:
     """This rank's piece of the global tensor ``value`` for a tensor laid out like ``shard``.
 
     ``value``: a piece in this layout (OwnedTensor or ``Shard(0)`` DTensor, e.g. read by DCP
@@ -227,7 +286,11 @@ def local_piece(value: Any, shard: MatrixShard, rank: int, *, what: str,
     """
     full_shape = tuple(shard.shape)
     if isinstance(value, OwnedTensor):
-        if shard.role is Role.SHARDED or value.owner != shard.owner or tuple(value.shape) != full_shape:
+        if (
+            shard.role is Role.SHARDED
+            or value.owner != shard.owner
+            or tuple(value.shape) != full_shape
+        ):
             raise ValueError(
                 f"{what}: the state dict holds it whole on rank {value.owner}, shape "
                 f"{tuple(value.shape)}, but here it is {_describe(shard, rank)}; load a full state dict "
@@ -238,10 +301,14 @@ def local_piece(value: Any, shard: MatrixShard, rank: int, *, what: str,
     if isinstance(value, DTensor):
         if all(isinstance(p, Replicate) for p in value.placements):
             value = value._local_tensor  # the full tensor
-        elif (shard.role is Role.SHARDED and tuple(value.shape) == full_shape
-              and len(value.placements) == 1 and value.placements[0] == Shard(0)
-              and value.device_mesh.size() == shard.world_size
-              and value.device_mesh.get_local_rank() == rank):
+        elif (
+            shard.role is Role.SHARDED
+            and tuple(value.shape) == full_shape
+            and len(value.placements) == 1
+            and value.placements[0] == Shard(0)
+            and value.device_mesh.size() == shard.world_size
+            and value.device_mesh.get_local_rank() == rank
+        ):
             return value._local_tensor
         else:
             raise ValueError(
@@ -289,7 +356,9 @@ def _save_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _ensure_sharded(module)  # state_dict() fixes a lazy plan, as FSDP2's lazy init would
 
 
-def _save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _save_post_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     """Turn this unit's sharded parameters into pieces of their global tensors (no copy).
 
     Runs after the subtree's entries are in; nested units converted theirs already.
@@ -305,7 +374,9 @@ def _save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         shard, rank, group = info
         local = value.detach()
         if tuple(local.shape) != tuple(shard.local_shape(rank)):
-            if tuple(local.shape) == tuple(shard.shape):  # unshard()-ed: the full tensor is a fine entry
+            if tuple(local.shape) == tuple(
+                shard.shape
+            ):  # unshard()-ed: the full tensor is a fine entry
                 continue
             raise RuntimeError(
                 f"state_dict: parameter {key!r} holds shape {tuple(local.shape)}, neither its piece "
@@ -315,9 +386,16 @@ def _save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
         state_dict[key] = piece_of(local, shard, rank, group)
 
 
-def _load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
-                   strict: bool, missing_keys: list[str], unexpected_keys: list[str],
-                   error_msgs: list[str]) -> None:
+def _load_pre_hook(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
     """Replace each entry of this unit's sharded parameters by this rank's piece of it."""
     _ensure_sharded(module)
     if local_metadata.get("assign_to_params_buffers", False):
@@ -335,7 +413,9 @@ def _load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
         shard, rank, _ = info
         if tuple(param.shape) != tuple(shard.local_shape(rank)):
             continue  # unshard()-ed: the full tensor is registered, torch loads it as is
-        state_dict[key] = local_piece(state_dict[key], shard, rank, what=f"parameter {key!r}", like=param)
+        state_dict[key] = local_piece(
+            state_dict[key], shard, rank, what=f"parameter {key!r}", like=param
+        )
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
