@@ -377,3 +377,29 @@ def test_lifecycle_off_the_happy_path(world_size: int) -> None:
         # two micro-batches, one forward gather per unit in all (6 if the second forward
         # gathered again): the second forward reuses the data kept after the first backward
         assert res["forward_gathers_per_two_microbatches"] == [3, 3], res
+
+
+def _one_rank(rank: int, W: int) -> dict:
+    """W=1: the layout is the plain model; no collective and the same trajectory, bitwise."""
+    model, ref = _pair(seed=12)
+    _shard(model)
+    opt = _opts(model.parameters())
+    with CommCounter() as cc:
+        _train(rank, W, model, ref, opt=opt)
+    _compare_params(model, ref, "one rank", rtol=0.0)
+    mp_model, mp_ref = _pair(seed=12)
+    _shard(mp_model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mp_ref = mp_ref.to(torch.bfloat16)
+    x, y = local_batch(0, rank, W)
+    mp_model(x, y).backward()
+    mp_ref(x, y).backward()
+    for (n, p), q in zip(mp_model.named_parameters(), mp_ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, n
+        assert torch.equal(p.grad, q.grad.float()), n  # bf16 gradient, kept in fp32
+    return {"calls": cc.calls(), "bytes": cc.bytes()}
+
+
+@pytest.mark.multirank
+def test_one_rank_moves_nothing() -> None:
+    (res,) = spawn_ranks(_one_rank, 1)
+    assert res == {"calls": 0, "bytes": 0}

@@ -31,6 +31,8 @@ def _plan_from_canonical(world_size: int, rows: list[dict[str, Any]]) -> Shardin
 
 def check_plan_agreement(plan: ShardingPlan, rank: int, group: Any = None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold the same plan."""
+    if plan.world_size == 1:  # one rank agrees with itself: no collective
+        return
     digests = comm.all_gather_object(plan.digest(), group=group, name="plan_digest")
     if all(d == digests[0] for d in digests):
         return

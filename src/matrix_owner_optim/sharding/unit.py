@@ -294,6 +294,14 @@ class ShardedUnit:
             return
         ctx, layout = self.ctx, self.gather_layout
         me = ctx.rank
+        if ctx.world_size == 1:  # one rank owns everything: no collective, no send buffer
+            with torch.no_grad():
+                for h in self.handles:
+                    if not h.aliases_resident:  # a low-precision compute copy
+                        h.alloc()
+                        h.write(h.sharded.reshape(-1), None)
+            self.state = ShardedState.GATHERED
+            return
         with torch.no_grad():
             send = torch.empty(layout.sizes[me], dtype=self.gather_dtype, device=self.device)
             for e in layout.entries[me]:
@@ -313,6 +321,8 @@ class ShardedUnit:
             return False
         prefetched = self.state is ShardedState.GATHERING
         self.issue_gather()
+        if self.state is ShardedState.GATHERED:  # one rank: gathered without a collective
+            return prefetched
         pending, self._pending = self._pending, None
         assert pending is not None  # issued just above, or by a prefetch
         ctx, layout = self.ctx, self.gather_layout
@@ -386,6 +396,16 @@ class ShardedUnit:
         W, me = ctx.world_size, ctx.rank
         grads = {i: h.take_grad() for i, h in enumerate(self.handles) if h.has_grad()}
         if not grads:
+            return
+        if W == 1 and ctx.replicate_size == 1:  # the local gradient is the average: no copy
+            with torch.no_grad():
+                for i, g in grads.items():
+                    h = self.handles[i]
+                    g = g.to(self.reduce_dtype).to(h.sharded.dtype)  # round as the reduction would
+                    if h.sharded.grad is None:
+                        h.sharded.grad = g
+                    else:
+                        h.sharded.grad += g
             return
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
