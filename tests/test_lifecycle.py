@@ -181,9 +181,14 @@ def _exception_in_backward(rank: int, W: int) -> None:
 def _exception_in_forward(rank: int, W: int) -> None:
     model, ref = _pair(seed=3)
     trap = Trap()
-    model.layers[1].register_forward_hook(trap.forward_hook)
+    # raised after block 0 issued its prefetch of block 1, which nobody consumes then
+    model.layers[0].register_forward_hook(trap.forward_hook)
     _shard(model)
+    issued = []
+    model.layers[1].register_forward_pre_hook(
+        lambda m, a: issued.append(list(model._moo_units()[0].ctx.prefetch_log)), prepend=True)
     _train(rank, W, model, ref, steps=5, fail=lambda s: "forward" if s == 2 else "", trap=trap)
+    assert ("forward", 0, 1) in issued[-1]  # the automatic prefetch was on
     for unit in model._moo_units():  # nothing left swapped in or gathered between steps
         assert unit.state is ShardedState.SHARDED or unit.is_root, (unit.index, unit.state)
     _compare_params(model, ref, "exception in forward")
