@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -260,7 +261,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             ctx.method_depth -= 1
         return _post_forward_hook(self, args, kwargs, out)
 
-    module.__dict__[method_name] = wrapped.__get__(module)
+    module.__dict__[method_name] = types.MethodType(wrapped, module)
     state.forward_methods.append(method_name)
 
 
@@ -591,7 +592,7 @@ def _shard(modules: list[nn.Module]) -> None:
     names = {id(m): n for n, m in root.named_modules()}
     prefixes = [names[id(m)] for m in modules]
     if not is_container:
-        root._moo_unit_prefixes = list(prefixes)  # so planning.plan_model(root, W) agrees
+        root.__dict__["_moo_unit_prefixes"] = list(prefixes)  # so plan_model(root, W) agrees
     specs = specs_from_module(root, unit_prefixes=prefixes)
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = _unit_of_modules(modules)

@@ -394,7 +394,11 @@ class ShardedUnit:
         with HSDP the owner's segment is then all-reduced across the replicas."""
         ctx = self.ctx
         W, me = ctx.world_size, ctx.rank
-        grads = {i: h.take_grad() for i, h in enumerate(self.handles) if h.has_grad()}
+        grads: dict[int, torch.Tensor] = {}
+        for i, h in enumerate(self.handles):
+            g = h.take_grad()
+            if g is not None:
+                grads[i] = g
         if not grads:
             return
         if W == 1 and ctx.replicate_size == 1:  # the local gradient is the average: no copy
