@@ -9,6 +9,10 @@ Rows (all on the built-in GPT, embedded data, CPU gloo ranks):
 * ``e``  stock FSDP2 + AdamW
 * ``a-shampoo`` / ``c-shampoo``, ``a-soap`` / ``c-soap``: owner layout vs reconstruction
 
+``--muon-batching`` instead times Muon's step with same-shape matrices batched through one
+stacked Newton-Schulz against one matrix at a time (one process, the built-in GPT's matrices
+and a few larger stacks), prints both and writes ``muon_batching.json``.
+
 Rows run alternately for ``--rounds`` rounds (forward order, then reverse) so machine drift
 cancels; medians are taken over steps after warm-up, then over rounds. Bytes per phase come
 from ``torch.profiler`` (every gloo op, stock FSDP2's included) and from CommCounter (this
@@ -28,7 +32,7 @@ from typing import Any
 from ..launch import spawn_ranks
 from ..training import TrainConfig, summarize, train_rank
 
-__all__ = ["ROWS", "add_parser", "run", "run_bench", "markdown_table"]
+__all__ = ["ROWS", "add_parser", "run", "run_bench", "markdown_table", "muon_batching_timings"]
 
 ROWS: dict[str, tuple[str, str, str]] = {
     "a": ("owner", "muon", "owner layout + OwnerRoutedOptimizer(Muon)"),
@@ -55,7 +59,56 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--muon-batching", action="store_true",
+                   help="time Muon batched vs per-matrix Newton-Schulz instead of the rows")
     p.set_defaults(func=run)
+
+
+def muon_batching_timings(cases: dict[str, list[tuple[int, int]]] | None = None, *,
+                          steps: int = 5, rounds: int = 2) -> list[dict[str, Any]]:
+    """Median step time of Muon with ``batched=True`` and ``batched=False`` per case and dtype.
+
+    Each case is a list of matrix shapes (one parameter group). The two variants alternate for
+    ``rounds`` rounds so machine drift cancels; the first step of each run is warm-up.
+    """
+    import torch
+
+    from ..preconditioners import Muon
+
+    if cases is None:
+        cases = {
+            "gpt(d=256,L=4) matrices": [(768, 256), (256, 256), (1024, 256), (256, 1024)] * 4,
+            "16 x 256x256": [(256, 256)] * 16,
+            "8 x 512x1024 + 8 x 1024x512": [(512, 1024)] * 8 + [(1024, 512)] * 8,
+            "64 x 64x64": [(64, 64)] * 64,
+        }
+
+    def one(shapes: list[tuple[int, int]], dtype: torch.dtype, batched: bool) -> float:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt = Muon(params, ns_dtype=dtype, batched=batched)
+        opt.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    out = []
+    for name, shapes in cases.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            per: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(rounds):
+                for batched in ((False, True) if r % 2 == 0 else (True, False)):
+                    per[batched].append(one(shapes, dtype, batched))
+            per_matrix, batched_s = statistics.median(per[False]), statistics.median(per[True])
+            out.append({"case": name, "ns_dtype": str(dtype).replace("torch.", ""),
+                        "matrices": len(shapes), "per_matrix_s": per_matrix,
+                        "batched_s": batched_s, "ratio": batched_s / per_matrix})
+    return out
 
 
 def _parse_list(text: str, what: str) -> list[str]:
@@ -181,6 +234,18 @@ def _plots(results: dict[str, Any], out: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "muon_batching", False):
+        timings = muon_batching_timings(steps=max(args.steps, 3), rounds=args.rounds)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "muon_batching.json").write_text(json.dumps(timings, indent=1))
+        print("| case | ns dtype | matrices | per-matrix ms | batched ms | batched/per-matrix |")
+        print("|---|---|---|---|---|---|")
+        for t in timings:
+            print(f"| {t['case']} | {t['ns_dtype']} | {t['matrices']} | "
+                  f"{t['per_matrix_s'] * 1e3:.1f} | {t['batched_s'] * 1e3:.1f} | "
+                  f"{t['ratio']:.2f} |")
+        print(f"wrote {args.out / 'muon_batching.json'}")
+        return 0
     world_sizes = [int(w) for w in _parse_list(args.world_sizes, "world-sizes")]
     rows = _parse_list(args.rows, "rows")
     t0 = time.time()

@@ -18,6 +18,13 @@ parameter group at every step, so lr schedulers work)::
 ``adjusted_lr``: ``"original"``/None: ``lr * sqrt(max(1, A/B))``; ``"match_rms_adamw"``:
 ``lr * 0.2 * sqrt(max(A, B))`` for a parameter of shape ``(A, B)``.
 
+With ``batched=True`` (the default) the matrices of one parameter group that share shape,
+dtype and device go through one stacked Newton-Schulz (:func:`newton_schulz_batched`, batched
+matmuls), as dion and dtensor-muon do; the result equals the per-matrix iteration within float
+round-off (not bitwise: batched and single matmuls may sum in different orders). A shape that
+occurs once takes the per-matrix path, so a single matrix is still bitwise ``torch.optim.Muon``.
+``matrix-owner-optim bench --muon-batching`` times both.
+
 State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) -- what
 ``planning.cost.MUON_COST`` assumes.
 """
@@ -33,7 +40,7 @@ from torch import Tensor
 from ..planning.cost import MUON_COST, FunctionCostModel
 from ._common import MatrixOptimizer, as_float
 
-__all__ = ["Muon", "newton_schulz", "adjust_lr"]
+__all__ = ["Muon", "newton_schulz", "newton_schulz_batched", "adjust_lr"]
 
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -75,6 +82,37 @@ def newton_schulz(
     return x
 
 
+def newton_schulz_batched(
+    grads: Tensor,
+    ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """:func:`newton_schulz` of every matrix of a ``(batch, m, n)`` stack at once.
+
+    Same steps per matrix (each normalised by its own Frobenius norm), with batched matmuls
+    (``baddbmm``). Returns a new ``(batch, m, n)`` tensor of dtype ``ns_dtype``.
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if grads.ndim != 3:
+        raise ValueError(f"expected a (batch, m, n) stack, got shape {tuple(grads.shape)}")
+    a, b, c = ns_coefficients
+    tall = grads.size(1) > grads.size(2)
+    x = grads.to(ns_dtype, copy=True)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    if tall:
+        x = x.mT
+    return x
+
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
     """Muon's shape-dependent learning-rate scale (see the module docstring)."""
     rows, cols = shape[:2]
@@ -104,6 +142,8 @@ class Muon(MatrixOptimizer):
             (``0.2 * sqrt(max(A, B))``) (default None = ``"original"``).
         ns_dtype: precision of the Newton-Schulz iteration (default ``torch.bfloat16``, as torch;
             ``torch.float32`` for exactness). The result is cast back to the parameter dtype.
+        batched: run same-shape matrices of a group through one stacked Newton-Schulz
+            (default True; see the module docstring).
 
     Raises:
         ValueError: for a non-2D parameter (at construction) or gradient (at step), naming
@@ -125,6 +165,7 @@ class Muon(MatrixOptimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         ns_dtype: torch.dtype = torch.bfloat16,
+        batched: bool = True,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -152,6 +193,7 @@ class Muon(MatrixOptimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": ns_dtype,
+            "batched": batched,
         }
         super().__init__(params, defaults)
 
@@ -159,6 +201,8 @@ class Muon(MatrixOptimizer):
         lr = as_float(group["lr"])
         weight_decay = group["weight_decay"]
         momentum = group["momentum"]
+        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
+        updates: list[tuple[Tensor, Tensor]] = []
         for p, grad in self._grads(group):
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -167,10 +211,27 @@ class Muon(MatrixOptimizer):
                 )
             buf: Tensor = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = newton_schulz(
-                update, group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
-            )
+            updates.append((p, grad.lerp(buf, momentum) if group["nesterov"] else buf))
+
+        def apply(p: Tensor, ortho: Tensor) -> None:
             adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], p.shape)
             p.mul_(1 - lr * weight_decay)
             p.add_(ortho.to(p.dtype), alpha=-adjusted_lr)
+
+        if not group.get("batched", False):
+            for p, update in updates:
+                apply(p, newton_schulz(update, *ns_args))
+            return
+        buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = {}
+        for p, update in updates:
+            buckets.setdefault((tuple(update.shape), update.dtype, update.device), []).append(
+                (p, update)
+            )
+        for bucket in buckets.values():
+            if len(bucket) == 1:
+                p, update = bucket[0]
+                apply(p, newton_schulz(update, *ns_args))
+                continue
+            orthos = newton_schulz_batched(torch.stack([u for _, u in bucket]), *ns_args)
+            for (p, _), ortho in zip(bucket, orthos.unbind(0)):
+                apply(p, ortho)
