@@ -87,6 +87,7 @@ def ddp_job(rank: int, world_size: int) -> dict:
             for k, v in cc.by_op("optimizer").items():
                 ops[k] = ops.get(k, 0) + v
             if step == 9 and mode == "owner":
+                opt.consolidate_state_dict(to=None)  # owners' matrix state to every rank
                 opt_sd, sched_sd = roundtrip(opt.state_dict()), roundtrip(sched.state_dict())
                 opt, sched = make(ddp, mode)
                 opt.load_state_dict(opt_sd)
@@ -99,7 +100,7 @@ def ddp_job(rank: int, world_size: int) -> dict:
                     for r in routes if r["role"] == "matrix")
         out[mode] = {"losses": losses, "params": params, "sent": sent, "received": received,
                      "calls": calls, "ops": ops, "P_own": p_own, "P": p_all,
-                     "state_keys": len(opt.state_dict()["state"]),
+                     "state_keys": sum(1 for st in opt.state.values() if st),  # state held here
                      "lr": [g["lr"] for g in opt.param_groups],
                      "placement_bytes": sum(pl.bytes_per_step() for pl in opt._placements.values()),
                      "layouts": sorted({r["layout"] for r in routes})}
