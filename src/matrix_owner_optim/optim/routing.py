@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, cast
 
 import torch
 from torch import nn
@@ -114,7 +114,8 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
             routed.append(RoutedParam(p, name, index))
             index += 1
         options = {k: v for k, v in g.items() if k not in ("params", "role")}
-        role = parse_role(g["role"], where="param group 'role'") if "role" in g else None
+        role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") \
+            if "role" in g else None
         groups.append(UserGroup(routed, options, role))
     return groups, type_roles
 

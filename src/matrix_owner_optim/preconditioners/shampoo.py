@@ -266,22 +266,22 @@ class Shampoo(MatrixOptimizer):
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
-        kw = {"dtype": state_dtype_for(p), "device": p.device}
+        dtype, device = state_dtype_for(p), p.device
         state["step"] = 0
         for suffix, rs, cs, left, right in self.block_keys(p.shape, group):
             r, c = rs.stop - rs.start, cs.stop - cs.start
             if left:
-                state[f"L{suffix}"] = torch.zeros(r, r, **kw)
-                state[f"L_root{suffix}"] = torch.eye(r, **kw)
+                state[f"L{suffix}"] = torch.zeros(r, r, dtype=dtype, device=device)
+                state[f"L_root{suffix}"] = torch.eye(r, dtype=dtype, device=device)
             if right:
-                state[f"R{suffix}"] = torch.zeros(c, c, **kw)
-                state[f"R_root{suffix}"] = torch.eye(c, **kw)
+                state[f"R{suffix}"] = torch.zeros(c, c, dtype=dtype, device=device)
+                state[f"R_root{suffix}"] = torch.eye(c, dtype=dtype, device=device)
         if group["betas"][0] > 0:
-            state["filtered_grad"] = torch.zeros(p.shape, **kw)
+            state["filtered_grad"] = torch.zeros(p.shape, dtype=dtype, device=device)
         if group["momentum"] > 0:
-            state["momentum_buffer"] = torch.zeros(p.shape, **kw)
+            state["momentum_buffer"] = torch.zeros(p.shape, dtype=dtype, device=device)
         if group["grafting"] not in (None, "sgd"):
-            state["graft_state"] = torch.zeros(p.shape, **kw)
+            state["graft_state"] = torch.zeros(p.shape, dtype=dtype, device=device)
         return state
 
     # -- the step --------------------------------------------------------------------------------
@@ -305,11 +305,12 @@ class Shampoo(MatrixOptimizer):
             # 1. Factors (raw gradient, every step).
             for suffix, rs, cs, left, right in blocks:
                 gb = g[rs, cs]
-                for side, has, outer in (("L", left, gb @ gb.T if left else None),
-                                         ("R", right, gb.T @ gb if right else None)):
-                    if not has:
-                        continue
-                    factor: Tensor = state[f"{side}{suffix}"]
+                outers = []
+                if left:
+                    outers.append((state[f"L{suffix}"], gb @ gb.T))
+                if right:
+                    outers.append((state[f"R{suffix}"], gb.T @ gb))
+                for factor, outer in outers:
                     if beta2 == 1.0:
                         factor.add_(outer)
                     else:

@@ -206,15 +206,17 @@ class SOAP(MatrixOptimizer):
                 # First step: build the factors and bases from this gradient, do not update.
                 dtype = state_dtype_for(p)
                 g = grad.to(dtype).reshape(a, b)
-                kw = {"dtype": dtype, "device": p.device}
+                device = p.device
                 state["step"] = torch.tensor(0, dtype=torch.int64)
-                state["exp_avg"] = torch.zeros(p.shape, **kw)
-                state["exp_avg_sq"] = torch.zeros(p.shape, **kw)
+                state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
+                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
                 if left:
-                    state["L"] = torch.zeros(a, a, **kw).lerp_(g @ g.T, 1 - shampoo_beta)
+                    state["L"] = torch.zeros(a, a, dtype=dtype, device=device)
+                    state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
                     state["QL"] = _eigh_basis(state["L"])
                 if right:
-                    state["R"] = torch.zeros(b, b, **kw).lerp_(g.T @ g, 1 - shampoo_beta)
+                    state["R"] = torch.zeros(b, b, dtype=dtype, device=device)
+                    state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
                     state["QR"] = _eigh_basis(state["R"])
                 continue
 
