@@ -26,7 +26,10 @@ import torch.distributed as dist
 from .. import comm
 from ..planning.metadata import MatrixShard, Role
 
-__all__ = ["SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "reduce_scatter_v", "uses_nccl"]
+__all__ = [
+    "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "others_first_offsets",
+    "reduce_scatter_v", "uses_nccl",
+]
 
 
 @dataclass(frozen=True)
@@ -126,29 +129,46 @@ def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any
     return PendingGather(work, parts, (inp, out)) if async_op else parts
 
 
-def reduce_scatter_v(chunks: Sequence[torch.Tensor], rank: int, group: Any) -> torch.Tensor:
-    """Sum over ranks of ``chunks[rank]``: each rank contributes one chunk per destination.
+def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
+    """Where each rank's segment starts in a reduce buffer laid out *others first*: every other
+    rank's segment in rank order, then this rank's own (so the part sent is one contiguous
+    slice and nothing is concatenated before the collective)."""
+    offsets, cursor = [0] * len(sizes), 0
+    for r, n in enumerate(sizes):
+        if r != rank:
+            offsets[r] = cursor
+            cursor += n
+    offsets[rank] = cursor
+    return offsets
 
-    Returns this rank's summed segment (not averaged), in the chunks' dtype.
+
+def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> torch.Tensor:
+    """Sum over ranks of each rank's contribution to this rank's segment.
+
+    ``flat`` is this rank's contribution to every segment, laid out as
+    :func:`others_first_offsets` says. Returns this rank's summed segment (not averaged) in
+    ``flat``'s dtype, summed in rank order whoever owns the segment.
     """
-    W = len(chunks)
-    own = chunks[rank]
-    sizes = [c.numel() for c in chunks]
-    if W == 1 or sum(sizes) == 0:
-        return own.clone()
-    if uses_nccl(group, own.device):
+    W = len(sizes)
+    own_n = sizes[rank]
+    others_n = flat.numel() - own_n
+    own = flat[others_n:]
+    if W == 1 or flat.numel() == 0:
+        return own
+    if uses_nccl(group, flat.device):
+        offsets = others_first_offsets(sizes, rank)
+        chunks = [flat[offsets[r]:offsets[r] + sizes[r]] for r in range(W)]
         out = torch.empty_like(own)
-        comm.reduce_scatter_v(out, list(chunks), op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v")
+        comm.reduce_scatter_v(out, chunks, op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v")
         return out
     in_splits = [0 if r == rank else sizes[r] for r in range(W)]
-    out_splits = [0 if r == rank else sizes[rank] for r in range(W)]
-    others = [c for r, c in enumerate(chunks) if r != rank]
-    inp = torch.cat(others) if others else own.new_empty(0)
-    out = own.new_empty(sum(out_splits))
-    comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group, op="reduce_scatter_v")
+    out_splits = [0 if r == rank else own_n for r in range(W)]
+    out = flat.new_empty(sum(out_splits))
+    comm.all_to_all_single(out, flat[:others_n], output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=group, op="reduce_scatter_v")
     received = out.split(out_splits)
-    total = torch.zeros_like(own)
-    for r in range(W):  # rank order: the same summation order whoever owns the segment
-        total += own if r == rank else received[r]
+    parts = [own if r == rank else received[r] for r in range(W)]
+    total = parts[0].clone()
+    for part in parts[1:]:  # rank order: the same summation order whoever owns the segment
+        total += part
     return total

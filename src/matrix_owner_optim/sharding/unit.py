@@ -304,8 +304,9 @@ class ShardedUnit:
             return
         with torch.no_grad():
             send = torch.empty(layout.sizes[me], dtype=self.gather_dtype, device=self.device)
-            for e in layout.entries[me]:
-                send[e.offset:e.offset + e.length].copy_(self.handles[e.index].sharded.reshape(-1))
+            mine = [self.handles[e.index].sharded.reshape(-1).to(self.gather_dtype) for e in layout.entries[me]]
+            if mine:
+                torch.cat(mine, out=send)
             for h in self.handles:
                 h.alloc()
             pending = all_gather_v(send, layout.sizes, me, ctx.group, async_op=True)
@@ -413,16 +414,19 @@ class ShardedUnit:
             return
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
-            chunks = []
-            for r in range(W):
-                buf = torch.empty(layout.sizes[r], dtype=self.reduce_dtype, device=self.device)
+            # one buffer, others' segments first, filled by one concatenation kernel
+            order = [r for r in range(W) if r != me] + [me]
+            pieces = []
+            for r in order:
                 for e in layout.entries[r]:
                     g = grads[e.index]
                     if e.rows is not None:
                         g = g[e.rows[0]:e.rows[1]]
-                    buf[e.offset:e.offset + e.length].copy_(g.reshape(-1))
-                chunks.append(buf)
-            total = reduce_scatter_v(chunks, me, ctx.group)
+                    pieces.append(g.reshape(-1).to(self.reduce_dtype))
+            flat = torch.empty(layout.total, dtype=self.reduce_dtype, device=self.device)
+            if pieces:
+                torch.cat(pieces, out=flat)
+            total = reduce_scatter_v(flat, layout.sizes, me, ctx.group)
             if ctx.replicate_group is not None and ctx.replicate_size > 1 and total.numel():
                 comm.all_reduce(total, group=ctx.replicate_group, name="replicate_all_reduce")
             total.div_(ctx.dp_size)
