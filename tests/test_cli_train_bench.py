@@ -79,10 +79,10 @@ def test_bench_rows_and_schema(tmp_path: Path) -> None:
     rows = results["runs"]["2"]
     assert set(rows) == {"b", "c"}
     for row in rows.values():
-        assert set(row) >= {"median_optimizer_time_s", "optimizer_time_ratio_vs_b", "median_step_time_s",
+        assert set(row) >= {"median_optimizer_time_s", "optimizer_time_ratio_vs_base", "median_step_time_s",
                             "bytes_sent_per_rank_profiled", "bytes_sent_per_rank_counted",
                             "resident_bytes_per_rank_max", "final_loss"}
-    assert rows["b"]["optimizer_time_ratio_vs_b"] == 1.0
+    assert rows["b"]["optimizer_time_ratio_vs_base"] == 1.0 and rows["c"]["base_row"] == "b"
     # reconstruction all-gathers every matrix: (W-1) x its padded row shard, float32. The 1-layer
     # d=32 GPT has qkv 96x32, proj 32x32, fc 128x32, mlp.proj 32x128; at W=2 the shards are
     # 48x32 + 16x32 + 64x32 + 16x128 = 6144 elements.
@@ -91,6 +91,20 @@ def test_bench_rows_and_schema(tmp_path: Path) -> None:
     assert (tmp_path / "bench_optimizer_time.png").stat().st_size > 1000
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run(CLI + ["bench", "--rows", "zz"], check=True, capture_output=True, cwd=tmp_path)
+
+
+def test_bench_one_rank_rows(tmp_path: Path) -> None:
+    """W=1: the owner layout (a) against the plain model (p); no collective at all in (a)."""
+    run_cli(["bench", "--world-sizes", "1", "--steps", "3", "--rounds", "1",
+             "--out", str(tmp_path), *TINY], tmp_path)
+    rows = json.loads((tmp_path / "bench.json").read_text())["runs"]["1"]
+    assert set(rows) == {"a", "p"}  # the multi-rank rows are skipped at W=1
+    assert rows["a"]["base_row"] == "p" and rows["p"]["step_time_ratio_vs_base"] == 1.0
+    for phase in ("forward", "backward", "optimizer"):
+        assert rows["a"]["bytes_sent_per_rank_profiled"][phase] == 0
+        assert rows["a"]["bytes_sent_per_rank_counted"][phase] == 0
+    assert rows["a"]["resident_bytes_per_rank_max"] == rows["p"]["resident_bytes_per_rank_max"]
+    assert "step ratio vs (p)" in (tmp_path / "bench.md").read_text()
 
 
 def test_train_owner_layout_main_job(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ Rows (all on the built-in GPT, embedded data, CPU gloo ranks):
 * ``d``  stock FSDP2 + OwnerRoutedOptimizer(Muon) (gradient shards all-to-all to owners)
 * ``e``  stock FSDP2 + AdamW
 * ``a-shampoo`` / ``c-shampoo``, ``a-soap`` / ``c-soap``: owner layout vs reconstruction
+* ``p``  the plain model, no sharding, + OwnerRoutedOptimizer(Muon): only at W=1, where it is
+  the base that row ``a`` (the owner layout on one rank) must match
 
 ``--muon-batching`` instead times Muon's step with same-shape matrices batched through one
 stacked Newton-Schulz against one matrix at a time (one process, the built-in GPT's matrices
@@ -44,12 +46,15 @@ ROWS: dict[str, tuple[str, str, str]] = {
     "c-shampoo": ("fsdp2", "reconstruction_shampoo", "stock FSDP2 + reconstruction Shampoo"),
     "a-soap": ("owner", "soap", "owner layout + SOAP"),
     "c-soap": ("fsdp2", "reconstruction_soap", "stock FSDP2 + reconstruction SOAP"),
+    "p": ("single", "muon", "plain model (no sharding) + OwnerRoutedOptimizer(Muon)"),
 }
+ONE_RANK_ROWS = ("a", "p")  # at W=1: what the owner layout costs over the plain model
 
 
 def add_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("bench", help="owner layout vs stock FSDP2 + Muon vs reconstruction, side by side")
-    p.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")
+    p.add_argument("--world-sizes", default="1,2,4",
+                   help="comma-separated, e.g. 1,2,4 (W=1 runs rows a and p only)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are warm-up)")
     p.add_argument("--rounds", type=int, default=2, help="alternating repetitions of every row")
@@ -130,9 +135,12 @@ def run_bench(world_sizes: list[int], rows: list[str], *, steps: int, rounds: in
                                           "heads": heads, "batch": batch, "seq_len": seq_len},
                                "runs": {}}
     for W in world_sizes:
-        per_row: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
+        w_rows = [r for r in rows if r in ONE_RANK_ROWS] if W == 1 else [r for r in rows if r != "p"]
+        if not w_rows:
+            continue
+        per_row: dict[str, list[dict[str, Any]]] = {r: [] for r in w_rows}
         for rnd in range(rounds):
-            order = rows if rnd % 2 == 0 else list(reversed(rows))
+            order = w_rows if rnd % 2 == 0 else list(reversed(w_rows))
             for row in order:
                 layout, optimizer, _ = ROWS[row]
                 cfg = TrainConfig(layout=layout, optimizer=optimizer, steps=steps, global_batch=batch,
@@ -140,10 +148,14 @@ def run_bench(world_sizes: list[int], rows: list[str], *, steps: int, rounds: in
                                   warmup=1, profile_step=steps - 1, ns_dtype="bfloat16")
                 per_row[row].append(summarize(spawn_ranks(train_rank, W, cfg)))
         results["runs"][str(W)] = {row: _aggregate(row, runs) for row, runs in per_row.items()}
-        base = results["runs"][str(W)].get("b")
-        for row, agg in results["runs"][str(W)].items():
-            agg["optimizer_time_ratio_vs_b"] = (
+        runs_w = results["runs"][str(W)]
+        base = runs_w.get("p" if W == 1 else "b")  # the plain model on one rank
+        for row, agg in runs_w.items():
+            agg["base_row"] = base["row"] if base else None
+            agg["optimizer_time_ratio_vs_base"] = (
                 agg["median_optimizer_time_s"] / base["median_optimizer_time_s"] if base else None)
+            agg["step_time_ratio_vs_base"] = (
+                agg["median_step_time_s"] / base["median_step_time_s"] if base else None)
     return results
 
 
@@ -177,17 +189,19 @@ def _mib(n: float) -> str:
 def markdown_table(results: dict[str, Any]) -> str:
     lines = []
     for W, rows in results["runs"].items():
+        base = "p" if W == "1" else "b"
         lines += [f"**W={W}** (GPT {results['config']['layers']}x{results['config']['width']}, "
                   f"{results['config']['steps']} steps x {results['config']['rounds']} rounds)", "",
-                  "| row | setup | opt step ms | ratio vs (b) | step ms | fwd MiB | bwd MiB | opt MiB "
-                  "| opt MiB (ours) | resident MiB |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| row | setup | opt step ms | opt ratio vs ({base}) | step ms | step ratio vs ({base}) "
+                  "| fwd MiB | bwd MiB | opt MiB | opt MiB (ours) | resident MiB |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row, a in rows.items():
             p, c = a["bytes_sent_per_rank_profiled"], a["bytes_sent_per_rank_counted"]
-            ratio = a["optimizer_time_ratio_vs_b"]
+            ratio, step_ratio = a["optimizer_time_ratio_vs_base"], a["step_time_ratio_vs_base"]
             lines.append(
                 f"| {row} | {a['label']} | {1e3 * a['median_optimizer_time_s']:.1f} | "
                 f"{'' if ratio is None else f'{ratio:.3f}'} | {1e3 * a['median_step_time_s']:.1f} | "
+                f"{'' if step_ratio is None else f'{step_ratio:.3f}'} | "
                 f"{_mib(p['forward'])} | {_mib(p['backward'])} | {_mib(p['optimizer'])} | "
                 f"{_mib(c['optimizer'])} | {_mib(a['resident_bytes_per_rank_max'])} |")
         lines.append("")
