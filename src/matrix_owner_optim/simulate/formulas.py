@@ -1,0 +1,111 @@
+"""Collective time formulas (ring, hierarchical, all-to-all, owner routing).
+
+Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .hardware import Hardware
+
+
+FORMULAS: dict[str, str] = {
+    "ring_all_gather": "T(n, p) = (p-1) * (alpha + n / (p * beta)); n = gathered bytes; p=1 -> 0",
+    "ring_all_reduce": "T(n, p) = 2 (p-1) * (alpha + n / (p * beta)); reduce-scatter + all-gather",
+    "hierarchical_all_gather": (
+        "T(n; N, G) = (N-1) * (alpha_inter + n / (N * beta_inter_node))  [per-rail ring across "
+        "nodes, G rails share the node's NICs] + (G-1) * (alpha_intra + n / (G * beta_intra))  "
+        "[ring inside the node]"
+    ),
+    "hierarchical_all_reduce": "2 x hierarchical_all_gather (reduce-scatter and all-gather phases)",
+    "all_to_all": (
+        "uniform: T = (p-1) * alpha + bytes_per_rank / beta. Owner routing (non-uniform, from the "
+        "plan): T_phase = max(max_rank max(nvlink_send, nvlink_recv) / beta_intra, "
+        "max_node max(nic_in, nic_out) / beta_inter_node) + (G-1) alpha_intra + (W-G) alpha_inter; "
+        "two phases (slices to owners, updates back)"
+    ),
+    "compute": (
+        "T = NS FLOPs / (peak * efficiency) + kernels * launch + AdamW bytes / HBM bandwidth"
+    ),
+    "step": (
+        "serial: T_step = max over ranks of (communication + compute); collectives do not "
+        "overlap NS"
+    ),
+}
+
+
+def ring_all_gather_time(n_bytes: float, p: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather of ``n_bytes`` in total (each rank holds ``n/p``) over ``p`` ranks.
+
+    ``(p-1)`` steps, each moving one ``n/p`` chunk per rank over a link of ``bandwidth``
+    bytes/s and paying ``latency`` seconds. One rank moves nothing and costs nothing.
+    """
+    if p < 1:
+        raise ValueError(f"ring_all_gather_time: p must be >= 1, got {p}")
+    if p == 1 or n_bytes <= 0 and latency <= 0:
+        return 0.0
+    return (p - 1) * (latency + n_bytes / (p * bandwidth))
+
+
+def ring_all_reduce_time(n_bytes: float, p: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of an ``n_bytes`` buffer: a reduce-scatter then an all-gather."""
+    return 2.0 * ring_all_gather_time(n_bytes, p, bandwidth, latency)
+
+
+def hierarchical_all_gather_time(
+    n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware
+) -> float:
+    """All-gather of ``n_bytes`` over ``nodes x gpus_per_node`` ranks, two levels.
+
+    Inter-node phase: each of the G rails runs a ring across the N nodes; the rails share the
+    node's NICs, so the phase costs ``(N-1)(alpha_inter + n/(N beta_inter_node))``: the node
+    receives ``n (N-1)/N`` bytes, the lower bound for any all-gather. Intra-node phase: a ring
+    over the G GPUs of a node with ``n/G`` chunks. With one node this is the flat NVLink ring.
+    """
+    inter = ring_all_gather_time(n_bytes, nodes, hw.beta_inter, hw.alpha_inter)
+    intra = ring_all_gather_time(n_bytes, gpus_per_node, hw.beta_intra, hw.alpha_intra)
+    return inter + intra
+
+
+def hierarchical_all_reduce_time(
+    n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware
+) -> float:
+    """Two-level all-reduce: twice the two-level all-gather (reduce-scatter + all-gather)."""
+    return 2.0 * hierarchical_all_gather_time(n_bytes, nodes, gpus_per_node, hw)
+
+
+def all_to_all_time(bytes_per_rank: float, p: int, bandwidth: float, latency: float) -> float:
+    """Uniform all-to-all where each rank sends ``bytes_per_rank`` in total to the others.
+
+    ``(p-1) alpha + bytes / beta``: one message per peer, bandwidth limited by the rank's
+    share of the bisection (``bandwidth``). One rank costs nothing.
+    """
+    if p < 1:
+        raise ValueError(f"all_to_all_time: p must be >= 1, got {p}")
+    if p == 1:
+        return 0.0
+    return (p - 1) * latency + bytes_per_rank / bandwidth
+
+
+def owner_routing_phase_time(
+    nvlink_send: Sequence[float],
+    nvlink_recv: Sequence[float],
+    nic_in: Sequence[float],
+    nic_out: Sequence[float],
+    gpus_per_node: int,
+    hw: Hardware,
+) -> float:
+    """One non-uniform all-to-all phase of owner routing (bytes already per rank / per node).
+
+    NVLink and the NICs are different links and run concurrently, so the phase lasts as long
+    as the busiest of them, plus one message latency per peer.
+    """
+    W = len(nvlink_send)
+    if W <= 1:
+        return 0.0
+    G = gpus_per_node
+    t_intra = max(max(s, r) for s, r in zip(nvlink_send, nvlink_recv)) / hw.beta_intra
+    t_inter = max((max(i, o) for i, o in zip(nic_in, nic_out)), default=0.0) / hw.beta_inter
+    latency = (min(G, W) - 1) * hw.alpha_intra + (W - min(G, W)) * hw.alpha_inter
+    return max(t_intra, t_inter) + latency
