@@ -56,6 +56,7 @@ LOCKSTEP_RTOL = 1e-6
 # its inverse roots amplify, so it runs against the lockstep (rank-order) reference: bitwise.
 SHAMPOO_SMALL_EPS = {"lr": 1e-2, "eps": 1e-6}
 F32 = 4
+CPU = [torch.profiler.ProfilerActivity.CPU]
 
 
 def _shard_gpt(model):
@@ -88,7 +89,8 @@ def _expected_bytes(model, rank: int, W: int) -> dict[str, int]:
 
 
 def _op_bytes(cc: CommCounter, phase: str, op: str, direction: str) -> int:
-    return sum(getattr(r, f"bytes_{direction}") for r in cc.records if r.phase == phase and r.op == op)
+    return sum(getattr(r, f"bytes_{direction}") for r in cc.records
+               if r.phase == phase and r.op == op)
 
 
 def _op_calls(cc: CommCounter, phase: str, op: str) -> int:
@@ -131,8 +133,8 @@ def _optimizers(model, ref, kind: str, routed: bool, matrix_options: dict | None
     return opts, [cls(mats, **matrix_options), torch.optim.AdamW(rest, **ADAMW_OPTS)]
 
 
-def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool, ddp_reference: bool = False,
-           matrix_options: dict | None = None) -> dict:
+def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool,
+           ddp_reference: bool = False, matrix_options: dict | None = None) -> dict:
     model, ref = make_models(seed=0)
     _shard_gpt(model)
     opts, ref_opts = _optimizers(model, ref, kind, routed, matrix_options)
@@ -144,7 +146,7 @@ def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool, ddp_re
         profile = full_checks and step == 1
         with CommCounter() as cc:
             if profile:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_fb:
+                with torch.profiler.profile(activities=CPU) as prof_fb:
                     loss = model(idx, tgt)
                     loss.backward()
             else:
@@ -152,16 +154,16 @@ def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool, ddp_re
                 loss.backward()
             # every step of every run: CommCounter (our wrappers, any thread) and the profiler
             # (every backend op, whoever issues it) must both see nothing
-            with CommCounter() as cc_step, comm_phase("optimizer"):
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_step:
-                    for o in opts:
-                        o.step()
+            with (CommCounter() as cc_step, comm_phase("optimizer"),
+                  torch.profiler.profile(activities=CPU) as prof_step):
+                for o in opts:
+                    o.step()
         assert cc_step.calls() == 0 and cc_step.bytes() == 0, cc_step.by_phase()
         assert cc.calls("optimizer") == 0 and cc.bytes("optimizer") == 0
         step_ops = backend_ops(prof_step)
         assert step_ops == [], f"{kind} step {step}: the optimizer step issued {step_ops}"
         if profile:
-            assert len(backend_ops(prof_fb)) >= expected["units"], "forward/backward must show gloo ops"
+            assert len(backend_ops(prof_fb)) >= expected["units"], "forward/backward: no gloo op"
         if full_checks and step == 0:
             _check_bytes(cc, expected)
             measured = cc.by_phase()
@@ -254,7 +256,8 @@ def _job(rank: int, W: int) -> dict:
     model, _ = make_models()
     _shard_gpt(model)
     fresh, _ = make_models()
-    assert model.sharding_plan.digest() == plan_model(fresh, W, unit_prefixes=fresh.unit_prefixes()).digest()
+    want = plan_model(fresh, W, unit_prefixes=fresh.unit_prefixes())
+    assert model.sharding_plan.digest() == want.digest()
     assert model._moo_unit_prefixes == fresh.unit_prefixes()
     owners = {s.owner for s in model.sharding_plan if s.role is Role.MATRIX}
     assert owners == set(range(W)) or len(owners) == min(W, 8), owners
