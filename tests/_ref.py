@@ -36,7 +36,8 @@ def make_models(seed: int = 0, cfg: GPTConfig = CFG) -> tuple[GPT, GPT]:
     return model, copy.deepcopy(model)
 
 
-def global_batch(step: int, world_size: int, micro: int = MICRO, cfg: GPTConfig = CFG) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, world_size: int, micro: int = MICRO,
+                 cfg: GPTConfig = CFG) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)

@@ -152,7 +152,10 @@ def test_any_optimizer_class_becomes_a_matrix_optimizer() -> None:
         opt.step()
         opt.zero_grad()
         ref(x, y).backward()
-        r1.step(); r2.step(); r1.zero_grad(); r2.zero_grad()
+        r1.step()
+        r2.step()
+        r1.zero_grad()
+        r2.zero_grad()
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -165,8 +168,14 @@ def test_builtin_preconditioners_by_name(name: str, cls: type, opts: dict) -> No
     r1 = cls([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], **opts)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
     for x, y in batches(4):
-        model(x, y).backward(); opt.step(); opt.zero_grad()
-        ref(x, y).backward(); r1.step(); r2.step(); r1.zero_grad(); r2.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        r1.step()
+        r2.step()
+        r1.zero_grad()
+        r2.zero_grad()
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -179,8 +188,14 @@ def test_torch_optimizer_shampoo_by_name() -> None:
     r1 = torch_optimizer.Shampoo([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.01)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
     for x, y in batches(3):
-        model(x, y).backward(); opt.step(); opt.zero_grad()
-        ref(x, y).backward(); r1.step(); r2.step(); r1.zero_grad(); r2.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        r1.step()
+        r2.step()
+        r1.zero_grad()
+        r2.zero_grad()
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -194,7 +209,8 @@ def test_conv_kernel_as_matrix_gets_a_2d_view() -> None:
         g = torch.randn(8, 3, 3, 3)
         conv.weight.grad = g.clone()
         ref_w.grad = g.reshape(8, -1).clone()
-        opt.step(); ref.step()
+        opt.step()
+        ref.step()
     assert torch.equal(conv.weight.detach().reshape(8, -1), ref_w.detach())
     assert opt.state_dict()["state"][0]["momentum_buffer"].shape == (8, 27)
 
@@ -308,6 +324,10 @@ def test_muon_from_package_matches_torch_muon_defaults() -> None:
     opt2 = OwnerRoutedOptimizer(ref, matrix="torch_muon")
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
     for x, y in batches(3):
-        model(x, y).backward(); opt.step(); opt.zero_grad()
-        ref(x, y).backward(); opt2.step(); opt2.zero_grad()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt2.step()
+        opt2.zero_grad()
     assert max_rel_diff(model, ref) == 0.0

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, cast
 import torch
 from torch import nn
 
-from ..planning.metadata import MatrixShard, Role, ensure_sharded, get_matrix_shard, parse_role
+from ..planning.metadata import MatrixShard, Role, ensure_sharded, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, validate_role
 from ..tensors import is_dtensor
 
