@@ -62,7 +62,8 @@ def build_model(args: argparse.Namespace, *, device: str = "meta") -> tuple[nn.M
             model = factory()
         if not isinstance(model, nn.Module):
             raise SystemExit(f"--model {args.model!r} returned {type(model).__name__}, not an nn.Module")
-        prefixes = model.unit_prefixes() if hasattr(model, "unit_prefixes") else None
+        unit_prefixes = getattr(model, "unit_prefixes", None)
+        prefixes = list(unit_prefixes()) if callable(unit_prefixes) else None
         return model, prefixes
     model = GPT(gpt_config(args), device=device)
     return model, model.unit_prefixes()

@@ -238,7 +238,7 @@ def estimate_memory(stats: PlanStats, opts: SimOptions = SimOptions()) -> dict[s
     W = stats.world_size
     even = stats.total_resident_bytes / W
     ws_all = [_ns_workspace_bytes(m, opts) for m in stats.matrices] or [0.0]
-    gathered = [m.numel * opts.grad_bytes for m in stats.matrices] or [0.0]
+    gathered = [float(m.numel * opts.grad_bytes) for m in stats.matrices] or [0.0]
     owner_peak = 0.0
     for r in range(W):
         owned_ws = [_ns_workspace_bytes(m, opts) for m in stats.matrices if m.owner == r]

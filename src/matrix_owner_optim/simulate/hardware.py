@@ -89,7 +89,7 @@ class Hardware:
 
     def with_overrides(self, **values: float | None) -> "Hardware":
         """A copy with some constants replaced; replaced ones are marked ``user override``."""
-        changes: dict[str, Constant] = {}
+        changes: dict[str, Any] = {}
         for key, value in values.items():
             if value is None:
                 continue
@@ -106,7 +106,7 @@ class Hardware:
 
     def scaled(self, **factors: float) -> "Hardware":
         """A copy with constants multiplied by factors (used by the what-if solvers)."""
-        changes = {}
+        changes: dict[str, Any] = {}
         for key, f in factors.items():
             old: Constant = getattr(self, key)
             changes[key] = dataclasses.replace(old, value=old.value * f)
