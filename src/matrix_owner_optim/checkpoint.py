@@ -11,12 +11,23 @@ layout (owner layout, stock FSDP2, DDP, one process) loads at any W' on any layo
 
 Every call is collective over ``process_group`` (default: the world group) when a process group
 is initialized; with none, both run in one process.
+
+Failures leave the last good checkpoint in place. ``save`` writes into ``<path>.moo-saving``
+and, once DCP has written the metadata (every rank's data is on disk by then), the coordinator
+renames the old directory aside, renames the new one to ``path`` and deletes the old one; a save
+that fails or dies before that leaves ``path`` as it was (a ``load`` in the instant between the
+two renames finds the old one at ``<path>.moo-previous`` and uses it). ``load`` checks the
+directory before reading any tensor: a path that is no DCP directory, a directory another tool
+wrote (no ``model.*`` entries), one without ``.metadata`` (a save that never finished) or with
+a data file shorter than the metadata says (truncated by a copy or a full disk) each raise
+:class:`CheckpointError` saying which.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -24,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -38,6 +50,9 @@ __all__ = ["save", "load", "CheckpointError", "MODEL_KEY", "OPTIM_KEY"]
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
+SAVING_SUFFIX = ".moo-saving"  # the directory a save writes into
+PREVIOUS_SUFFIX = ".moo-previous"  # the old checkpoint, for the instant between two renames
+_METADATA = ".metadata"
 
 
 class CheckpointError(ValueError):
@@ -71,6 +86,39 @@ def _state(
     return state
 
 
+def _coordinator(process_group: Any) -> bool:
+    """Whether this rank is DCP's coordinator (rank 0 of the group, or the only process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return bool(dist.get_rank(process_group) == 0)
+
+
+def _barrier(process_group: Any) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=process_group)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dcp_files_only(path: str) -> bool:
+    """Whether the directory ``path`` holds nothing but DCP files (a checkpoint, or the
+    remains of a save that did not finish): only such a directory is ever replaced."""
+    return all(n == _METADATA or n.endswith(".distcp") or n.startswith(_METADATA + ".")
+               for n in os.listdir(path))
+
+
 def save(
     path: "str | os.PathLike[str]",
     model: nn.Module,
@@ -78,18 +126,147 @@ def save(
     *,
     process_group: Any = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to the DCP directory ``path``; collective when distributed."""
-    with _quiet():
-        dcp.save(
-            _state(model, optimizer), checkpoint_id=os.fspath(path), **_dcp_kwargs(process_group)
+    """Save ``model`` (and ``optimizer``) to the DCP directory ``path`` (collective when
+    distributed).
+
+    The new checkpoint replaces the one at ``path`` only once it is complete on disk (module
+    docstring): an exception or a crash during the save leaves the previous checkpoint loadable.
+    Raises :class:`CheckpointError` (before writing anything) when ``path`` is a file or a
+    directory holding anything but DCP files, rather than replacing the user's data.
+    """
+    path = os.fspath(path).rstrip(os.sep) or os.sep
+    if os.path.isfile(path) or (os.path.isdir(path) and not _dcp_files_only(path)):
+        raise CheckpointError(
+            f"checkpoint path {path!r} exists and is not a checkpoint directory (it is a file, or "
+            "holds files DCP did not write); refusing to replace it: pick another path"
         )
+    staging, previous = path + SAVING_SUFFIX, path + PREVIOUS_SUFFIX
+    with _quiet():
+        state = _state(model, optimizer)
+    if _coordinator(process_group):
+        shutil.rmtree(staging, ignore_errors=True)  # what a failed or killed save left behind
+    _barrier(process_group)
+    try:
+        with _quiet():
+            dcp.save(state, checkpoint_id=staging, **_dcp_kwargs(process_group))
+    except BaseException as exc:
+        # DCP raises on every rank once each has finished writing (it gathers the results),
+        # so the half-written directory can go; path was never touched.
+        if _coordinator(process_group):
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, CheckpointException):  # a BaseException: `except Exception` misses it
+            errors = {r: (e[0] if isinstance(e, tuple) else e) for r, e in exc.failures.items()}
+            causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                               for r, e in sorted(errors.items()))
+            raise RuntimeError(
+                f"checkpoint save to {path!r} failed ({causes}); the previous checkpoint at that "
+                "path, if any, is unchanged and loadable. Fix the cause (disk space, permissions) "
+                "and save again"
+            ) from exc
+        raise
+    # dcp.save returns after the coordinator wrote .metadata: every rank's data is on disk
+    if _coordinator(process_group):
+        if os.path.exists(path):
+            shutil.rmtree(previous, ignore_errors=True)
+            os.rename(path, previous)
+        os.rename(staging, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier(process_group)  # nobody reads path before the new checkpoint is there
+
+
+def _resolve(path: str) -> str:
+    """The directory to read: ``path``, or the previous checkpoint when a save died between
+    its two renames. Raises naming what is wrong with ``path`` otherwise."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, _METADATA)):
+        return path
+    previous = path + PREVIOUS_SUFFIX
+    if not os.path.exists(path) and os.path.isfile(os.path.join(previous, _METADATA)):
+        warnings.warn(
+            f"checkpoint {path!r} is missing but {previous!r} is complete: a save was interrupted "
+            "while replacing it; loading the previous checkpoint", RuntimeWarning, stacklevel=3,
+        )
+        return previous
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} is not a DCP checkpoint (no such file or directory)")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path!r} is a file, not a DCP checkpoint directory (matrix_owner_optim.checkpoint."
+            "save writes a directory; a torch.save file is read with torch.load)"
+        )
+    entries = sorted(os.listdir(path))
+    if any(n.endswith(".distcp") for n in entries):
+        raise CheckpointError(
+            f"checkpoint {path!r} is incomplete: it holds data files but no {_METADATA}, so the "
+            "save that wrote it did not finish; load an earlier checkpoint"
+        )
+    raise CheckpointError(
+        f"{path!r} is not a DCP checkpoint: it has no {_METADATA} file (it holds "
+        f"{entries[:5]}{' ...' if len(entries) > 5 else ''})"
+    )
 
 
 def _metadata(path: str) -> Metadata:
+    """The DCP metadata of ``path``, after checking that every data file it names is there
+    and long enough (a truncated checkpoint fails here, naming the file, not inside DCP), and
+    that ``save`` wrote it (``model.*`` entries)."""
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        meta = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path!r} is not a DCP checkpoint (no .metadata file)") from None
+    except Exception as exc:  # unpickling a cut or foreign file fails in many ways
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {_METADATA} file cannot be read ({type(exc).__name__}: "
+            f"{exc}); it is truncated or was not written by DCP"
+        ) from exc
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(f"checkpoint {path!r}: its {_METADATA} file holds a "
+                              f"{type(meta).__name__}, not DCP metadata")
+    needed: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(needed.items()):
+        file = os.path.join(path, rel)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            have = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointError(
+                f"checkpoint {path!r} is truncated: data file {rel!r} {have} but its metadata "
+                f"needs {end}; it was not written or copied completely. Load an earlier checkpoint"
+            )
+    keys = meta.state_dict_metadata
+    if not any(k.startswith(MODEL_KEY + ".") for k in keys):
+        raise CheckpointError(
+            f"checkpoint {path!r} was not written by matrix_owner_optim.checkpoint.save: it has "
+            f"no '{MODEL_KEY}.*' entries (it holds {sorted(keys)[:4]}); read it with "
+            "torch.distributed.checkpoint.load into the state dict its writer used"
+        )
+    return meta
+
+
+def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str, Any]) -> None:
+    """Refuse, naming both sides, an optimizer whose param groups the checkpoint's do not match
+    (another inner optimizer: its hyperparameter names differ, e.g. SGD's ``dampening``)."""
+    group_prefix = f"{OPTIM_KEY}.param_groups."
+    saved_groups: dict[str, set[str]] = {}
+    for k in saved:
+        if k.startswith(group_prefix):
+            index, _, name = k[len(group_prefix):].partition(".")
+            saved_groups.setdefault(index, set()).add(name)
+    for i, group in enumerate(groups):
+        have = saved_groups.get(str(i))
+        absent = sorted(set(group) - (have or set()) - {"params", "param_names"})
+        if have is None or absent:
+            role = group.get("role", "?")
+            raise CheckpointError(
+                f"checkpoint {path!r}: param group {i} (role {role!r}) of this optimizer has "
+                f"{'no counterpart' if have is None else 'hyperparameters ' + str(absent[:4])} in "
+                f"the checkpoint (saved groups: {len(saved_groups)}, this optimizer's: "
+                f"{len(groups)}); it was saved with another optimizer or other param groups. Build "
+                "the optimizer the checkpoint was written with, or load the model alone"
+            )
 
 
 def load(
@@ -109,7 +286,7 @@ def load(
     all fail alike. ``strict=False`` skips those keys and returns them (model keys missing from
     the checkpoint, then checkpoint model entries the model has no parameter or buffer for).
     """
-    path = os.fspath(path)
+    path = _resolve(os.fspath(path).rstrip(os.sep) or os.sep)
     saved = _metadata(path).state_dict_metadata
     with _quiet():
         state = _state(model, optimizer, strict)
@@ -153,6 +330,8 @@ def load(
                 "that this optimizer keeps; build it with the same optimizers, param groups and roles "
                 "(e.g. OwnerRoutedOptimizer(model, ...) on every layout, so names give the roles)"
             )
+    if strict and OPTIM_KEY in state:
+        _check_param_groups(path, state[OPTIM_KEY].get("param_groups", []), saved)
     for key in missing:
         del state[MODEL_KEY][key[len(prefix) :]]
     with _quiet():

@@ -10,6 +10,14 @@ children at every step, and values the children set themselves (Prodigy's ``d``,
 ``k``) flow back to the parent groups; optimizer state is shared between the two. ``state_dict``
 is keyed like any torch optimizer's and holds pieces of global tensors where the state is
 partitioned, so ``get_optimizer_state_dict`` / DCP reshard it across world sizes and layouts.
+
+Bad input fails loudly and names what to fix: an option the inner optimizer does not take, a
+non-finite hyperparameter (checked at construction and before every step, so a scheduler that
+produces ``lr=inf`` stops the run before any parameter changes), two parameters with the same
+name (two models in one optimizer), and plain tensors mixed with owner-sharded ones (a module
+added after the plan was fixed: nothing would average its gradient). With
+``skip_nonfinite_grads=True`` a step whose gradients hold a NaN or an infinity anywhere is
+skipped on every rank together (one scalar all-reduce) and counted in ``skipped_steps``.
 """
 
 from __future__ import annotations
@@ -17,14 +25,20 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any, Callable, Mapping
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides
 from .placements import Placement, RouterConfig, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
+from .replicated_placement import ReplicatedPlacement
 from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
+from ..tensors import is_dtensor
 
 __all__ = ["OwnerRoutedOptimizer"]
 
@@ -36,12 +50,37 @@ def _probe_defaults(factory: OptimizerFactory, options: Mapping[str, Any], what:
     probe_param = torch.nn.Parameter(torch.zeros(2, 2))
     try:
         probe = factory([probe_param], **options)
-    except TypeError as exc:
-        raise ValueError(f"{what}_options {dict(options)!r} are not accepted by {factory!r}: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # an unknown keyword, or a value the optimizer refuses
+        raise ValueError(
+            f"{what}_options {dict(options)!r} are not accepted by {factory!r}: {exc}. Pass only "
+            f"the keyword arguments that optimizer takes, with values it accepts"
+        ) from exc
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"{what} factory {factory!r} returned {type(probe).__name__}, not a torch.optim.Optimizer")
     group = probe.param_groups[0]
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
+    """The first non-finite number in a hyperparameter value (a number, a CPU scalar tensor,
+    or a tuple/list of them such as ``betas``), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+        if math.isnan(number) or (math.isinf(number) and not allow_inf):
+            return value
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.device.type == "cpu" and value.is_floating_point():
+            return _first_nonfinite(float(value), allow_inf=allow_inf)
+        return None
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            bad = _first_nonfinite(v, allow_inf=allow_inf)
+            if bad is not None:
+                return bad
+    return None
 
 
 class OwnerRoutedOptimizer(torch.optim.Optimizer):
@@ -62,9 +101,21 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         replicated: for parameters replicated on every rank of a multi-rank job (DDP),
             ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
+        skip_nonfinite_grads: check before every step whether any gradient this rank updates
+            holds a NaN or an infinity; one scalar all-reduce (max) over ``process_group`` makes
+            every rank agree, and if any rank found one the step is skipped on every rank (no
+            parameter, state or step count changes; gradients are left for ``zero_grad``).
+            Skips are counted in ``skipped_steps``; ``last_step_skipped`` tells about the last
+            call. Off by default: the check costs that all-reduce and one host sync per step.
+        process_group: the ranks that step this optimizer together (default: the default
+            process group); only the non-finite check communicates over it.
 
     The layout decides what a step moves: zero bytes for owner-shaped parameters and in one
     process; see :mod:`matrix_owner_optim.optim.placements` for the others.
+
+    Raises ``ValueError`` for a non-finite hyperparameter (NaN anywhere; an infinity where the
+    inner optimizer's own default is finite), at construction and before each step, naming the
+    param group and the key; nothing is updated then.
     """
 
     def __init__(
@@ -77,9 +128,18 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tail_options: Mapping[str, Any] | None = None,
         roles: Mapping[str, str] | None = None,
         replicated: str = "owner",
+        skip_nonfinite_grads: bool = False,
+        process_group: Any = None,
     ) -> None:
         if replicated not in ("owner", "redundant"):
             raise ValueError(f"replicated must be 'owner' or 'redundant', got {replicated!r}")
+        if not isinstance(skip_nonfinite_grads, bool):
+            raise TypeError(
+                f"skip_nonfinite_grads must be True or False, got {skip_nonfinite_grads!r}")
+        self.skip_nonfinite_grads = skip_nonfinite_grads
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (this process's run)
+        self.last_step_skipped = False
+        self._process_group = process_group
         self._factories: dict[Role, OptimizerFactory] = {
             Role.MATRIX: resolve_optimizer(matrix, what="matrix"),
             Role.TAIL: resolve_optimizer(tail, what="tail"),
@@ -92,6 +152,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             role: _probe_defaults(self._factories[role], self._options[role], role.value)
             for role in (Role.MATRIX, Role.TAIL)
         }
+        # keys whose inner optimizer itself defaults to an infinity (a threshold that is off)
+        self._infinite_ok = {
+            k for role, d in self._role_defaults.items() for k, v in d.items()
+            if isinstance(v, float) and math.isinf(v) and k not in self._options[role]}
         self._names = {Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
                        Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail))}
         self._overrides = RoleOverrides(roles)
@@ -109,6 +173,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": [rp.param for rp in g.params], "_moo_group": g} for g in user_groups], {})
         self._overrides.check_all_used()
         del self._pending
+        self._check_hyperparameters("OwnerRoutedOptimizer(...)")
 
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -137,6 +202,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         new_entries: dict[type[Placement], list[RoutedParam]] = {}
         for rp in user_group.params:
             new_entries.setdefault(placement_for(rp.param, rp.label), []).append(rp)
+        self._check_names(user_group.params)
+        self._check_one_layout(user_group.params, new_entries)
         for cls, entries in new_entries.items():
             if cls not in self._placements:
                 self._placements[cls] = cls(self._config)
@@ -151,6 +218,70 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in user_group.options.items() if k in defaults})
             super().add_param_group(group)
             self._attach_child_group(len(self.param_groups) - 1, role, rps)
+
+    def _check_names(self, new: list[RoutedParam]) -> None:
+        """Refuse two owner-sharded parameters with one fqn: the parameters of two separately
+        sharded models (or parts of one) in one optimizer. Their state-dict pieces are keyed by
+        fqn, so one would silently take the other's state. Plain tensors keep torch's semantics
+        (any parameters, names may repeat)."""
+        seen = {self._label(rp): rp for rp in self._routed if rp.shard is not None}
+        for rp in new:
+            if rp.shard is None:
+                continue
+            label = self._label(rp)
+            other = seen.get(label)
+            if other is not None:
+                raise ValueError(
+                    f"OwnerRoutedOptimizer: two parameters are named {label!r} (parameter "
+                    f"#{other.index}, shape {tuple(other.param.shape)}, and #{rp.index}, shape "
+                    f"{tuple(rp.param.shape)}): they come from two different models, or from two "
+                    "separately sharded parts of one. State dicts and checkpoints key the state by "
+                    "these names, so one would overwrite the other; build one optimizer per model"
+                )
+            seen[label] = rp
+
+    def _check_one_layout(self, new: list[RoutedParam],
+                          new_entries: dict[type[Placement], list[RoutedParam]]) -> None:
+        """Refuse plain tensors next to owner-sharded ones in a multi-rank job: no one averages
+        a plain tensor's gradient there (it was added after ``fully_shard`` fixed the plan, or
+        its module is outside every ``fully_shard`` call), so each rank would drift apart."""
+        everything = self._routed + new
+        sharded = [rp for rp in everything
+                   if rp.shard is not None and rp.shard.world_size > 1 and not is_dtensor(rp.param)]
+        existing = self._placements.get(ReplicatedPlacement)
+        replicated = (existing.entries if existing is not None else []) \
+            + new_entries.get(ReplicatedPlacement, [])
+        plain = [rp for rp in replicated if rp.param.requires_grad]
+        if sharded and plain:
+            rp = plain[0]
+            raise ValueError(
+                f"OwnerRoutedOptimizer: parameter {self._label(rp)!r} (shape "
+                f"{tuple(rp.param.shape)}) is a plain tensor, while {self._label(sharded[0])!r} "
+                "and others are owner-sharded by fully_shard; nothing averages the plain one's "
+                "gradient across ranks. It was registered after the sharding plan was fixed (the "
+                "first forward, state_dict() or optimizer construction), or its module is outside "
+                "every fully_shard call, or it belongs to another model. Call fully_shard on a "
+                "module containing it before the plan is fixed, freeze it "
+                "(requires_grad_(False)), or give it its own optimizer"
+            )
+
+    def _check_hyperparameters(self, where: str) -> None:
+        """Refuse a NaN anywhere, or an infinity where the inner optimizer's own default is
+        finite (``lr=inf`` from a scheduler), in any param group, before anything is updated.
+        Python numbers and CPU scalar tensors are checked; a device tensor is left alone (its
+        check would cost a host sync per step)."""
+        for i, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                if key in ("params", "param_names", "role"):
+                    continue
+                bad = _first_nonfinite(value, allow_inf=key in self._infinite_ok)
+                if bad is not None:
+                    raise ValueError(
+                        f"{where}: param group {i} (role {group.get('role', '?')!r}) has "
+                        f"{key}={value!r}, which is not finite ({bad!r}); nothing was updated. "
+                        f"Fix the value (or the learning-rate schedule that produced it) and set "
+                        f"optimizer.param_groups[{i}][{key!r}] to a finite number"
+                    )
 
     def _attach_child_group(self, parent_index: int, role: Role, rps: list[RoutedParam]) -> None:
         local = [rp for rp in rps if rp.proxy is not None]
@@ -210,7 +341,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_hyperparameters("OwnerRoutedOptimizer.step()")
         with comm_phase("optimizer"), torch.no_grad():
+            self.last_step_skipped = self.skip_nonfinite_grads and self._any_nonfinite_grad()
+            if self.last_step_skipped:
+                self.skipped_steps += 1
+                return loss
             self._sync_hyperparameters()
             for placement in self._placements.values():
                 placement.before_step()
@@ -223,6 +359,34 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             self._link_state()
         self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss
+
+    def _any_nonfinite_grad(self) -> bool:
+        """Whether any rank holds a NaN or infinite gradient of a parameter it updates: a local
+        max-abs per tensor (NaN propagates; no overflow, unlike a sum of squares), then one
+        scalar all-reduce (max) over ``process_group`` in a multi-rank job, so every rank
+        returns the same answer."""
+        grads: list[torch.Tensor] = []
+        for rp in self._routed:
+            g = rp.param.grad
+            if g is None:
+                continue
+            if is_dtensor(g):
+                g = g.to_local()
+            if g.numel():
+                grads.append(g.detach())
+        device = grads[0].device if grads else self._routed[0].param.device
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault((g.device, g.dtype), []).append(g)
+            for gs in by_dtype.values():
+                peak = torch.stack(torch._foreach_norm(gs, math.inf)).float().max().to(device)
+                flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
+        group = self._process_group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
+        return bool(flag.item())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

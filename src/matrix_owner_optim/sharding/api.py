@@ -360,11 +360,21 @@ def fully_shard(
     if _state(module) is not None:
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
     rsf = _check_reshard_after_forward(reshard_after_forward)
+    _check_mp_policy(mp_policy)
     group, replicate_group = _resolve_group(mesh)
     if plan is not None:
         _check_plan_world_size(plan, dist.get_world_size(group))
     for name, sub in module.named_modules():
         sub_state = _state(sub)
+        sub_mesh = None if sub_state is None else (sub_state.group, sub_state.replicate_group)
+        if sub_state is not None and sub_mesh != (group, replicate_group):
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its submodule {name!r} "
+                f"({type(sub).__name__}) was passed to fully_shard with another mesh "
+                f"({_mesh_words(sub_state.group, sub_state.replicate_group)}) than this call "
+                f"({_mesh_words(group, replicate_group)}); one model is planned over one mesh, "
+                "so pass the same mesh to every fully_shard call of the model"
+            )
         if sub_state is not None and sub_state.unit is not None:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its submodule {name!r} "
@@ -381,6 +391,73 @@ def fully_shard(
     module.register_forward_hook(_post_forward_hook, with_kwargs=True)
     install_state_dict_hooks(module)  # state_dict() gives pieces of the global tensors
     return module
+
+
+def _mesh_words(group: Any, replicate_group: Any) -> str:
+    shard = f"{dist.get_world_size(group)} ranks"
+    if replicate_group is None:
+        return shard
+    return f"{dist.get_world_size(replicate_group)} replicas x {shard}"
+
+
+def _check_mp_policy(mp_policy: Any) -> None:
+    """Refuse a mixed-precision policy the owner layout cannot honour, before anything is
+    recorded: anything but FSDP2's ``MixedPrecisionPolicy`` (FSDP1's ``MixedPrecision`` has
+    ``buffer_dtype`` / ``keep_low_precision_grads``, which have no meaning here and would be
+    ignored silently), and dtypes that are not floating point (the unsharded parameters must
+    require gradients)."""
+    if mp_policy is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard(mp_policy=...) takes torch.distributed.fsdp.MixedPrecisionPolicy "
+            f"(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs), got "
+            f"{type(mp_policy).__name__}; FSDP1's MixedPrecision fields (buffer_dtype, "
+            "keep_low_precision_grads, ...) have no equivalent here. Build "
+            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) instead"
+        )
+    for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field_name)
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        if dtype is not None and not floating:
+            raise ValueError(
+                f"fully_shard: mp_policy.{field_name}={dtype!r} is not a floating-point dtype; "
+                "the owner layout computes, reduces and returns in floating point. Use "
+                "torch.bfloat16, torch.float16 or torch.float32 (or None to keep the "
+                "parameters' dtype)"
+            )
+
+
+def _check_registrations(unit: ShardedUnit) -> None:
+    """Refuse parameters registered in ``unit``'s subtree after its plan was fixed: a new
+    parameter (or a new tensor assigned over a sharded one, or a sharded one registered at a
+    new place) has no owner and no segment, so no collective would gather it or average its
+    gradient and every rank would train its own copy. Checked at the start of every forward
+    pass of an outermost unit, on every rank alike (same model, same answer)."""
+    expected: dict[tuple[int, str], ParamHandle] = {}
+    for u in unit.ctx.units:
+        for h in u.handles:
+            for mod, name in h.locations:
+                expected[(id(mod), name)] = h
+    for mod_name, mod in unit.module.named_modules():
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            h = expected.get((id(mod), name))
+            if h is not None and (p is h.sharded or p is h._unsharded):
+                continue
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            what = "a new tensor was assigned to" if h is not None else "was registered on"
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} (shape {tuple(p.shape)}) {what} "
+                f"{type(unit.module).__name__} after its sharding plan was fixed (by the first "
+                "forward, state_dict(), unshard() or building the optimizer); the plan has no "
+                "owner for it, so its gradient would never be averaged across ranks. Register "
+                "every parameter before that point (sharding is lazy: fully_shard itself fixes nothing), "
+                "or change values in place (load_state_dict / set_model_state_dict)"
+            )
 
 
 def _check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
@@ -431,6 +508,7 @@ def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     parent = unit.parent
     outermost = parent is None or parent.training_state is not TrainingState.FORWARD
     if not backward and outermost and unit.ctx.method_depth == 0:
+        _check_registrations(unit)  # input validation: nothing registered since the plan
         unit.ctx.begin_forward_pass()  # an outermost forward: a new iteration starts clean
     unit.pre_forward()
     mp = unit.mp_policy
