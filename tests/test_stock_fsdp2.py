@@ -221,7 +221,7 @@ def _run(rank: int, W: int, run: str, mesh, measure: bool) -> dict:
         if r["role"] == "matrix" and p.to_local().numel() == 0)
     out["lr_groups"] = [g["lr"] for g in opt.param_groups]
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    out["params"] = full if rank == 0 else None
+    out["params"] = full  # every rank (every HSDP replica) is checked
     if lockstep is not None and rank == 0:
         out["ref_losses"] = lockstep.losses
         out["ref_params"] = {n: p.detach().clone() for n, p in lockstep.model.named_parameters()}
@@ -337,11 +337,13 @@ def test_stock_fsdp2_matches_single_process(W: int) -> None:
         losses = [sum(r[run]["losses"][i] for r in res) / W for i in range(STEPS)]
         for i, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= tol * abs(b), f"{run} W={W} step {i}: loss {a} vs reference {b}"
-        params = res[0][run]["params"]
-        assert params.keys() == ref_params.keys()
-        worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
-        print(f"W={W} {run}: worst parameter {worst[1]} {worst[0]:.1e} relative")
-        assert worst[0] <= tol, f"{run} W={W}: {worst[1]} differs by {worst[0]:.2e} relative"
+        for rank, r in enumerate(res):
+            params = r[run]["params"]
+            assert params.keys() == ref_params.keys()
+            worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
+            print(f"W={W} {run} rank {rank}: worst parameter {worst[1]} {worst[0]:.1e} relative")
+            assert worst[0] <= tol, f"{run} W={W} rank {rank}: {worst[1]} differs by {worst[0]:.2e} relative"
+            assert all(torch.equal(params[n], res[0][run]["params"][n]) for n in params), (run, rank)
         # torch.optim conventions: param_groups (and the scheduled lr) are the same on every rank
         assert all(r[run]["lr_groups"] == res[0][run]["lr_groups"] for r in res)
         # one build of the owners' copies, no spurious resyncs afterwards
@@ -367,9 +369,11 @@ def test_hsdp_matches_single_process() -> None:
     losses = [sum(r["hsdp_muon"]["losses"][i] for r in res) / 4 for i in range(STEPS)]
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= TOL * abs(b), f"HSDP step {i}: loss {a} vs reference {b}"
-    params = res[0]["hsdp_muon"]["params"]
-    worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
-    assert worst[0] <= TOL, f"HSDP: {worst[1]} differs by {worst[0]:.2e} relative"
+    for rank, r in enumerate(res):  # both replicas, every rank: the same parameters, bitwise
+        params = r["hsdp_muon"]["params"]
+        worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
+        assert worst[0] <= TOL, f"HSDP rank {rank}: {worst[1]} differs by {worst[0]:.2e} relative"
+        assert all(torch.equal(params[n], res[0]["hsdp_muon"]["params"][n]) for n in params), rank
     for r in res:
         # one resync (first step) + two all-to-alls per step, all inside the shard group
         assert r["hsdp_muon"]["ops"] == {"owner_grad_all_to_all": STEPS,
