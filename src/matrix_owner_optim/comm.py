@@ -1,11 +1,16 @@
 """Counted collectives and :class:`CommCounter`: every byte the package moves, by phase.
 
 All collectives the package issues go through the wrappers here, which report to every
-active :class:`CommCounter`. Bytes are the logical payload a rank sends and receives (its own
+active :class:`CommCounter`, whichever thread issues them: counters live in one process-wide
+registry (under a lock), because the autograd engine runs backward hooks, and so the
+runtime's reduce-scatters, on its own device threads on CUDA. The phase is per thread: the
+code that issues a collective sets it (the runtime inside its hooks, the optimizer in its
+step), so a collective from a device thread is not attributed to whatever the main thread
+is doing at that moment. Bytes are the logical payload a rank sends and receives (its own
 chunk excluded): all-to-all counts the splits to and from other ranks, all-gather counts
 ``(W-1)`` times the local input each way, all-reduce counts the ring algorithm's
 ``2·(W-1)/W·n`` each way. Phases are set by the runtime (``forward``,
-``backward``), the optimizer (``optimizer``) and default to ``other``.
+``backward``), the optimizer (``optimizer``) and default to ``other`` on every thread.
 
 Counting never replaces the profiler: tests cross-check these numbers against the
 ``gloo:``/``nccl:`` ops that ``torch.profiler`` records.
@@ -39,26 +44,33 @@ __all__ = [
 
 PHASES = ("forward", "backward", "optimizer", "other")
 
-_local = threading.local()
+_lock = threading.Lock()  # guards _active and every counter's records
+_active: list["CommCounter"] = []  # process-wide: every thread reports to these
+_local = threading.local()  # the phase, per thread
 
 
-def _state() -> threading.local:
-    if not hasattr(_local, "counters"):
-        _local.counters = []
-        _local.phase = "other"
-    return _local
+def _phase() -> str:
+    return getattr(_local, "phase", "other")
 
 
 @dataclass(frozen=True)
 class CommRecord:
+    """One collective: its phase, name, logical bytes, and the thread that issued it."""
+
     phase: str
     op: str
     bytes_sent: int
     bytes_received: int
+    thread: str = ""
 
 
 class CommCounter:
     """Context manager that counts calls and bytes of every collective inside it, by phase.
+
+    While active it counts every collective the process issues through this module, from any
+    thread (autograd's device threads included), so a counter entered around a step also
+    sees the backward collectives that CUDA runs off the main thread. Safe to read while
+    other threads record.
 
     Example::
 
@@ -73,21 +85,20 @@ class CommCounter:
         self.records: list[CommRecord] = []
 
     def __enter__(self) -> "CommCounter":
-        _state().counters.append(self)
+        with _lock:
+            _active.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stack = _state().counters
-        if self in stack:
-            stack.remove(self)
-
-    def _add(self, rec: CommRecord) -> None:
-        self.records.append(rec)
+        with _lock:
+            if any(c is self for c in _active):
+                _active.remove(self)
 
     def _select(self, phase: str | None) -> list[CommRecord]:
         if phase is not None and phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
-        return [r for r in self.records if phase is None or r.phase == phase]
+        with _lock:
+            return [r for r in self.records if phase is None or r.phase == phase]
 
     def calls(self, phase: str | None = None) -> int:
         """Number of collectives issued (in ``phase``, or in all phases)."""
@@ -107,7 +118,7 @@ class CommCounter:
     def by_phase(self) -> dict[str, dict[str, int]]:
         """``{phase: {"calls", "bytes_sent", "bytes_received"}}`` for all four phases."""
         out = {p: {"calls": 0, "bytes_sent": 0, "bytes_received": 0} for p in PHASES}
-        for r in self.records:
+        for r in self._select(None):
             out[r.phase]["calls"] += 1
             out[r.phase]["bytes_sent"] += r.bytes_sent
             out[r.phase]["bytes_received"] += r.bytes_received
@@ -120,35 +131,40 @@ class CommCounter:
         return dict(counts)
 
     def reset(self) -> None:
-        self.records.clear()
+        with _lock:
+            self.records.clear()
 
 
 def current_phase() -> str:
-    return _state().phase
+    """The phase collectives issued by this thread are attributed to now."""
+    return _phase()
 
 
 @contextlib.contextmanager
 def comm_phase(phase: str) -> Iterator[None]:
-    """Attribute collectives issued inside the block to ``phase``."""
+    """Attribute collectives this thread issues inside the block to ``phase`` (other threads
+    keep their own phase: set it where the collective is issued, e.g. inside a hook)."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
-    st = _state()
-    previous = st.phase
-    st.phase = phase
+    previous = _phase()
+    _local.phase = phase
     try:
         yield
     finally:
-        st.phase = previous
+        _local.phase = previous
 
 
 def record(op: str, bytes_sent: int, bytes_received: int, phase: str | None = None) -> None:
-    """Report one collective to every active counter."""
-    st = _state()
-    if not st.counters:
+    """Report one collective, issued by the calling thread, to every active counter."""
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
+    if not _active:  # unlocked peek: the common case, no counter, costs no lock
         return
-    rec = CommRecord(phase or st.phase, op, int(bytes_sent), int(bytes_received))
-    for c in st.counters:
-        c._add(rec)
+    rec = CommRecord(phase or _phase(), op, int(bytes_sent), int(bytes_received),
+                     threading.current_thread().name)
+    with _lock:
+        for c in _active:
+            c.records.append(rec)
 
 
 def _world(group: Any) -> tuple[int, int]:
@@ -194,7 +210,8 @@ def all_to_all_single(
     )
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, name: str = "all_reduce") -> None:
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None,
+               name: str = "all_reduce") -> None:
     W, _ = _world(group)
     ring = 2 * (W - 1) * _nbytes(tensor) // W if W > 1 else 0
     record(name, ring, ring)
@@ -247,4 +264,5 @@ def reduce_scatter_v(output: torch.Tensor, input_list: list[torch.Tensor], op: A
     sent = sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank)
     recv = _nbytes(output) * (W - 1)
     record(name, sent, recv)
-    dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM,
+                        group=group)
