@@ -498,6 +498,8 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         r"MixedPrecisionPolicy\(param_dtype=",
         lambda: model(*_batch(0, rank)),
     )
+    # refused before any data moved: every rank still holds every full tensor
+    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), _model().parameters()))
     # 25. a plan that is not a ShardingPlan
     refused(
         "plan_type",

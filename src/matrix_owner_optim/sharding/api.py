@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -544,6 +545,7 @@ def _ensure_sharded(module: nn.Module) -> None:
             f"sharding of this {type(module).__name__} failed earlier ({state.failed}); build the "
             "model again and call fully_shard on it"
         )
+    gc.collect()  # once per plan: a model dropped while pending may sit in a reference cycle
     live = [m for m in (ref() for ref in _pending) if m is not None]
     _pending[:] = [weakref.ref(m) for m in live]
     key = (state.group, state.replicate_group)
@@ -681,6 +683,7 @@ def _shard(modules: list[nn.Module]) -> None:
         plan = given
     else:
         plan = plan_tensors(specs, W)
+    _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(plan, rank, group)  # the first collective, before any data moves
     shards = _normalize(plan, specs)
     by_fqn = dict(root.named_parameters())
@@ -713,6 +716,24 @@ def _shard(modules: list[nn.Module]) -> None:
         unit.parent = units[parent_index] if parent_index is not None else None
         st.unit = unit
     ctx.units.extend(units)
+
+
+def _check_unit_dtypes(specs: list[TensorSpec], states: list[OwnerShardState]) -> None:
+    """One compute dtype per unit (one all-gather buffer): refuse a mix before any data moves."""
+    by_unit: dict[int, dict[str, torch.dtype]] = {}
+    for s in specs:
+        if s.unit >= len(states):
+            continue
+        param_dtype = getattr(states[s.unit].mp_policy, "param_dtype", None)
+        compute = param_dtype if (param_dtype is not None and s.dtype.is_floating_point) else s.dtype
+        by_unit.setdefault(s.unit, {})[s.fqn] = compute
+    for unit, dtypes in by_unit.items():
+        if len(set(dtypes.values())) > 1:
+            names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
+            raise NotImplementedError(
+                f"fully_shard unit {unit} mixes parameter dtypes ({names}); give the unit one "
+                "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
+            )
 
 
 def _parent_unit(i: int, modules: list[nn.Module]) -> int | None:
