@@ -102,6 +102,13 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def _strict_shutdown(cfg: TrainConfig) -> bool:
+    """Whether every process group can be released at exit (see launch.py). Not with stock
+    FSDP2 and torch's own optimizers: their DTensor arithmetic fills torch-internal per-op
+    caches that keep the ``DeviceMesh``, and so the group, until the process ends."""
+    return cfg.layout != "fsdp2" or cfg.optimizer in ("muon", "shampoo", "soap", "adamw")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if _under_torchrun():
@@ -109,19 +116,27 @@ def run(args: argparse.Namespace) -> int:
         import torch.distributed as dist
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         cfg.device = "cuda" if backend == "nccl" else "cpu"
+        from ..launch import shutdown_process_groups
         dist.init_process_group(backend)
         try:
             result = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, result)
-        finally:
+        except BaseException:
             dist.destroy_process_group()
+            raise
+        del result
+        # The model and optimizers are garbage now: release them (and DTensor's mesh caches)
+        # before destroying the group, so gloo's worker threads are joined before the
+        # interpreter exits (see launch.py: otherwise a rank can abort at exit).
+        shutdown_process_groups(check=_strict_shutdown(cfg))
         if int(os.environ["RANK"]) != 0:
             return 0
         results = gathered
     else:
         from ..launch import spawn_ranks
-        results = spawn_ranks(train_rank, args.world_size, cfg)
+        results = spawn_ranks(train_rank, args.world_size, cfg,
+                              strict_shutdown=_strict_shutdown(cfg))
     summary = summarize(results)
     print(format_summary(summary, cfg))
     args.out.mkdir(parents=True, exist_ok=True)
