@@ -31,37 +31,15 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..agreement import check_plan_agreement
 from ..planning import Role, TensorSpec, plan_tensors
 from ..planning.cost import itemsize
-from ..planning.metadata import ShardingPlan, get_shard_rank
+from ..planning.metadata import get_shard_rank
 from ..tensors import is_dtensor
 from .placements import Placement, RouterConfig, is_multi_rank, matrix_view
 from .routing import RoutedParam
 
-__all__ = ["ReplicatedPlacement", "plan_owners", "verify_plan"]
-
-
-def verify_plan(plan: ShardingPlan, group: Any = None, what: str = "owner plan") -> None:
-    """All ranks of ``group`` must hold the same plan; raise ``ValueError`` naming the difference.
-
-    One ``all_gather_object`` of the digest; a second one of the whole plans only on mismatch
-    (every rank sees the mismatch, so every rank takes part in it).
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return
-    digests = comm.all_gather_object(plan.digest(), group=group, name="plan_digest_all_gather")
-    if all(d == digests[0] for d in digests):
-        return
-    plans = comm.all_gather_object(plan, group=group, name="plan_all_gather")
-    me = dist.get_rank(group)
-    for r, other in enumerate(plans):
-        if r != me and digests[r] != digests[me]:
-            detail = plan.first_difference(other) or "digests differ"
-            raise ValueError(
-                f"ranks disagree on the {what}: rank {me} vs rank {r}: {detail}. Every rank must "
-                "build OwnerRoutedOptimizer over the same parameters (names, shapes, dtypes, "
-                "roles) in the same order"
-            )
+__all__ = ["ReplicatedPlacement", "plan_owners"]
 
 
 def plan_owners(
@@ -88,7 +66,10 @@ def plan_owners(
         for rp, shape, dtype in zip(rps, shapes, dtypes)
     ]
     plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon")
-    verify_plan(plan, group)
+    check_plan_agreement(
+        plan, group, who="OwnerRoutedOptimizer", what="owner plan",
+        remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
+               "shapes, dtypes, roles) in the same order.")
     batch = [0] * world_size
     nbytes = []
     for s in specs:

@@ -48,7 +48,7 @@ from ..planning.metadata import (
 )
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
-from .agreement import check_plan_agreement
+from ..agreement import check_plan_agreement
 from .context import ShardingContext
 from .state_dict import install_state_dict_hooks
 from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
@@ -684,7 +684,10 @@ def _shard(modules: list[nn.Module]) -> None:
     else:
         plan = plan_tensors(specs, W)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
-    check_plan_agreement(plan, rank, group)  # the first collective, before any data moves
+    check_plan_agreement(  # the first collective, before any data moves
+        plan, group, who="fully_shard", what="sharding plan",
+        remedy="Every rank must build the plan from the same model, roles and world size "
+               "(pass the same plan= / roles on all ranks).")
     shards = _normalize(plan, specs)
     by_fqn = dict(root.named_parameters())
 
