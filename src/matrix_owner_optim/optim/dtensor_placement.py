@@ -344,7 +344,7 @@ class DTensorPlacement(Placement):
             return value
         p = rp.param
         if rp.owner is not None:
-            from ..sharding.state_dict import OwnedTensor, mesh_of_group
+            from ..pieces import OwnedTensor, mesh_of_group
 
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
             return OwnedTensor.make(value, rp.owner, mesh, tuple(value.shape), value.dtype)
@@ -364,7 +364,7 @@ class DTensorPlacement(Placement):
         if not isinstance(value, torch.Tensor):
             return value
         if rp.owner is not None or value.dim() == 0:
-            from ..sharding.state_dict import OwnedTensor
+            from ..pieces import OwnedTensor
 
             if isinstance(value, OwnedTensor):
                 if value.owner != rp.owner or not value.is_owner:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ..planning.metadata import Role, get_shard_rank
+from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..tensors import is_dtensor
 from .routing import RoutedParam
 
@@ -172,7 +172,7 @@ class LocalPlacement(Placement):
         shard, rank = rp.shard, get_shard_rank(rp.param)
         if shard is None or rank is None or shard.world_size <= 1:
             return None
-        return shard, rank, getattr(rp.param, "_moo_process_group", None)
+        return shard, rank, get_shard_group(rp.param)
 
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """Owner-held state: an ``OwnedTensor`` of its own shape; row-block state (``sharded``):
@@ -181,7 +181,7 @@ class LocalPlacement(Placement):
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
         from ..planning.metadata import Role
-        from ..sharding.state_dict import piece_of
+        from ..pieces import piece_of
 
         shard, rank, group = info
         if shard.role is Role.SHARDED:
@@ -200,7 +200,7 @@ class LocalPlacement(Placement):
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
         from ..planning.metadata import Role
-        from ..sharding.state_dict import OwnedTensor, local_piece
+        from ..pieces import OwnedTensor, local_piece
 
         shard, rank, _ = info
         if shard.role is Role.SHARDED:

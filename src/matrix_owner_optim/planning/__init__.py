@@ -17,6 +17,7 @@ from .metadata import (
     Role,
     ShardingPlan,
     attach_matrix_shard,
+    get_shard_group,
     get_matrix_shard,
     get_shard_rank,
     parse_role,
@@ -27,7 +28,8 @@ from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_na
 __all__ = [
     "ADAMW_COST", "MUON_COST", "SHAMPOO_COST", "SOAP_COST", "CostModel", "FunctionCostModel",
     "available_cost_models", "get_cost_model", "register_cost_model",
-    "MatrixShard", "RankLoad", "attach_matrix_shard", "get_matrix_shard", "get_shard_rank", "Role",
+    "MatrixShard", "RankLoad", "attach_matrix_shard", "get_matrix_shard", "get_shard_group", "get_shard_rank",
+    "Role",
     "ShardingPlan", "parse_role",
     "plan_model", "plan_tensors",
     "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",

@@ -286,16 +286,25 @@ _SHARD_ATTR = "_moo_matrix_shard"
 _RANK_ATTR = "_moo_shard_rank"
 
 
-def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int) -> None:
+_GROUP_ATTR = "_moo_shard_group"
+
+
+def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int, group: Any = None) -> None:
     """Record on ``param`` (the sharded parameter the optimizer sees) its placement.
 
-    ``rank`` is this process's index in the group the plan shards over (the shard dim of the
-    mesh), which is what ``shard.owner`` is compared against.
+    ``rank`` is this process's index in ``group``, the process group the plan shards over (the
+    shard dim of the mesh), which is what ``shard.owner`` is compared against.
     """
     if not 0 <= rank < shard.world_size:
         raise ValueError(f"{shard.fqn}: rank {rank} outside the plan's world size {shard.world_size}")
     setattr(param, _SHARD_ATTR, shard)
     setattr(param, _RANK_ATTR, int(rank))
+    setattr(param, _GROUP_ATTR, group)
+
+
+def get_shard_group(param: torch.Tensor) -> Any:
+    """The process group ``param`` is sharded over (None if unsharded or not recorded)."""
+    return getattr(param, _GROUP_ATTR, None)
 
 
 def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:

@@ -56,7 +56,6 @@ from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
 __all__ = ["fully_shard", "OwnerShardedModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 _STATE_ATTR = "_moo_state"
-GROUP_ATTR = "_moo_process_group"
 
 
 @dataclass(eq=False)
@@ -234,8 +233,7 @@ class OwnerShardedModule(nn.Module):
                 h.sharded = now
                 h.swap(now)
             h.shard = shard
-            attach_matrix_shard(now, shard, unit.ctx.rank)
-            setattr(now, GROUP_ATTR, unit.ctx.group)
+            attach_matrix_shard(now, shard, unit.ctx.rank, unit.ctx.group)
         unit.rebuild_unsharded()
         return result
 
@@ -703,8 +701,7 @@ def _shard(modules: list[nn.Module]) -> None:
         with torch.no_grad():
             param.grad = None
             param.data = _local_piece(param, shard, rank)
-        attach_matrix_shard(param, shard, rank)
-        setattr(param, GROUP_ATTR, group)
+        attach_matrix_shard(param, shard, rank, group)
         handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 
     units: list[ShardedUnit] = []

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..tensors import is_dtensor
-from ..planning.metadata import get_matrix_shard
-from .api import GROUP_ATTR
+from ..planning.metadata import get_matrix_shard, get_shard_group
 
 __all__ = ["clip_grad_norm_"]
 
@@ -44,7 +43,7 @@ def clip_grad_norm_(
         if id(p) not in seen:
             seen.add(id(p))
             params.append(p)
-    groups = [getattr(p, GROUP_ATTR, None) for p in params if get_matrix_shard(p) is not None]
+    groups = [get_shard_group(p) for p in params if get_matrix_shard(p) is not None]
     groups = [g for g in groups if g is not None]
     if not groups or any(is_dtensor(p) for p in params) or not dist.is_initialized():
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
