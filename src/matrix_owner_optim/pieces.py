@@ -22,6 +22,7 @@ metadata.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -50,20 +51,23 @@ __all__ = [
 
 
 # -- meshes ---------------------------------------------------------------------------------------
-_MESHES: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(group), device type) -> (group, mesh)
+# (id(group), device type) -> mesh, held weakly: a DeviceMesh keeps its process group alive, and
+# a process-lifetime cache would keep gloo's worker threads running into interpreter teardown.
+# The pieces of one state dict hold their mesh, so they share it while they live.
+_MESHES: "weakref.WeakValueDictionary[tuple[int, str], Any]" = weakref.WeakValueDictionary()
 
 
 def mesh_of_group(group: Any, device_type: str) -> Any:
-    """A 1D ``DeviceMesh`` over ``group`` (cached; no collective) to describe pieces."""
+    """A 1D ``DeviceMesh`` over ``group`` (no collective) to describe pieces."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group = group if group is not None else dist.group.WORLD
     key = (id(group), device_type)
-    cached = _MESHES.get(key)
-    if cached is None or cached[0] is not group:
-        cached = (group, DeviceMesh.from_group(group, device_type))
-        _MESHES[key] = cached
-    return cached[1]
+    mesh = _MESHES.get(key)
+    if mesh is None or mesh.get_group() is not group:
+        mesh = DeviceMesh.from_group(group, device_type)
+        _MESHES[key] = mesh
+    return mesh
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
