@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.comm import comm_phase
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 
 def _sync(device: torch.device) -> None:

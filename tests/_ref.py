@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)

@@ -31,8 +31,8 @@ from torch import nn
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, plan_model
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.launch import spawn_ranks
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import MixedPrecisionPolicy
 

@@ -15,7 +15,7 @@ import torch
 
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
 BATCH = 6  # global batch, divisible by 2 and 3

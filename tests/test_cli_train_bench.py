@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from matrix_owner_optim import plan_model
-from matrix_owner_optim.models import GPT
-from matrix_owner_optim.data import VOCAB, BatchSampler, arithmetic_corpus, decode
-from matrix_owner_optim.training import TrainConfig
+from matrix_owner_optim.toolbox.models import GPT
+from matrix_owner_optim.toolbox.data import VOCAB, BatchSampler, arithmetic_corpus, decode
+from matrix_owner_optim.toolbox.training import TrainConfig
 
-CLI = [sys.executable, "-m", "matrix_owner_optim.cli.main"]
+CLI = [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main"]
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "16", "--batch", "4"]
 
 

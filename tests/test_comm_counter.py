@@ -17,8 +17,8 @@ import torch
 
 from matrix_owner_optim import comm
 from matrix_owner_optim.comm import CommCounter, comm_phase, current_phase
-from matrix_owner_optim.launch import spawn_ranks
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.sharding import fully_shard
 
 N = 1000  # float32 elements per test all-reduce

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
-from matrix_owner_optim.launch import spawn_ranks
-from matrix_owner_optim.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from _ref import roundtrip
 
 W = 2

@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.launch import spawn_ranks
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon, Shampoo
-from matrix_owner_optim.profiling import backend_ops
+from matrix_owner_optim.toolbox.profiling import backend_ops
 
 W = 3
 STEPS = 8

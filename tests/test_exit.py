@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from matrix_owner_optim.launch import RankError, free_port, spawn_ranks
-from matrix_owner_optim.training import TrainConfig, train_rank
+from matrix_owner_optim.toolbox.launch import RankError, free_port, spawn_ranks
+from matrix_owner_optim.toolbox.training import TrainConfig, train_rank
 
 RUNS_PER_LAYOUT = 10  # x 2 layouts = 20 consecutive two-rank runs
 TORCHRUN_RUNS = 5
@@ -53,7 +53,7 @@ def test_torchrun_train_runs_exit_with_code_zero(tmp_path: Path) -> None:
         out = tmp_path / f"run{run}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "matrix_owner_optim.cli.main", "train", "--steps", "20", *SMALL_MODEL,
+               "-m", "matrix_owner_optim.toolbox.cli.main", "train", "--steps", "20", *SMALL_MODEL,
                "--no-progress", "--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"run {run}: exit code {proc.returncode}\n{proc.stderr[-3000:]}"

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.launch import spawn_ranks
-from matrix_owner_optim.models.gpt import GPT, Block, GPTConfig
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
 from matrix_owner_optim.sharding.api import register_fsdp_forward_method

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from matrix_owner_optim import OwnerRoutedOptimizer, plan_model, register_preconditioner
-from matrix_owner_optim.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.optim import available_preconditioners, simulated_parameters
 from matrix_owner_optim.planning import Role
 from matrix_owner_optim.planning.roles import module_roles

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from matrix_owner_optim import MatrixShard, Role, ShardingPlan, plan_model
-from matrix_owner_optim.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.planning import TensorSpec, plan_tensors
 
 WORLD_SIZES = [1, 2, 3, 7, 8, 64, 1024]
@@ -153,7 +153,7 @@ def test_determinism_and_digest() -> None:
 
 def test_digest_stable_across_processes() -> None:
     code = (
-        "from matrix_owner_optim.models import GPT, GPTConfig;"
+        "from matrix_owner_optim.toolbox.models import GPT, GPTConfig;"
         "from matrix_owner_optim import plan_model;"
         "m=GPT(GPTConfig(vocab_size=512,seq_len=32,n_layers=4,d_model=64,n_heads=4),device='meta');"
         "print(plan_model(m, 3).digest())"
@@ -225,7 +225,7 @@ def test_plan_tensors_rejects_duplicate_names() -> None:
 
 def test_cli_plan_json_at_w1024() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.cli.main", "plan", "--world-size", "1024",
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "--world-size", "1024",
          "--layers", "32", "--width", "1024", "--json"],
         capture_output=True, text=True, check=True, timeout=120,
     )
@@ -237,13 +237,13 @@ def test_cli_plan_json_at_w1024() -> None:
 
 def test_cli_plan_table_and_bad_role() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.cli.main", "plan", "-w", "4", "--layers", "2",
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "-w", "4", "--layers", "2",
          "--width", "64", "--heads", "4", "--vocab", "128", "--seq-len", "16"],
         capture_output=True, text=True, check=True,
     )
     assert "imbalance (max/mean)" in out.stdout and "digest" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.cli.main", "plan", "--role", "layers.*=nope"],
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "--role", "layers.*=nope"],
         capture_output=True, text=True,
     )
     assert bad.returncode != 0 and "layers.*" in bad.stderr and "nope" in bad.stderr
@@ -255,7 +255,7 @@ def test_cli_plan_user_factory(tmp_path, monkeypatch) -> None:
         "def build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.cli.main", "plan", "-w", "2", "--json",
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "-w", "2", "--json",
          "--model", "usermodel:build"],
         capture_output=True, text=True, check=True, cwd=tmp_path,
         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},

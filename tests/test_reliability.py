@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim import checkpoint as ckpt
-from matrix_owner_optim.launch import RankError, spawn_ranks
-from matrix_owner_optim.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.sharding.api import _state
 
 # The smallest GPT with matrices, tail and sharded tensors; one block unit and the root unit.

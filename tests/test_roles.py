@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from matrix_owner_optim import OwnerRoutedOptimizer, Role, plan_model
-from matrix_owner_optim.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.planning.roles import module_roles
 
 

@@ -33,7 +33,7 @@ from _ref import (
 from torch.distributed.device_mesh import init_device_mesh
 
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.launch import spawn_ranks
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import peek_matrix_shard
 from matrix_owner_optim.sharding import (

@@ -47,7 +47,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.launch import spawn_ranks
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import (
     Role,
@@ -56,7 +56,7 @@ from matrix_owner_optim.planning import (
     plan_model,
 )
 from matrix_owner_optim.preconditioners import Muon
-from matrix_owner_optim.profiling import backend_ops, phase_windows
+from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 from matrix_owner_optim.sharding import (
     MixedPrecisionPolicy,
     clip_grad_norm_,

@@ -44,10 +44,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.launch import spawn_ranks
-from matrix_owner_optim.models.gpt import GPT, Block, GPTConfig
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
-from matrix_owner_optim.profiling import backend_ops
+from matrix_owner_optim.toolbox.profiling import backend_ops
 from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)

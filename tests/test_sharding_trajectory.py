@@ -35,9 +35,9 @@ from _ref import (
 )
 
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.launch import spawn_ranks
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
-from matrix_owner_optim.profiling import backend_ops
+from matrix_owner_optim.toolbox.profiling import backend_ops
 from matrix_owner_optim.sharding import fully_shard
 
 STEPS = 20

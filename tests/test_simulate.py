@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from matrix_owner_optim import simulate as S
-from matrix_owner_optim.cli import simulate as cli_simulate
-from matrix_owner_optim.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox import simulate as S
+from matrix_owner_optim.toolbox.cli import simulate as cli_simulate
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.planning import MUON_COST, Role, TensorSpec, plan_tensors
 
 HW = S.PRESETS["paper"].hardware
@@ -286,7 +286,7 @@ def test_sweep_has_one_row_per_node_count() -> None:
 
 def test_console_command_json() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.cli.main", "simulate", "--preset", "paper",
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "simulate", "--preset", "paper",
          "--json"],
         capture_output=True, text=True, timeout=120,
     )

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..planning import parse_role, plan_model
+from ...planning import parse_role, plan_model
 from .common import add_model_args, build_model
 
 __all__ = ["add_parser", "run", "format_table"]

@@ -1,6 +1,6 @@
 """Sweeps over cluster sizes, cached plan statistics, the paper's model.
 
-Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the model.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 
 from torch import nn
 
-from ..planning import plan_model
+from ...planning import plan_model
 from .estimates import estimate_memory, estimate_strategies
 from .hardware import PAPER_MODEL, Hardware, SimOptions
 from .plan_stats import PlanStats, plan_stats

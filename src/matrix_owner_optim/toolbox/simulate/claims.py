@@ -1,6 +1,6 @@
 """The paper's claims, and what it would take to reproduce them.
 
-Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the model.
 """
 
 from __future__ import annotations

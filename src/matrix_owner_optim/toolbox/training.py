@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .baselines import ReconstructionMuon, ReconstructionOptimizer
-from .comm import CommCounter, comm_phase
+from ..comm import CommCounter, comm_phase
 from .data import VOCAB, BatchSampler, arithmetic_corpus
 from .models import GPT, GPTConfig
-from .optim import OwnerRoutedOptimizer
-from .planning.metadata import Role
-from .planning.roles import module_roles
+from ..optim import OwnerRoutedOptimizer
+from ..planning.metadata import Role
+from ..planning.roles import module_roles
 from .profiling import backend_ops, op_bytes, phase_windows
 
 __all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes"]
@@ -91,7 +91,7 @@ def _shard(model: GPT, cfg: TrainConfig, world_size: int, device: torch.device) 
     if cfg.layout == "single" or world_size == 1 and cfg.layout != "owner":
         return model
     if cfg.layout == "owner":
-        from .sharding import fully_shard
+        from ..sharding import fully_shard
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
@@ -127,7 +127,7 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
     elif cfg.optimizer == "reconstruction":
         matrix_opt = ReconstructionMuon(mats, lr=mlr, weight_decay=0.0, ns_dtype=ns_dtype)
     else:
-        from .preconditioners import SOAP, Shampoo
+        from ..preconditioners import SOAP, Shampoo
         inner = Shampoo if cfg.optimizer == "reconstruction_shampoo" else SOAP
         matrix_opt = ReconstructionOptimizer(mats, inner, lr=mlr)
     return [matrix_opt, torch.optim.AdamW(rest, lr=cfg.tail_lr, weight_decay=0.0)]

@@ -1,6 +1,6 @@
 """Stated constants: hardware, presets, the modelled workload and options.
 
-Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the model.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning.cost import MUON_NS_STEPS
+from ...planning.cost import MUON_NS_STEPS
 from ._units import GB
 
 

@@ -1,6 +1,6 @@
 """Collective time formulas (ring, hierarchical, all-to-all, owner routing).
 
-Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the model.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """What a sharding plan implies for the optimizer step, hardware-free.
 
-Part of :mod:`matrix_owner_optim.simulate`; see its docstring for the model.
+Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..planning import ADAMW_COST, Role, ShardingPlan, get_cost_model
-from ..planning.cost import as_matrix_shape, itemsize
+from ...planning import ADAMW_COST, Role, ShardingPlan, get_cost_model
+from ...planning.cost import as_matrix_shape, itemsize
 
 
 @dataclass(frozen=True)

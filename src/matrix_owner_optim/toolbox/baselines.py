@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .planning.metadata import chunk_row_range
-from .preconditioners.muon import adjust_lr, newton_schulz
+from .. import comm
+from ..planning.metadata import chunk_row_range
+from ..preconditioners.muon import adjust_lr, newton_schulz
 
 __all__ = ["ReconstructionMuon", "ReconstructionOptimizer"]
 

@@ -78,7 +78,7 @@ def muon_batching_timings(cases: dict[str, list[tuple[int, int]]] | None = None,
     """
     import torch
 
-    from ..preconditioners import Muon
+    from ...preconditioners import Muon
 
     if cases is None:
         cases = {

@@ -1,6 +1,6 @@
 """``matrix-owner-optim simulate``: predicted optimizer-step time and memory, three layouts.
 
-Runs the analytic cost model of :mod:`matrix_owner_optim.simulate` (no processes, no GPU)
+Runs the analytic cost model of :mod:`matrix_owner_optim.toolbox.simulate` (no processes, no GPU)
 for 1..``--nodes`` nodes of ``--gpus-per-node`` GPUs, prints every constant it uses with its
 source, a time table, a memory table and a comparison with the MatrixFSDP paper's and seed
 code's numbers (the agreement statements are computed, not written in advance).
