@@ -117,6 +117,7 @@ class OwnedTensor(DTensor):
             mesh, (Replicate(),), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype)
         )
         r = DTensor.__new__(OwnedTensor, local, spec, requires_grad=False)  # type: ignore[call-arg]
+        assert isinstance(r, OwnedTensor)
         r._owner = int(owner)
         return r
 

@@ -47,6 +47,7 @@ from .. import comm
 from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
+from ..tensors import local_tensor
 from .placements import Placement, RouterConfig
 from .replicated_placement import plan_owners
 from .routing import RoutedParam
@@ -54,8 +55,6 @@ from .routing import RoutedParam
 __all__ = ["DTensorPlacement"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor  # type: ignore[attr-defined]
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -78,12 +77,14 @@ def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
     in-place ops on the DTensor, e.g. ``model.load_state_dict``, which reach the local tensor
     below autograd and leave its counter alone).
     """
-    t = _local(p)
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version, p._version)
+    t = local_tensor(p)
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(n) for n in t.shape),
+            t._version, p._version)
 
 
-def _describe(p: DTensor) -> str:
-    return f"placements {tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
+def _describe(p: torch.Tensor) -> str:
+    """A DTensor parameter's placements and mesh shape, for error messages."""
+    return f"placements {tuple(getattr(p, 'placements', ()))} on mesh {tuple(getattr(p, 'device_mesh').shape)}"
 
 
 def _shard0_dim(rp: RoutedParam) -> int | None:
@@ -121,7 +122,7 @@ def _local_grad(rp: RoutedParam) -> torch.Tensor | None:
                 f"gradient of {rp.label!r} has placements {tuple(g.placements)} but the parameter "
                 f"has {expected}; expected FSDP2's reduced Shard(0) gradient"
             )
-        return _local(g)
+        return local_tensor(g)
     raise ValueError(f"gradient of DTensor parameter {rp.label!r} is a plain tensor; expected a DTensor")
 
 
@@ -136,7 +137,7 @@ class _Matrix:
 
     @property
     def local(self) -> torch.Tensor:
-        return _local(self.rp.param)  # read fresh: FSDP2 may re-point it (lazy init, _apply)
+        return local_tensor(self.rp.param)  # read fresh: FSDP2 may re-point it (lazy init, _apply)
 
     def numel_of(self, rank: int) -> int:
         return self.rows[rank] * self.row_numel
@@ -193,7 +194,7 @@ class DTensorPlacement(Placement):
             if mesh_dim is None:
                 # shard-local (elementwise tail optimizer) or a fully replicated matrix
                 rp.owner = None
-                local = _local(p)
+                local = local_tensor(p)
                 rp.proxy = _alias(local) if local.numel() > 0 else None
                 if rp.proxy is not None and rp.role is Role.MATRIX and rp.proxy.dim() > 2:
                     raise ValueError(
@@ -218,7 +219,7 @@ class DTensorPlacement(Placement):
             for rp, owner in zip(rps, owners):
                 shape = tuple(rp.param.shape)
                 rows = chunk_row_sizes(shape[0], W)
-                local = _local(rp.param)
+                local = local_tensor(rp.param)
                 if local.shape[0] != rows[me] or tuple(local.shape[1:]) != shape[1:]:
                     raise ValueError(
                         f"matrix {rp.label!r}: local shard has shape {tuple(local.shape)}, expected "
@@ -243,7 +244,7 @@ class DTensorPlacement(Placement):
         for rp in self._tails:
             if rp.proxy is None:
                 continue
-            local = _local(rp.param)
+            local = local_tensor(rp.param)
             if not _same_view(rp.proxy, local):  # FSDP2 re-pointed the shard (lazy init, _apply)
                 rp.proxy.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
             g = _local_grad(rp)
@@ -348,7 +349,7 @@ class DTensorPlacement(Placement):
 
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
             return OwnedTensor.make(value, rp.owner, mesh, tuple(value.shape), value.dtype)
-        local = _local(p)
+        local = local_tensor(p)
         if tuple(value.shape) != tuple(local.shape):
             raise ValueError(
                 f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; shard-local "
@@ -370,15 +371,15 @@ class DTensorPlacement(Placement):
                 if value.owner != rp.owner or not value.is_owner:
                     raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
                                      f"{rp.owner} here; load a full state dict or go through DCP")
-                return value._local_tensor
+                return local_tensor(value)
             return plain_local(value, what)
         p = rp.param
-        if isinstance(value, DTensor) and value.device_mesh == p.device_mesh \
-                and tuple(value.placements) == tuple(p.placements):  # type: ignore[attr-defined]
-            return _local(value)
+        if isinstance(value, DTensor) and isinstance(p, DTensor) and value.device_mesh == p.device_mesh \
+                and tuple(value.placements) == tuple(p.placements):
+            return local_tensor(value)
         full = plain_local(value, what)
         if tuple(full.shape) != tuple(p.shape):
-            local = _local(p)
+            local = local_tensor(p)
             if tuple(full.shape) == tuple(local.shape):
                 return full
             raise ValueError(f"{what}: shape {tuple(full.shape)} is neither the parameter's "

@@ -38,7 +38,7 @@ from .placements import Placement, RouterConfig, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
 from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
-from ..tensors import is_dtensor
+from ..tensors import is_dtensor, local_tensor
 
 __all__ = ["OwnerRoutedOptimizer"]
 
@@ -302,7 +302,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         """Parent groups -> child groups (the user's and schedulers' values); remember what was
         pushed so that :meth:`_pull_child_values` sees what the child itself changed."""
-        self._pushed: list[dict[str, Any]] = []
+        self._pushed = []
         for role, pairs in self._child_groups.items():
             for parent_index, child_group in pairs:
                 parent = self.param_groups[parent_index]
@@ -370,8 +370,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             g = rp.param.grad
             if g is None:
                 continue
-            if is_dtensor(g):
-                g = g.to_local()
+            g = local_tensor(g)
             if g.numel():
                 grads.append(g.detach())
         device = grads[0].device if grads else self._routed[0].param.device
@@ -562,9 +561,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                     child.state.pop(rp.proxy, None)
                 continue
             assert child is not None
-            st: dict[str, Any] = dict(values)
-            child.state[rp.proxy] = st
-            self.state[rp.param] = st
+            entry: dict[str, Any] = dict(values)
+            child.state[rp.proxy] = entry
+            self.state[rp.param] = entry
         self._consolidated = None
         self._sync_hyperparameters()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

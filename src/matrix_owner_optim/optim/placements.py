@@ -22,7 +22,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
-from ..tensors import is_dtensor
+from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
 __all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for",
@@ -107,7 +107,7 @@ def plain_local(value: Any, what: str) -> Any:
         from torch.distributed.tensor import Replicate
 
         if all(isinstance(p, Replicate) for p in value.placements) and type(value).__name__ != "OwnedTensor":
-            return value._local_tensor
+            return local_tensor(value)
         raise ValueError(
             f"{what}: the state dict holds a piece ({type(value).__name__}, placements "
             f"{tuple(value.placements)}) but this rank keeps the whole tensor; load a full state dict "
@@ -209,7 +209,7 @@ class LocalPlacement(Placement):
             if value.owner != shard.owner:
                 raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
                                  f"{shard.owner} here; load a full state dict or go through DCP")
-            return value._local_tensor
+            return local_tensor(value)
         return plain_local(value, what)
 
 

@@ -15,6 +15,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..tensors import itemsize
+
 __all__ = [
     "CostModel",
     "FunctionCostModel",
@@ -38,9 +40,6 @@ __all__ = [
 Shape = Sequence[int]
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def numel(shape: Shape) -> int:

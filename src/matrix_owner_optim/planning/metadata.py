@@ -16,6 +16,8 @@ from typing import Callable, Any, Iterator
 
 import torch
 
+from ..tensors import itemsize
+
 __all__ = ["chunk_row_range", "chunk_row_sizes", "Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role"]
 
 
@@ -104,7 +106,7 @@ class MatrixShard:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
     def is_owned_by(self, rank: int) -> bool:
         """True if ``rank`` holds this tensor whole (always False for ``sharded``)."""
@@ -150,8 +152,6 @@ class MatrixShard:
         }
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 @dataclass(frozen=True)

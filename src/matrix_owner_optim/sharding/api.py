@@ -444,11 +444,11 @@ def _check_registrations(unit: ShardedUnit) -> None:
         for name, p in mod._parameters.items():
             if p is None:
                 continue
-            h = expected.get((id(mod), name))
-            if h is not None and (p is h.sharded or p is h._unsharded):
+            known = expected.get((id(mod), name))
+            if known is not None and (p is known.sharded or p is known._unsharded):
                 continue
             fqn = f"{mod_name}.{name}" if mod_name else name
-            what = "a new tensor was assigned to" if h is not None else "was registered on"
+            what = "a new tensor was assigned to" if known is not None else "was registered on"
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} (shape {tuple(p.shape)}) {what} "
                 f"{type(unit.module).__name__} after its sharding plan was fixed (by the first "
