@@ -37,8 +37,8 @@ from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+from matrix_owner_optim import register_fsdp_forward_method
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
-from matrix_owner_optim.sharding.api import register_fsdp_forward_method
 from matrix_owner_optim.sharding.unit import ShardedState
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)

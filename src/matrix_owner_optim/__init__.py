@@ -2,14 +2,21 @@
 
 Every 2D weight matrix lives whole on one data-parallel rank (its owner) and is an empty
 shard elsewhere, so Muon, Shampoo or SOAP run locally and ``optimizer.step()`` moves zero
-bytes. See DESIGN.md for the architecture and vocabulary.
+bytes. See DESIGN.md for the architecture and vocabulary. The ``toolbox`` subpackage holds the
+commands (``matrix-owner-optim``) and is never imported by the library.
 """
 
 from . import checkpoint
 from .comm import CommCounter
 from .optim import OwnerRoutedOptimizer, register_preconditioner
 from .planning import MatrixShard, Role, ShardingPlan, get_matrix_shard, plan_model
-from .sharding import MixedPrecisionPolicy, OwnerShardedModule, clip_grad_norm_, fully_shard
+from .sharding import (
+    MixedPrecisionPolicy,
+    OwnerShardedModule,
+    clip_grad_norm_,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 __version__ = "0.1.0"
 
@@ -27,5 +34,6 @@ __all__ = [
     "fully_shard",
     "get_matrix_shard",
     "plan_model",
+    "register_fsdp_forward_method",
     "register_preconditioner",
 ]

@@ -7,7 +7,10 @@ reduce-scatters each unit's owner segments once per pass, so ``optimizer.step()`
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .api import OwnerShardedModule, fully_shard
+from .api import OwnerShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .clip import clip_grad_norm_
 
-__all__ = ["fully_shard", "OwnerShardedModule", "MixedPrecisionPolicy", "clip_grad_norm_"]
+__all__ = [
+    "fully_shard", "OwnerShardedModule", "MixedPrecisionPolicy", "UnshardHandle", "clip_grad_norm_",
+    "register_fsdp_forward_method",
+]
