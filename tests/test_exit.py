@@ -53,7 +53,7 @@ def test_torchrun_train_runs_exit_with_code_zero(tmp_path: Path) -> None:
         out = tmp_path / f"run{run}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "matrix_owner_optim.toolbox.cli.main", "train", "--steps", "20", *SMALL_MODEL,
+               "-m", "matrix_owner_optim", "train", "--steps", "20", *SMALL_MODEL,
                "--no-progress", "--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"run {run}: exit code {proc.returncode}\n{proc.stderr[-3000:]}"

@@ -223,12 +223,17 @@ def _plots(results: dict[str, Any], out: Path) -> list[Path]:
     ):
         fig, ax = plt.subplots(figsize=(8, 4))
         sizes = list(results["runs"])
-        rows = list(next(iter(results["runs"].values())))
+        rows: list[str] = []  # every row any world size ran (W=1 runs only a and p)
+        for per_w in results["runs"].values():
+            rows += [r for r in per_w if r not in rows]
         width = 0.8 / max(1, len(sizes))
         for i, W in enumerate(sizes):
             vals = []
             for row in rows:
-                a = results["runs"][W][row]
+                a = results["runs"][W].get(row)
+                if a is None:
+                    vals.append(float("nan"))  # not run at this world size: no bar
+                    continue
                 v = a["bytes_sent_per_rank_profiled"]["optimizer"] if key == "bytes_opt" else a[key]
                 vals.append(v * scale)
             ax.bar([j + i * width for j in range(len(rows))], vals, width=width, label=f"W={W}")
