@@ -48,6 +48,11 @@ STEPS = 20
 # tolerance stays at the project's 1e-5.
 LOSS_RTOL = 1e-6
 PARAM_RTOL = 1e-5
+# Shampoo's floor depends on the machine's kernels: the one-process reference run twice with only
+# the global batch reversed differs by 8.1e-6 after 20 steps (Muon 4.0e-6, AdamW 4.5e-6; a 2-core
+# Xeon, torch 2.13 CPU), and the W=2 owner run then measures 1.35e-5 (8.2e-6 on another machine).
+# 5e-5 sits ~6x above that floor; the lockstep references check Shampoo bitwise at W=3 and W=4.
+SHAMPOO_PARAM_RTOL = 5e-5
 # Against the reference that averages micro-batch gradients in rank order, as the reduce-scatter
 # does (SOAP, Shampoo eps 1e-6): measured 0 (bitwise) at W=2/3/4; 1e-6 leaves a few ulps.
 LOCKSTEP_RTOL = 1e-6
@@ -182,7 +187,8 @@ def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool,
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         loss_err = max(loss_err, abs(a - b) / abs(b))
         assert abs(a - b) <= loss_rtol * abs(b), f"{kind} step {step}: loss {a} vs reference {b}"
-    param_err = _check_full_params(model, ref, rank, LOCKSTEP_RTOL if ddp_reference else PARAM_RTOL)
+    param_rtol = SHAMPOO_PARAM_RTOL if kind == "shampoo" else PARAM_RTOL
+    param_err = _check_full_params(model, ref, rank, LOCKSTEP_RTOL if ddp_reference else param_rtol)
     return {"losses": losses, "ref_losses": ref_losses, "bytes": measured,
             "loss_err": loss_err, "param_err": param_err}
 
