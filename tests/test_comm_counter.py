@@ -92,6 +92,10 @@ def _all_checks(rank: int, W: int) -> dict[str, Any]:
     return {"raw": _raw_collectives(rank, W), "backward": _backward_on_thread(rank, W)}
 
 
+# one xdist worker runs the whole module, so its module fixtures run once
+pytestmark = pytest.mark.xdist_group("comm_counter")
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return spawn_ranks(_all_checks, 2, strict_shutdown=True)

@@ -37,6 +37,7 @@ from _ref import (
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
+from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
 from matrix_owner_optim.toolbox.profiling import backend_ops
 from matrix_owner_optim.sharding import fully_shard
 
@@ -264,7 +265,7 @@ def _job(rank: int, W: int) -> dict:
     fresh, _ = make_models()
     want = plan_model(fresh, W, unit_prefixes=fresh.unit_prefixes())
     assert model.sharding_plan.digest() == want.digest()
-    assert model._moo_unit_prefixes == fresh.unit_prefixes()
+    assert recorded_unit_prefixes(model) == tuple(fresh.unit_prefixes())
     owners = {s.owner for s in model.sharding_plan if s.role is Role.MATRIX}
     assert owners == set(range(W)) or len(owners) == min(W, 8), owners
 

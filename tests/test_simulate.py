@@ -28,6 +28,10 @@ HW = S.PRESETS["paper"].hardware
 SMALL = ["--layers", "2", "--width", "64", "--vocab", "128", "--seq-len", "16"]
 
 
+# one xdist worker runs the whole module, so its module fixtures run once
+pytestmark = pytest.mark.xdist_group("simulate")
+
+
 @pytest.fixture(scope="module")
 def paper_cache() -> S.StatsCache:
     model, prefixes = S.paper_model()

@@ -63,7 +63,11 @@ LOCKSTEP_RTOL = 1e-6
 # W=2 runs, no checkpoint involved), so it is held to its lockstep run above instead.
 WHOLE_BATCH_RTOL = 1e-4
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+# one xdist worker runs the whole module, so the module fixture's gloo jobs run once
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.xdist_group("state_dict"),
+]
 
 
 # -- helpers (module level: the spawned ranks import them) -------------------------------------

@@ -40,7 +40,7 @@ from .replicated_placement import ReplicatedPlacement
 from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
 from ..tensors import is_dtensor, local_tensor
 
-__all__ = ["OwnerRoutedOptimizer"]
+__all__ = ["OwnerRoutedOptimizer", "push_group_values"]
 
 _ROLE_OPTIMIZER = {Role.MATRIX: Role.MATRIX, Role.TAIL: Role.TAIL, Role.SHARDED: Role.TAIL}
 
@@ -59,6 +59,17 @@ def _probe_defaults(factory: OptimizerFactory, options: Mapping[str, Any], what:
         raise TypeError(f"{what} factory {factory!r} returned {type(probe).__name__}, not a torch.optim.Optimizer")
     group = probe.param_groups[0]
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def push_group_values(parent: Mapping[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Set every hyperparameter of ``child`` (an inner optimizer's param group) that ``parent``
+    (the wrapping optimizer's group, which users and lr schedulers write) also has; return the
+    child's values after the push, ``params`` excluded, so that a caller can tell afterwards
+    which values the inner optimizer changed itself (Prodigy's ``d``, schedule-free ``k``)."""
+    for key in child:
+        if key != "params" and key in parent:
+            child[key] = parent[key]
+    return {k: v for k, v in child.items() if k != "params"}
 
 
 def _first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
@@ -305,11 +316,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._pushed = []
         for role, pairs in self._child_groups.items():
             for parent_index, child_group in pairs:
-                parent = self.param_groups[parent_index]
-                for key in child_group:
-                    if key != "params" and key in parent:
-                        child_group[key] = parent[key]
-                self._pushed.append({k: v for k, v in child_group.items() if k != "params"})
+                self._pushed.append(push_group_values(self.param_groups[parent_index], child_group))
 
     def _pull_child_values(self) -> None:
         """Child groups -> parent groups, for the values the child optimizer set in its step

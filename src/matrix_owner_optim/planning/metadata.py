@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Any, Iterator
 
@@ -18,7 +19,8 @@ import torch
 
 from ..tensors import itemsize
 
-__all__ = ["chunk_row_range", "chunk_row_sizes", "Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role"]
+__all__ = ["chunk_row_range", "chunk_row_sizes", "Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role",
+           "record_unit_prefixes", "recorded_unit_prefixes"]
 
 
 class Role(str, enum.Enum):
@@ -350,3 +352,20 @@ def ensure_sharded(param: torch.Tensor) -> MatrixShard | None:
     if hasattr(param, _PENDING_PARAM_ATTR):
         delattr(param, _PENDING_PARAM_ATTR)
     return peek_matrix_shard(param)
+
+
+# Units of a sharded model, by the module that holds them all (the planning root). Kept here, not
+# as an attribute on the user's module: the runtime records, the planner reads, neither imports
+# the other. Weak keys: a dropped model leaves nothing behind.
+_UNIT_PREFIXES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+def record_unit_prefixes(model: torch.nn.Module, prefixes: "list[str] | tuple[str, ...]") -> None:
+    """Record the module fqns of ``model``'s ``fully_shard`` units in call order (``""`` for
+    ``model`` itself), so that :func:`~.planner.plan_model` on ``model`` plans the same units."""
+    _UNIT_PREFIXES[model] = tuple(prefixes)
+
+
+def recorded_unit_prefixes(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The unit fqns recorded for ``model`` by ``fully_shard``, or None."""
+    return _UNIT_PREFIXES.get(model)

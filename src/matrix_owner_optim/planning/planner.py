@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, numel
-from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes
+from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
 from .roles import TensorSpec, specs_from_module
 
 __all__ = ["plan_tensors", "plan_model", "tensor_resident_bytes", "tensor_flops"]
@@ -253,6 +253,6 @@ def plan_model(
             or the whole model is one unit.
     """
     if unit_prefixes is None:
-        unit_prefixes = getattr(model, "_moo_unit_prefixes", None)
+        unit_prefixes = recorded_unit_prefixes(model)
     specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes)
     return plan_tensors(specs, world_size, preconditioner=preconditioner)

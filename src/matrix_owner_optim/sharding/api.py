@@ -45,6 +45,7 @@ from ..planning.metadata import (
     attach_matrix_shard,
     mark_awaiting_shard,
     peek_matrix_shard,
+    record_unit_prefixes,
 )
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
@@ -670,7 +671,7 @@ def _shard(modules: list[nn.Module]) -> None:
     names = {id(m): n for n, m in root.named_modules()}
     prefixes = [names[id(m)] for m in modules]
     if not is_container:
-        root.__dict__["_moo_unit_prefixes"] = list(prefixes)  # so plan_model(root, W) agrees
+        record_unit_prefixes(root, prefixes)  # so plan_model(root, W) agrees
     specs = specs_from_module(root, unit_prefixes=prefixes)
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = _unit_of_modules(modules)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..optim.owner_routed import push_group_values
 from ..planning.metadata import chunk_row_range
 from ..preconditioners.muon import adjust_lr, newton_schulz
 
@@ -64,10 +65,6 @@ class ReconstructionMuon(torch.optim.Optimizer):
         local_p.mul_(1 - group["lr"] * group["weight_decay"])
         lr = adjust_lr(group["lr"], group["adjust_lr_fn"], (rows, cols))
         local_p.add_(ortho[start:stop].to(local_p.dtype), alpha=-lr)
-
-
-def options_keys(outer: dict[str, Any], inner: dict[str, Any]) -> list[str]:
-    return [k for k in outer if k != "params" and k in inner]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -138,8 +135,7 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
             for p, replica in self._replicas.items():
                 replica.grad = None if p.grad is None else _gather_rows(_local(p.grad), p)
             for outer, inner_group in zip(self.param_groups, self.inner.param_groups):
-                for key in options_keys(outer, inner_group):
-                    inner_group[key] = outer[key]  # e.g. an lr scheduler's lr
+                push_group_values(outer, inner_group)  # e.g. an lr scheduler's lr
             self.inner.step()
             for p, replica in self._replicas.items():
                 start, stop = _own_rows(p)
