@@ -11,6 +11,11 @@ the rank-order sum of bf16 micro-batch gradients for mixed precision):
   the parameters and the optimizers;
 * ``MixedPrecisionPolicy``: ``cast_forward_inputs`` True / False (what the forward receives)
   and ``output_dtype`` (what a unit returns), gradients equal to the bf16 reference;
+* a float16 ``reduce_dtype`` with gradients scaled so that a plain float16 sum over ranks would
+  overflow: the division is split around the sum as FSDP2 splits it (W=2: 2 before; W=3: 2
+  before, 1.5 after), the owners' gradients are finite and bitwise that computation, and within
+  1e-3 of the float32 average (measured 2.4e-4 / 3.7e-4); ``set_gradient_divide_factor(1.0)``
+  on every unit gives the plain sum over ranks, bitwise;
 * ``OwnerRoutedOptimizer`` with ``add_param_group`` (a second group at half the learning rate)
   and ``step(closure)`` (the closure clips with ``clip_grad_norm_``, 2-, 1- and inf-norm), on
   the owner layout sharded over ``mesh=`` a ``ProcessGroup`` and on stock FSDP2; on the owner
@@ -72,6 +77,7 @@ GRAD_RTOL = 1e-5
 PARAM_RTOL = 1e-5
 NORM_RTOL = 2e-6
 BF16_RTOL = 1e-6  # a few float32 ulps; a bf16 reduction is ~2e-3 off (test_sharding_features)
+FP16_RTOL = 1e-3  # a float16 reduction against the float32 average: float16's resolution
 HALF_LR = ADAMW_OPTS["lr"] / 2
 ROLES = {"layers.0.attn.qkv.weight": "tail", "layers.*.mlp.fc.weight": "sharded",
          "wpe.weight": "matrix"}
@@ -252,6 +258,83 @@ def _mixed_precision_options(rank: int, W: int, errs: dict[str, float]) -> None:
                 o.zero_grad(set_to_none=True)
 
 
+# -- float16 reduction: the division split around the sum; set_gradient_divide_factor ----------
+def _expected_reduction(grads: list[dict[str, torch.Tensor]], name: str, dtype: torch.dtype,
+                        pre: float, post: float) -> torch.Tensor:
+    """What the reduction computes from every rank's gradient: cast to ``dtype``, divided by
+    ``pre``, summed in rank order, divided by ``post``, back to float32."""
+    total = None
+    for g in grads:
+        part = g[name].to(dtype).div_(pre)
+        total = part.clone() if total is None else total.add_(part)
+    assert total is not None
+    return total.div_(post).float()
+
+
+def _gradient_division(rank: int, W: int, errs: dict[str, float]) -> None:
+    f16 = torch.float16
+    fp16_max = torch.finfo(f16).max
+    # (policy, divide factor set on every unit, float16?)
+    cases = [(MixedPrecisionPolicy(reduce_dtype=f16), None, True),
+             (MixedPrecisionPolicy(), 1.0, False)]
+    for case, (policy, factor, half) in enumerate(cases):
+        what = f"gradient division case {case}"
+        torch.manual_seed(23)
+        model = FloatNet()
+        ref = copy.deepcopy(model)
+
+        # every rank on the same batch: aligned gradients, whose sum is the one that overflows
+        # (on different batches the largest coordinates can cancel, and nothing is shown)
+        batch = _float_batch(0, 0, W)
+
+        def rank_grads(scale: float) -> list[dict[str, torch.Tensor]]:
+            out = []
+            for _ in range(W):
+                local = copy.deepcopy(ref)
+                (local(*batch) * scale).backward()
+                out.append({n: p.grad for n, p in local.named_parameters()})
+            return out
+
+        # float16: scale the loss as far as the split division allows (every rank's gradient
+        # and every partial sum divided by ``pre`` within float16's range, 5% margin); the sum
+        # without the division before it overflows (checked below)
+        pre, post = {2: (2.0, 1.0), 3: (2.0, 1.5)}[W] if half else (1.0, 1.0)
+        unscaled = rank_grads(1.0)
+        bound = 0.0
+        for n in unscaled[0]:
+            partial = torch.zeros_like(unscaled[0][n])
+            for g in unscaled:
+                partial = partial + g[n]
+                bound = max(bound, float(g[n].abs().max()), float(partial.abs().max()) / pre)
+        scale = 0.95 * fp16_max / bound if half else 1.0
+        grads = rank_grads(scale)
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        if factor is not None:
+            for m in [*model.layers, model]:
+                m.set_gradient_divide_factor(factor)
+        (model(*batch) * scale).backward()
+        if half:  # (pre, post) above: FSDP2's factors for W=2, 3; factor 1: the plain sum
+            naive = [_expected_reduction(grads, n, f16, 1.0, float(W)) for n in grads[0]]
+            assert not all(torch.isfinite(t).all() for t in naive), f"{what}: no overflow to avoid"
+        checked = 0
+        for name, p in model.named_parameters():
+            shard = get_matrix_shard(p)
+            if not shard.is_owned_by(get_shard_rank(p)):
+                assert p.grad is None, f"{what}: non-owner gradient on {name}"
+                continue
+            want = _expected_reduction(grads, name, f16 if half else torch.float32, pre, post)
+            assert torch.isfinite(p.grad).all(), f"{what}: {name} overflowed"
+            assert torch.equal(p.grad, want), f"{what}: {name} is not the expected reduction"
+            mean = sum(g[name] for g in grads) / (W if half else 1)
+            _worst(errs, "fp16_grad" if half else "sum_grad", rel_err(p.grad, mean))
+            if half:
+                assert rel_err(p.grad, mean) <= FP16_RTOL, (what, name, rel_err(p.grad, mean))
+            checked += 1
+        assert checked or rank == W - 1, f"{what}: rank {rank} owns nothing"
+
+
 # -- add_param_group, step(closure), mesh=ProcessGroup, and stock FSDP2 -------------------------
 def _groups(named: list[tuple[str, torch.Tensor]]) -> tuple[list, list]:
     """Group A: the blocks; group B (added later, half the learning rate): the rest."""
@@ -354,6 +437,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
     errs: dict[str, float] = {}
     _reshard_and_roles(rank, W, errs)
     _mixed_precision_options(rank, W, errs)
+    _gradient_division(rank, W, errs)
     _closure_run(rank, W, "owner", errs)
     _closure_run(rank, W, "stock", errs)
     return errs

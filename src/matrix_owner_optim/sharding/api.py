@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import math
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -163,6 +164,16 @@ class OwnerShardedModule(nn.Module):
         kept tensors do not see an optimizer step."""
         for unit in self._targets(recurse):
             unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients become the sum over ranks divided by ``factor`` instead of the average
+        for this module's own unit, as FSDP2's method of the same name (call it on every sharded
+        module to change them all). In float16 the division is split around the sum (see
+        ``gradient_divide_factors``)."""
+        factor = float(factor)
+        if factor <= 0 or not math.isfinite(factor):
+            raise ValueError(f"set_gradient_divide_factor: factor must be positive and finite, got {factor}")
+        _unit(self).gradient_divide_factor = factor
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's micro-batching hint. Here every reduction completes inside backward, so the

@@ -17,6 +17,7 @@ Every call goes through the counted wrappers in :mod:`matrix_owner_optim.comm`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,8 +28,8 @@ from .. import comm
 from ..planning.metadata import MatrixShard, Role
 
 __all__ = [
-    "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "others_first_offsets",
-    "reduce_scatter_v", "uses_nccl",
+    "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "gradient_divide_factors",
+    "others_first_offsets", "reduce_scatter_v", "uses_nccl",
 ]
 
 
@@ -140,6 +141,27 @@ def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
             cursor += n
     offsets[rank] = cursor
     return offsets
+
+
+def gradient_divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int,
+                            factor: float | None = None) -> tuple[float, float]:
+    """``(pre, post)``: divide the local gradients by ``pre`` before the sum over ranks and the
+    sum by ``post`` after it, so that the result is the sum over ``factor`` (default: the
+    data-parallel size, i.e. the average). FSDP2's rule: in a dtype whose range is narrower than
+    bfloat16's (float16), ``pre`` is the power of two near ``sqrt(factor)``, so neither the
+    local gradients nor their sum over- or underflow; otherwise everything is divided after the
+    sum (one kernel on the smaller tensor, and the result bitwise the plain average)."""
+    if factor is None:
+        factor = float(data_parallel_size)
+    if factor <= 0 or not math.isfinite(factor):
+        raise ValueError(f"gradient divide factor must be a positive finite number, got {factor}")
+    if not reduce_dtype.is_floating_point or \
+            torch.finfo(reduce_dtype).max >= torch.finfo(torch.bfloat16).max:
+        return 1.0, float(factor)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
 
 
 def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> torch.Tensor:

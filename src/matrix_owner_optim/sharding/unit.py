@@ -51,7 +51,7 @@ from torch import nn
 from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import MatrixShard
-from .collectives import PendingGather, SegmentLayout, all_gather_v, reduce_scatter_v
+from .collectives import PendingGather, SegmentLayout, all_gather_v, gradient_divide_factors, reduce_scatter_v
 
 if TYPE_CHECKING:
     from .context import ShardingContext
@@ -216,6 +216,7 @@ class ShardedUnit:
     retained: bool  # data kept after backward on purpose (reshard_after_backward=False)
     forward_prefetch: "list[ShardedUnit] | None"  # explicit targets; None: automatic
     backward_prefetch: "list[ShardedUnit] | None"
+    gradient_divide_factor: float | None  # None: the data-parallel size (the average)
     gather_layout: SegmentLayout
     gather_dtype: torch.dtype
     reduce_dtype: torch.dtype
@@ -240,6 +241,7 @@ class ShardedUnit:
         self.retained = False
         self.forward_prefetch = None
         self.backward_prefetch = None
+        self.gradient_divide_factor = None
         self._pending: PendingGather | None = None
         self._shards = [h.shard for h in handles]
         self.gather_layout = SegmentLayout.build(self._shards, ctx.world_size)
@@ -392,7 +394,9 @@ class ShardedUnit:
         """Reduce-scatter-v this unit's gradients; the DDP average lands on the owners.
 
         Only parameters with a gradient take part (frozen and unused ones keep ``grad`` None);
-        with HSDP the owner's segment is then all-reduced across the replicas."""
+        with HSDP the owner's segment is then all-reduced across the replicas. The division by
+        the data-parallel size (or :attr:`gradient_divide_factor`) is split around the sum as
+        :func:`.collectives.gradient_divide_factors` says (float16: part before, part after)."""
         ctx = self.ctx
         W, me = ctx.world_size, ctx.rank
         grads: dict[int, torch.Tensor] = {}
@@ -402,11 +406,15 @@ class ShardedUnit:
                 grads[i] = g
         if not grads:
             return
+        pre, post = gradient_divide_factors(self.reduce_dtype, ctx.dp_size, self.gradient_divide_factor)
         if W == 1 and ctx.replicate_size == 1:  # the local gradient is the average: no copy
             with torch.no_grad():
                 for i, g in grads.items():
                     h = self.handles[i]
-                    g = g.to(self.reduce_dtype).to(h.sharded.dtype)  # round as the reduction would
+                    g = g.to(self.reduce_dtype)  # round as the reduction would
+                    if pre * post != 1:  # a custom divide factor (one rank: nothing summed)
+                        g = g.div(pre).div_(post)
+                    g = g.to(h.sharded.dtype)
                     if h.sharded.grad is None:
                         h.sharded.grad = g
                     else:
@@ -426,10 +434,13 @@ class ShardedUnit:
             flat = torch.empty(layout.total, dtype=self.reduce_dtype, device=self.device)
             if pieces:
                 torch.cat(pieces, out=flat)
+            if pre != 1:
+                flat.div_(pre)
             total = reduce_scatter_v(flat, layout.sizes, me, ctx.group)
             if ctx.replicate_group is not None and ctx.replicate_size > 1 and total.numel():
                 comm.all_reduce(total, group=ctx.replicate_group, name="replicate_all_reduce")
-            total.div_(ctx.dp_size)
+            if post != 1:
+                total.div_(post)
             for e in layout.entries[me]:
                 h = self.handles[e.index]
                 g = total[e.offset:e.offset + e.length].view(h.sharded.shape).to(h.sharded.dtype)
