@@ -332,12 +332,20 @@ class ShardedUnit:
         me = ctx.rank
         with torch.no_grad():
             parts = pending.wait()
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
             for r in range(ctx.world_size):
                 for e in layout.entries[r]:
                     h = self.handles[e.index]
                     if r == me and h.aliases_resident:
                         continue
-                    h.write(parts[r][e.offset:e.offset + e.length], e.rows)
+                    dst = h.unsharded if e.rows is None else h.unsharded[e.rows[0]:e.rows[1]]
+                    dsts.append(dst)
+                    srcs.append(parts[r][e.offset:e.offset + e.length].view(dst.shape))
+            if dsts:  # copy-out in one foreach kernel; autograd's saved versions stay valid
+                written = tuple(h.unsharded for h in self.handles if not h.aliases_resident)
+                with torch.autograd._unsafe_preserve_version_counter(written):
+                    torch._foreach_copy_(dsts, srcs)
         self.state = ShardedState.GATHERED
         return prefetched
 
