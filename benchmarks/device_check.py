@@ -66,7 +66,9 @@ def exactness(rank: int, W: int, device: torch.device, rtol: float) -> dict[str,
     for kind in ("adamw", "muon"):
         torch.manual_seed(0)
         ref = GPT(cfg).to(device)
-        model = _shard(copy.deepcopy(ref))
+        # AdamW's model is built on the CPU: fully_shard moves it to the mesh's device (FSDP2)
+        model = _shard(copy.deepcopy(ref).cpu() if kind == "adamw" else copy.deepcopy(ref))
+        on_device = all(t.device == device for t in [*model.parameters(), *model.buffers()])
         adamw = {"lr": 1e-2, "eps": 1e-5}
         if kind == "adamw":
             opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), **adamw)
@@ -95,7 +97,8 @@ def exactness(rank: int, W: int, device: torch.device, rtol: float) -> dict[str,
             worst = max(worst, float((p.double() - q.double()).norm() / q.double().norm().clamp_min(1e-30)))
         model.reshard()
         out[kind] = {"max_rel_err": worst, "optimizer_collectives": optimizer_calls,
-                     "ok": worst <= rtol and optimizer_calls == 0}
+                     "on_mesh_device": on_device,
+                     "ok": worst <= rtol and optimizer_calls == 0 and on_device}
     return out
 
 

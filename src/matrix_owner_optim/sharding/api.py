@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import itertools
 import math
 import types
 import weakref
@@ -308,6 +309,30 @@ def _resolve_group(mesh: Any) -> tuple[Any, Any]:
     raise NotImplementedError(f"fully_shard got a {ndim}D DeviceMesh; use a 1D mesh or a 2D (replicate, shard) mesh")
 
 
+def mesh_device(mesh: Any, group: Any) -> torch.device:
+    """The device ``fully_shard`` keeps a unit's tensors on, as FSDP2 picks it: a
+    ``DeviceMesh``'s device type; for ``None`` or a ``ProcessGroup``, the current CUDA device
+    when CUDA is available and the group's backend runs NCCL, else the CPU."""
+    device_type = getattr(mesh, "device_type", None)
+    if device_type is None:
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        device_type = "cuda" if nccl and torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def move_states_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s parameters and buffers to ``device`` in place (``.data`` replaced, the
+    objects kept), as FSDP2 moves a CPU-built model to its mesh's device. Tensors on ``meta``
+    stay there (``to_empty`` materialises them later), and so do tensors already on ``device``
+    (a child unit's, moved by its own ``fully_shard`` call)."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.device.type == "meta" or t.device == device:
+            continue
+        t.data = t.data.to(device)
+
+
 def _check_reshard_after_forward(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -393,6 +418,7 @@ def fully_shard(
                 "by building the optimizer); call fully_shard on the blocks first, then on the "
                 "root, and only then run forward or build the optimizer"
             )
+    move_states_to_device(module, mesh_device(mesh, group))
     _swap_class(module)
     module.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls)
     _calls += 1
