@@ -473,18 +473,15 @@ def _check_registrations(unit: ShardedUnit) -> None:
     new place) has no owner and no segment, so no collective would gather it or average its
     gradient and every rank would train its own copy. Checked at the start of every forward
     pass of an outermost unit, on every rank alike (same model, same answer)."""
-    expected: dict[tuple[int, str], ParamHandle] = {}
-    for u in unit.ctx.units:
-        for h in u.handles:
-            for mod, name in h.locations:
-                expected[(id(mod), name)] = h
-    for mod_name, mod in unit.module.named_modules():
+    expected = unit.ctx.registrations()
+    for mod in unit.module.modules():  # no fqn strings unless something is wrong
         for name, p in mod._parameters.items():
             if p is None:
                 continue
             known = expected.get((id(mod), name))
             if known is not None and (p is known.sharded or p is known._unsharded):
                 continue
+            mod_name = next(n for n, m in unit.module.named_modules() if m is mod)
             fqn = f"{mod_name}.{name}" if mod_name else name
             what = "a new tensor was assigned to" if known is not None else "was registered on"
             raise ValueError(

@@ -26,7 +26,7 @@ from ..planning.metadata import ShardingPlan
 from .unit import TrainingState
 
 if TYPE_CHECKING:
-    from .unit import ShardedUnit
+    from .unit import ParamHandle, ShardedUnit
 
 __all__ = ["ShardingContext"]
 
@@ -69,6 +69,15 @@ class ShardingContext:
         self.method_depth = 0
         self._fwd_seq: list[ShardedUnit] = []
         self._bwd_seq: list[ShardedUnit] = []
+        self._registrations: "dict[tuple[int, str], ParamHandle] | None" = None
+
+    def registrations(self) -> "dict[tuple[int, str], ParamHandle]":
+        """Where every sharded parameter is registered, ``(id(module), name) -> handle``: fixed
+        with the plan, built once (the per-forward registration check reads it)."""
+        if self._registrations is None:
+            self._registrations = {(id(mod), name): h for u in self.units for h in u.handles
+                                   for mod, name in h.locations}
+        return self._registrations
 
     # -- iteration boundaries ------------------------------------------------------------------
     def begin_forward_pass(self) -> None:
