@@ -254,15 +254,15 @@ def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: An
 
 
 def reduce_scatter_v(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
-                     group: Any = None, name: str = "reduce_scatter_v") -> None:
+                     group: Any = None, name: str = "reduce_scatter_v", async_op: bool = False) -> Any:
     """Uneven reduce-scatter (``dist.reduce_scatter`` with differently sized inputs; NCCL).
 
     Counted logically: this rank sends every other rank's chunk once and receives its own
-    chunk from the ``W-1`` others.
+    chunk from the ``W-1`` others. ``async_op=True`` returns the ``Work`` handle.
     """
     W, rank = _world(group)
     sent = sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank)
     recv = _nbytes(output) * (W - 1)
     record(name, sent, recv)
-    dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM,
-                        group=group)
+    return dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM,
+                               group=group, async_op=async_op)

@@ -29,7 +29,7 @@ from ..planning.metadata import MatrixShard, Role
 
 __all__ = [
     "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "gradient_divide_factors",
-    "others_first_offsets", "reduce_scatter_v", "uses_nccl",
+    "others_first_offsets", "PendingReduce", "reduce_scatter_v", "uses_nccl",
 ]
 
 
@@ -164,33 +164,65 @@ def gradient_divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int,
     return float(pre), factor / pre
 
 
-def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any) -> torch.Tensor:
+class PendingReduce:
+    """An issued reduce-scatter-v: :meth:`wait` returns this rank's summed segment.
+
+    Holds the send buffer until the collective completes (an asynchronous NCCL or gloo op reads
+    it after the call returns)."""
+
+    def __init__(self, work: Any, flat: torch.Tensor, out: torch.Tensor,
+                 finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._work = work
+        self._flat: torch.Tensor | None = flat
+        self._out = out
+        self._finish = finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._flat = None
+        return self._finish(self._out)
+
+
+def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
+                     async_op: bool = False) -> "torch.Tensor | PendingReduce":
     """Sum over ranks of each rank's contribution to this rank's segment.
 
     ``flat`` is this rank's contribution to every segment, laid out as
     :func:`others_first_offsets` says. Returns this rank's summed segment (not averaged) in
-    ``flat``'s dtype, summed in rank order whoever owns the segment.
+    ``flat``'s dtype, summed in rank order whoever owns the segment; with ``async_op=True`` a
+    :class:`PendingReduce` whose ``wait()`` returns it (``flat`` must not change until then).
     """
     W = len(sizes)
     own_n = sizes[rank]
     others_n = flat.numel() - own_n
     own = flat[others_n:]
+    pending: PendingReduce
     if W == 1 or flat.numel() == 0:
-        return own
-    if uses_nccl(group, flat.device):
+        pending = PendingReduce(None, flat, own, lambda out: out)
+    elif uses_nccl(group, flat.device):
         offsets = others_first_offsets(sizes, rank)
         chunks = [flat[offsets[r]:offsets[r] + sizes[r]] for r in range(W)]
         out = torch.empty_like(own)
-        comm.reduce_scatter_v(out, chunks, op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v")
-        return out
-    in_splits = [0 if r == rank else sizes[r] for r in range(W)]
-    out_splits = [0 if r == rank else own_n for r in range(W)]
-    out = flat.new_empty(sum(out_splits))
-    comm.all_to_all_single(out, flat[:others_n], output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group, op="reduce_scatter_v")
-    received = out.split(out_splits)
-    parts = [own if r == rank else received[r] for r in range(W)]
-    total = parts[0].clone()
-    for part in parts[1:]:  # rank order: the same summation order whoever owns the segment
-        total += part
-    return total
+        work = comm.reduce_scatter_v(out, chunks, op=dist.ReduceOp.SUM, group=group,
+                                     name="reduce_scatter_v", async_op=async_op)
+        pending = PendingReduce(work, flat, out, lambda out: out)
+    else:
+        in_splits = [0 if r == rank else sizes[r] for r in range(W)]
+        out_splits = [0 if r == rank else own_n for r in range(W)]
+        out = flat.new_empty(sum(out_splits))
+        work = comm.all_to_all_single(out, flat[:others_n], output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group, op="reduce_scatter_v",
+                                      async_op=async_op)
+
+        def rank_order_sum(out: torch.Tensor) -> torch.Tensor:
+            received = out.split(out_splits)
+            parts = [own if r == rank else received[r] for r in range(W)]
+            total = parts[0].clone()
+            for part in parts[1:]:  # rank order: the same summation order whoever owns the segment
+                total += part
+            return total
+
+        pending = PendingReduce(work, flat, out, rank_order_sum)
+    return pending if async_op else pending.wait()

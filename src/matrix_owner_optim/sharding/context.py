@@ -15,8 +15,9 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
@@ -26,6 +27,7 @@ from ..planning.metadata import ShardingPlan
 from .unit import TrainingState
 
 if TYPE_CHECKING:
+    from .collectives import PendingReduce
     from .unit import ParamHandle, ShardedUnit
 
 __all__ = ["ShardingContext"]
@@ -70,6 +72,7 @@ class ShardingContext:
         self._fwd_seq: list[ShardedUnit] = []
         self._bwd_seq: list[ShardedUnit] = []
         self._registrations: "dict[tuple[int, str], ParamHandle] | None" = None
+        self._in_flight: "tuple[PendingReduce, Callable[[torch.Tensor], None]] | None" = None
 
     def registrations(self) -> "dict[tuple[int, str], ParamHandle]":
         """Where every sharded parameter is registered, ``(id(module), name) -> handle``: fixed
@@ -79,9 +82,38 @@ class ShardingContext:
                                    for mod, name in h.locations}
         return self._registrations
 
+    # -- the reduce-scatter in flight -----------------------------------------------------------
+    def track_reduce(self, pending: "PendingReduce", land: "Callable[[torch.Tensor], None]") -> None:
+        """Record the reduction just issued; ``land(summed segment)`` writes the gradients.
+        One at a time: a unit waits for the previous reduction before issuing its own (FSDP2
+        keeps one reduce-scatter's buffers in flight the same way)."""
+        assert self._in_flight is None, "a reduce-scatter is already in flight"
+        self._in_flight = (pending, land)
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        """True while an issued reduce-scatter has not landed (during backward only)."""
+        return self._in_flight is not None
+
+    def wait_reduce(self) -> None:
+        """Land the reduction in flight, if any: before the next one is issued and at the end
+        of backward (so ``.grad`` is complete before ``backward()`` returns)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            pending, land = in_flight
+            land(pending.wait())
+
+    def drop_reduce(self) -> None:
+        """Complete the reduction in flight (every rank issued it) without landing it: the
+        backward that issued it was interrupted, and its gradients are dropped."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight[0].wait()
+
     # -- iteration boundaries ------------------------------------------------------------------
     def begin_forward_pass(self) -> None:
         """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring)."""
+        self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
         interrupted = self.backward_active
         if interrupted:
             self.interrupted_backwards += 1
@@ -110,6 +142,7 @@ class ShardingContext:
         with comm_phase("backward"):
             for unit in self.units:  # same order on every rank
                 unit.end_backward()
+            self.wait_reduce()
         if self._bwd_seq:
             self.backward_order, self._bwd_seq = self._bwd_seq, []
 

@@ -27,8 +27,10 @@ by the hooks in :mod:`.api` and the context in :mod:`.context`:
   gradients present now, free. The end-of-backward callback does the same for units whose
   inputs need no gradient, and reduces whatever a second use of a unit left behind.
 
-Gradients: ``reduce_grads`` reduce-scatters-v the unsharded gradients (in ``reduce_dtype``); the
-average lands as ``.grad`` of the owner's sharded parameter (summed into an existing one).
+Gradients: ``reduce_grads`` reduce-scatters-v the unsharded gradients (in ``reduce_dtype``),
+asynchronously: the context keeps one reduction in flight while the next unit's backward runs,
+and when it lands the average becomes ``.grad`` of the owner's sharded parameter (summed into an
+existing one).
 With gradient sync off, the unsharded gradients move after each backward into a per-parameter
 accumulator in ``reduce_dtype`` (fp32 for bf16 compute with fp32 reduce, as FSDP2 accumulates),
 which the next synced backward reduces once.
@@ -51,7 +53,14 @@ from torch import nn
 from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import MatrixShard
-from .collectives import PendingGather, SegmentLayout, all_gather_v, gradient_divide_factors, reduce_scatter_v
+from .collectives import (
+    PendingGather,
+    PendingReduce,
+    SegmentLayout,
+    all_gather_v,
+    gradient_divide_factors,
+    reduce_scatter_v,
+)
 
 if TYPE_CHECKING:
     from .context import ShardingContext
@@ -429,6 +438,7 @@ class ShardedUnit:
                         h.sharded.grad += g
             return
         layout = self.reduce_layout(frozenset(grads))
+        ctx.wait_reduce()  # at most one reduce-scatter in flight: bounded buffer memory
         with torch.no_grad(), comm_phase("backward"):
             # one buffer, others' segments first, filled by one concatenation kernel
             order = [r for r in range(W) if r != me] + [me]
@@ -444,12 +454,22 @@ class ShardedUnit:
                 torch.cat(pieces, out=flat)
             if pre != 1:
                 flat.div_(pre)
-            total = reduce_scatter_v(flat, layout.sizes, me, ctx.group)
+            pending = reduce_scatter_v(flat, layout.sizes, me, ctx.group, async_op=True)
+            assert isinstance(pending, PendingReduce)
+        # the next unit's backward runs while this reduction is in flight (gloo's threads, or
+        # NCCL's stream); its gradients land when the context waits for it
+        ctx.track_reduce(pending, lambda total: self._land_reduced(total, layout, post))
+
+    def _land_reduced(self, total: torch.Tensor, layout: SegmentLayout, post: float) -> None:
+        """The summed segment of a completed reduce-scatter-v: the owners' averaged gradients
+        land as ``.grad`` of the sharded parameters (summed into existing ones)."""
+        ctx = self.ctx
+        with torch.no_grad(), comm_phase("backward"):
             if ctx.replicate_group is not None and ctx.replicate_size > 1 and total.numel():
                 comm.all_reduce(total, group=ctx.replicate_group, name="replicate_all_reduce")
             if post != 1:
                 total.div_(post)
-            for e in layout.entries[me]:
+            for e in layout.entries[ctx.rank]:
                 h = self.handles[e.index]
                 g = total[e.offset:e.offset + e.length].view(h.sharded.shape).to(h.sharded.dtype)
                 if h.sharded.grad is None:
