@@ -38,8 +38,8 @@ __all__ = [
     "all_reduce",
     "all_gather_into_tensor",
     "all_gather_object",
-    "all_gather_v",
-    "reduce_scatter_v",
+    "all_gather",
+    "reduce_scatter",
 ]
 
 PHASES = ("forward", "backward", "optimizer", "other")
@@ -239,9 +239,9 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
 
 
 
-def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,
-                 name: str = "all_gather_v", async_op: bool = False) -> Any:
-    """Uneven all-gather (``dist.all_gather`` with differently sized outputs; NCCL supports it).
+def all_gather(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,
+               name: str = "all_gather", async_op: bool = False) -> Any:
+    """Counted ``dist.all_gather``, also with differently sized outputs (NCCL supports them).
 
     Counted as the owner-segment all-gather it is: this rank sends its ``input`` to the
     ``W-1`` others and receives every other rank's chunk.
@@ -253,9 +253,9 @@ def all_gather_v(output_list: list[torch.Tensor], input: torch.Tensor, group: An
     return dist.all_gather(output_list, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_v(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
-                     group: Any = None, name: str = "reduce_scatter_v", async_op: bool = False) -> Any:
-    """Uneven reduce-scatter (``dist.reduce_scatter`` with differently sized inputs; NCCL).
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
+                   group: Any = None, name: str = "reduce_scatter", async_op: bool = False) -> Any:
+    """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL).
 
     Counted logically: this rank sends every other rank's chunk once and receives its own
     chunk from the ``W-1`` others. ``async_op=True`` returns the ``Work`` handle.

@@ -115,7 +115,7 @@ def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any
     if uses_nccl(group, send.device):
         flat = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
         outs = list(flat.split(list(sizes)))
-        work = comm.all_gather_v(outs, send, group=group, name="all_gather_v", async_op=async_op)
+        work = comm.all_gather(outs, send, group=group, name="all_gather_v", async_op=async_op)
         parts = list(outs)
         parts[rank] = send
         return PendingGather(work, parts, (send, outs)) if async_op else parts
@@ -205,8 +205,8 @@ def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group:
         offsets = others_first_offsets(sizes, rank)
         chunks = [flat[offsets[r]:offsets[r] + sizes[r]] for r in range(W)]
         out = torch.empty_like(own)
-        work = comm.reduce_scatter_v(out, chunks, op=dist.ReduceOp.SUM, group=group,
-                                     name="reduce_scatter_v", async_op=async_op)
+        work = comm.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group,
+                                   name="reduce_scatter_v", async_op=async_op)
         pending = PendingReduce(work, flat, out, lambda out: out)
     else:
         in_splits = [0 if r == rank else sizes[r] for r in range(W)]
