@@ -19,6 +19,8 @@ Counting never replaces the profiler: tests cross-check these numbers against th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import pickle
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ __all__ = [
     "all_reduce",
     "all_gather_into_tensor",
     "all_gather_object",
+    "gather_object",
+    "object_device",
     "all_gather",
     "reduce_scatter",
 ]
@@ -228,14 +232,69 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
 
 
 
-def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_object") -> list[Any]:
-    """Gather one picklable object per rank (used once, for plan agreement)."""
+def object_device(group: Any = None) -> torch.device:
+    """Where a group's collectives take their tensors: the current CUDA device when the group's
+    backend runs NCCL (and CUDA is there), else the CPU."""
+    nccl = "nccl" in str(dist.get_backend(group)).lower()
+    if nccl and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    payload = bytearray(pickle.dumps(obj))
+    return torch.frombuffer(payload, dtype=torch.uint8).to(device)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    # the bytes of a CPU uint8 tensor without numpy (which torch's *_object collectives need,
+    # and which the library does not depend on)
+    data = data.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))
+
+
+def _object_sizes(data: torch.Tensor, group: Any) -> list[int]:
     W, _ = _world(group)
-    out: list[Any] = [None] * W
-    dist.all_gather_object(out, obj, group=group)
-    size = len(repr(obj).encode())
-    record(name, size * (W - 1), sum(len(repr(o).encode()) for o in out) - size)
+    sizes = torch.empty(W, dtype=torch.int64, device=data.device)
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+    dist.all_gather_into_tensor(sizes, mine, group=group)
+    return [int(n) for n in sizes.tolist()]
+
+
+def _padded(data: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.uint8, device=data.device)
+    out[:data.numel()] = data
     return out
+
+
+def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_object") -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (plan agreement, optimizer state
+    consolidation). As ``dist.all_gather_object`` (pickled bytes, padded to the longest), but
+    without numpy: ranks exchange sizes, then one ``all_gather_into_tensor`` of the bytes."""
+    W, _ = _world(group)
+    data = _encode(obj, object_device(group))
+    sizes = _object_sizes(data, group)
+    n = max(sizes)
+    out = torch.empty(W * n, dtype=torch.uint8, device=data.device)
+    dist.all_gather_into_tensor(out, _padded(data, n), group=group)
+    record(name, (n + 8) * (W - 1), (n + 8) * (W - 1))
+    return [_decode(out[r * n:r * n + sizes[r]]) for r in range(W)]
+
+
+def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_object") -> list[Any] | None:
+    """Every rank's picklable ``obj`` on rank ``dst`` (a global rank), None elsewhere; as
+    ``dist.gather_object`` but without numpy (sizes all-gathered, then one ``gather``)."""
+    W, rank = _world(group)
+    data = _encode(obj, object_device(group))
+    sizes = _object_sizes(data, group)
+    n = max(sizes)
+    receiving = dist.get_rank() == dst
+    parts = [torch.empty(n, dtype=torch.uint8, device=data.device) for _ in range(W)] if receiving else None
+    dist.gather(_padded(data, n), parts, dst=dst, group=group)
+    record(name, 8 * (W - 1) + (0 if receiving else n), 8 * (W - 1) + (n * (W - 1) if receiving else 0))
+    if parts is None:
+        return None
+    return [_decode(parts[r][:sizes[r]]) for r in range(W)]
 
 
 

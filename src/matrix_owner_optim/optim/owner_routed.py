@@ -456,22 +456,15 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         if not self._partitioned_replicas():
             return
-        import torch.distributed as dist
-
         ordered = self._ordered()
         mine = {
             i: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.state[rp.param].items()}
             for i, rp in enumerate(ordered)
             if rp.owner is not None and rp.proxy is not None and self.state.get(rp.param)
         }
-        rank, W = dist.get_rank(), dist.get_world_size()
-        if to is None:
-            gathered: list[Any] = [None] * W
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [None] * W if rank == to else None  # type: ignore[assignment]
-            dist.gather_object(mine, gathered, dst=to)
-        if to is None or rank == to:
+        gathered = (comm.all_gather_object(mine, name="consolidate_state_dict") if to is None
+                    else comm.gather_object(mine, to, name="consolidate_state_dict"))
+        if gathered is not None:
             merged: dict[int, Any] = {}
             for part in gathered:
                 merged.update(part)

@@ -51,6 +51,7 @@ from ..planning.metadata import (
 )
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
+from .. import comm
 from ..agreement import check_plan_agreement
 from .context import ShardingContext
 from .state_dict import install_state_dict_hooks
@@ -315,8 +316,7 @@ def mesh_device(mesh: Any, group: Any) -> torch.device:
     when CUDA is available and the group's backend runs NCCL, else the CPU."""
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
-        nccl = "nccl" in str(dist.get_backend(group)).lower()
-        device_type = "cuda" if nccl and torch.cuda.is_available() else "cpu"
+        return comm.object_device(group)
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)

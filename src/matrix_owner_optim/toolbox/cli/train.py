@@ -116,12 +116,12 @@ def run(args: argparse.Namespace) -> int:
         import torch.distributed as dist
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         cfg.device = "cuda" if backend == "nccl" else "cpu"
+        from ... import comm
         from ..launch import shutdown_process_groups
         dist.init_process_group(backend)
         try:
             result = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, result)
+            gathered = comm.all_gather_object(result, name="train_results")
         except BaseException:
             dist.destroy_process_group()
             raise
