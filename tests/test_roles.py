@@ -108,6 +108,15 @@ def test_unnamed_parameters_warn_once_listing_shape_routed() -> None:
     msg = str(relevant[0].message)
     assert "(64, 16)" in msg and "#0" in msg  # the embedding table, by index and shape
     assert "named_parameters" in msg
+    # Several unnamed groups: still one warning, listing the matrices of every group.
+    params = list(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OwnerRoutedOptimizer([{"params": params[:2]}, {"params": params[2:]}])
+    relevant = [w for w in caught if "routed by shape alone" in str(w.message)]
+    assert len(relevant) == 1
+    listed = str(relevant[0].message).split(":")[1]
+    assert listed.count("#") == sum(1 for p in params if p.ndim == 2)
     # Names, or the module itself, route without the warning.
     for params in (model, model.named_parameters()):
         with warnings.catch_warnings():

@@ -179,6 +179,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._pushed: list[dict[str, Any]] = []
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         user_groups, self._type_roles = normalize_params(params)
+        # roles for all groups at once: one warning lists every matrix routed by shape alone
+        resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False)
         self._pending: list[UserGroup] = user_groups
         # torch's constructor calls add_param_group once per group; we hand it our groups.
         super().__init__([{"params": [rp.param for rp in g.params], "_moo_group": g} for g in user_groups], {})
@@ -190,16 +192,16 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (tensors or ``(name, tensor)`` pairs); it is split by role like the others."""
         user_group: UserGroup | None = param_group.get("_moo_group")
+        resolved = user_group is not None  # a constructor group: roles resolved already
         if user_group is None:
             groups, type_roles = normalize_params([param_group], start_index=len(self._routed))
             user_group = groups[0]
-        else:
-            type_roles = self._type_roles
         known = {id(rp.param) for rp in self._routed}
         for rp in user_group.params:
             if id(rp.param) in known:
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
-        resolve_roles([user_group], type_roles, self._overrides, check_globs=False)
+        if not resolved:
+            resolve_roles([user_group], type_roles, self._overrides, check_globs=False)
         for key in user_group.options:
             if not any(key in self._role_defaults[r] for r in (Role.MATRIX, Role.TAIL)):
                 raise ValueError(

@@ -129,12 +129,12 @@ def resolve_roles(
 ) -> None:
     """Fill ``role`` (and ``shard``) of every :class:`RoutedParam`, validating matrix shapes.
 
-    Warns once per group listing the parameters routed to ``matrix`` by their shape alone
-    (no name, no sharding plan, no module), and raises for a >2D ``matrix`` whose memory
-    layout has no 2D view.
+    Warns once (for all ``groups`` together) listing the parameters routed to ``matrix`` by
+    their shape alone (no name, no sharding plan, no module), and raises for a >2D ``matrix``
+    whose memory layout has no 2D view.
     """
+    by_shape: list[str] = []
     for g in groups:
-        by_shape: list[str] = []
         for rp in g.params:
             # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
             rp.shard = ensure_sharded(rp.param)
@@ -169,16 +169,16 @@ def resolve_roles(
                     "fully_shard"
                 )
             rp.role = role
-        if by_shape:
-            warnings.warn(
-                f"{len(by_shape)} parameter(s) without names were routed by shape alone to the "
-                f"matrix optimizer: {', '.join(by_shape)}. An embedding table or an output head "
-                "among them gets the matrix optimizer. Pass the model itself or "
-                "model.named_parameters() (roles by module type or name), or param groups "
-                "with a 'role'.",
-                UserWarning,
-                stacklevel=5,  # the caller of OwnerRoutedOptimizer(...)
-            )
+    if by_shape:
+        warnings.warn(
+            f"{len(by_shape)} parameter(s) without names were routed by shape alone to the "
+            f"matrix optimizer: {', '.join(by_shape)}. An embedding table or an output head "
+            "among them gets the matrix optimizer. Pass the model itself or "
+            "model.named_parameters() (roles by module type or name), or param groups "
+            "with a 'role'.",
+            UserWarning,
+            stacklevel=3,  # the caller of OwnerRoutedOptimizer(...) or of add_param_group
+        )
     if check_globs:
         overrides.check_all_used()
 
