@@ -284,7 +284,7 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
 def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_object") -> list[Any] | None:
     """Every rank's picklable ``obj`` on rank ``dst`` (a global rank), None elsewhere; as
     ``dist.gather_object`` but without numpy (sizes all-gathered, then one ``gather``)."""
-    W, rank = _world(group)
+    W, _ = _world(group)
     data = _encode(obj, object_device(group))
     sizes = _object_sizes(data, group)
     n = max(sizes)
