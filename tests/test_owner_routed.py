@@ -140,6 +140,20 @@ def test_roles_override_and_errors() -> None:
         OwnerRoutedOptimizer([])
 
 
+
+def _train_alongside(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module,
+                     ref_opts: list[torch.optim.Optimizer], steps: int) -> None:
+    """``steps`` batches through the model with ``opt`` and the reference with ``ref_opts``."""
+    for x, y in batches(steps):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+
+
 def test_any_optimizer_class_becomes_a_matrix_optimizer() -> None:
     model, ref = twin_models()
     opt = OwnerRoutedOptimizer(model, matrix=torch.optim.SGD, matrix_options={"lr": 0.1, "momentum": 0.9},
@@ -147,15 +161,7 @@ def test_any_optimizer_class_becomes_a_matrix_optimizer() -> None:
     roles = module_roles(ref)
     r1 = torch.optim.SGD([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.1, momentum=0.9)
     r2 = torch.optim.Adam([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX], lr=1e-3)
-    for x, y in batches(5):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        r1.step()
-        r2.step()
-        r1.zero_grad()
-        r2.zero_grad()
+    _train_alongside(model, opt, ref, [r1, r2], 5)
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -167,15 +173,7 @@ def test_builtin_preconditioners_by_name(name: str, cls: type, opts: dict) -> No
     roles = module_roles(ref)
     r1 = cls([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], **opts)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
-    for x, y in batches(4):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        r1.step()
-        r2.step()
-        r1.zero_grad()
-        r2.zero_grad()
+    _train_alongside(model, opt, ref, [r1, r2], 4)
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -187,15 +185,7 @@ def test_torch_optimizer_shampoo_by_name() -> None:
     roles = module_roles(ref)
     r1 = torch_optimizer.Shampoo([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.01)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
-    for x, y in batches(3):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        r1.step()
-        r2.step()
-        r1.zero_grad()
-        r2.zero_grad()
+    _train_alongside(model, opt, ref, [r1, r2], 3)
     assert max_rel_diff(model, ref) == 0.0
 
 
@@ -323,11 +313,5 @@ def test_muon_from_package_matches_torch_muon_defaults() -> None:
     assert isinstance(opt.matrix_optimizer, Muon)
     opt2 = OwnerRoutedOptimizer(ref, matrix="torch_muon")
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
-    for x, y in batches(3):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        opt2.step()
-        opt2.zero_grad()
+    _train_alongside(model, opt, ref, [opt2], 3)
     assert max_rel_diff(model, ref) == 0.0
