@@ -36,11 +36,7 @@ import torch.distributed as dist
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.comm import comm_phase
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from matrix_owner_optim.toolbox.training import synchronize
 
 
 def _batch(step: int, rank: int, W: int, cfg: GPTConfig, micro: int, device: torch.device,
@@ -127,18 +123,18 @@ def timing(rank: int, W: int, device: torch.device, layers: int, width: int, ste
         step_s, opt_s = [], []
         with CommCounter() as cc:
             for step in range(steps):
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 with comm_phase("forward"):
                     loss = model(*_batch(step, rank, W, cfg, 4, device))
                 with comm_phase("backward"):
                     loss.backward()
-                _sync(device)
+                synchronize(device)
                 t1 = time.perf_counter()
                 with comm_phase("optimizer"):
                     for o in opts:
                         o.step()
-                _sync(device)
+                synchronize(device)
                 t2 = time.perf_counter()
                 for o in opts:
                     o.zero_grad()
@@ -164,7 +160,7 @@ def profile_overlap(rank: int, W: int, device: torch.device, out: Path) -> dict[
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for step in range(2):
             model(*_batch(step, rank, W, cfg, 4, device)).backward()
-        _sync(device)
+        synchronize(device)
     prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
     comm, compute = [], []
     for e in prof.events():

@@ -30,7 +30,7 @@ from ..planning.metadata import Role
 from ..planning.roles import module_roles
 from .profiling import backend_ops, op_bytes, phase_windows
 
-__all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes"]
+__all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes", "synchronize"]
 
 LAYOUTS = ("owner", "fsdp2", "ddp", "single")
 # owner-routed: muon/shampoo/soap/adamw; baselines: torch_muon (stock torch.optim.Muon on the
@@ -175,7 +175,7 @@ def _rank_device(kind: str) -> torch.device:
     raise ValueError(f"device {kind!r}: use 'cpu' or 'cuda'")
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work so wall-clock timings measure it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -206,19 +206,19 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             prof.__enter__()
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         with CommCounter() as cc:
             with _phase_marker("forward"), comm_phase("forward"):
                 loss = model(x, y)
             with _phase_marker("backward"), comm_phase("backward"):
                 loss.backward()
-            _synchronize(device)
+            synchronize(device)
             t1 = time.perf_counter()
             with _phase_marker("optimizer"):
                 for opt in optimizers:
                     opt.step()
-            _synchronize(device)
+            synchronize(device)
             t2 = time.perf_counter()
         if step == cfg.steps - 1:
             resident = resident_bytes(model, optimizers)
