@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+from matrix_owner_optim.tensors import local_tensor
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 MICRO = 2  # sequences per rank per step
@@ -109,6 +110,7 @@ def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
                 if key == "step" or not isinstance(v, torch.Tensor) or id(v) in seen:
                     continue
                 seen.add(id(v))
+                v = local_tensor(v)  # this rank's piece of an owner-layout DTensor
                 total += v.numel() * v.element_size()
     return total
 
@@ -120,11 +122,13 @@ def mean_over_ranks(x: float) -> float:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = local_tensor(a).detach().double(), local_tensor(b).detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    """``a`` close to ``b``; an owner-layout DTensor compares as this rank's piece."""
+    a, b = local_tensor(a), local_tensor(b)
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     err = rel_err(a, b)
     assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
@@ -136,6 +140,15 @@ def full_grad_rows(shard: Any, rank: int, grad: torch.Tensor) -> torch.Tensor:
         a, b = shard.row_range(rank)
         return grad[a:b]
     return grad
+
+
+def no_gradient_here(p: torch.Tensor) -> bool:
+    """A non-owner holds no gradient data: ``.grad`` is None or an empty piece (the owner
+    layout gives every rank a ``.grad`` DTensor of each reduced parameter, as FSDP2 does)."""
+    g = p.grad
+    if g is None:
+        return True
+    return local_tensor(g).numel() == 0 or (g.dim() == 0 and not getattr(g, "is_holder", True))
 
 
 def roundtrip(obj):

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from _ref import ADAMW_OPTS, assert_close, global_batch, local_batch
+from _ref import no_gradient_here, ADAMW_OPTS, assert_close, global_batch, local_batch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -42,6 +42,7 @@ from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim import register_fsdp_forward_method
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
 from matrix_owner_optim.sharding.unit import ShardedState
+from matrix_owner_optim.tensors import local_tensor
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 RTOL = 1e-5
@@ -232,10 +233,10 @@ def _meta_init(rank: int, W: int) -> dict:
     kept = 0
     for p in model.parameters():
         shard = get_matrix_shard(p)
-        assert shard is not None and tuple(p.shape) == shard.local_shape(rank)
+        assert shard is not None and tuple(local_tensor(p).shape) == shard.local_shape(rank)
         if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
-            assert p.untyped_storage().size() == 0
-        kept += p.numel()
+            assert local_tensor(p).untyped_storage().size() == 0
+        kept += local_tensor(p).numel()
     _compare_params(model, ref, "meta init", rtol=0.0)  # bitwise
     _train(rank, W, model, ref, opt=opt)
     _compare_params(model, ref, "meta init, trained")
@@ -279,7 +280,7 @@ def _bf16_accumulation(rank: int, W: int) -> None:
             a, b = shard.row_range(me)
             want = want[a:b]
         elif not shard.is_owned_by(me):
-            assert p.grad is None
+            assert no_gradient_here(p)
             continue
         assert p.grad is not None and p.grad.dtype == torch.float32
         assert_close(p.grad, want, 1e-6, f"bf16 accumulation {n}")
@@ -339,7 +340,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
         for h in unit.handles:
             assert h.sharded.dtype == torch.float64 and h.unsharded.dtype == torch.float64
             if h.aliases_resident:
-                assert h.unsharded.data_ptr() == h.sharded.data_ptr()
+                assert h.unsharded.data_ptr() == local_tensor(h.sharded).data_ptr()
     with torch.no_grad():
         x = local_batch(1, rank, W)[0]
         assert_close(model(x), ref(x), 1e-12, "float64 after .to")

@@ -49,7 +49,7 @@ def check_placement(plan: ShardingPlan, model: nn.Module) -> None:
             assert shard.owner is not None and 0 <= shard.owner < W
             held = [r for r in range(W) if shard.local_numel(r) == shard.numel]
             assert held == [shard.owner], f"{shard.fqn} must be whole on exactly its owner"
-            assert all(shard.local_shape(r) == (0,) for r in range(W) if r != shard.owner)
+            assert all(shard.local_shape(r) == (0, *shard.shape[1:]) for r in range(W) if r != shard.owner)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -26,6 +26,7 @@ from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.sharding.api import _state
+from matrix_owner_optim.tensors import local_tensor
 
 # The smallest GPT with matrices, tail and sharded tensors; one block unit and the root unit.
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=8, n_heads=2)
@@ -165,7 +166,7 @@ def _long_job(rank: int, W: int, path: str) -> dict:
     assert ckpt.load(path, model, opt) == []
     restarted: dict[int, dict] = {}
     resumed = _train(model, opt, range(RESTART, STEPS), rank, W, restarted)
-    same_params = all(torch.equal(p, final[n]) for n, p in model.named_parameters())
+    same_params = all(torch.equal(local_tensor(p), local_tensor(final[n])) for n, p in model.named_parameters())
     return {
         "losses": losses,
         "resumed": resumed,

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _ref import (
+    no_gradient_here,
     ADAMW_OPTS,
     MUON_OPTS,
     assert_close,
@@ -96,7 +97,7 @@ def _owner_grads(model: nn.Module, ref: nn.Module, errs: dict[str, float], what:
         shard, rank = get_matrix_shard(p), get_shard_rank(p)
         want = ref_params[name].grad
         if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
-            assert p.grad is None, f"{what}: non-owner gradient on {name}"
+            assert no_gradient_here(p), f"{what}: non-owner gradient on {name}"
             continue
         assert p.grad is not None and want is not None, f"{what}: {name}"
         want = full_grad_rows(shard, rank, want)
@@ -172,6 +173,7 @@ def _reshard_and_roles(rank: int, W: int, errs: dict[str, float]) -> None:
         for o in opts + ref_opts:
             o.step()
             o.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # non-owners' empty gradient pieces too
     _owner_params(model, ref, errs, "reshard")
 
 
@@ -256,6 +258,7 @@ def _mixed_precision_options(rank: int, W: int, errs: dict[str, float]) -> None:
             for o in opts + ref_opts:
                 o.step()
                 o.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)  # non-owners' empty gradient pieces too
 
 
 # -- float16 reduction: the division split around the sum; set_gradient_divide_factor ----------
@@ -322,7 +325,7 @@ def _gradient_division(rank: int, W: int, errs: dict[str, float]) -> None:
         for name, p in model.named_parameters():
             shard = get_matrix_shard(p)
             if not shard.is_owned_by(get_shard_rank(p)):
-                assert p.grad is None, f"{what}: non-owner gradient on {name}"
+                assert no_gradient_here(p), f"{what}: non-owner gradient on {name}"
                 continue
             want = _expected_reduction(grads, name, f16 if half else torch.float32, pre, post)
             assert torch.isfinite(p.grad).all(), f"{what}: {name} overflowed"

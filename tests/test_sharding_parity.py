@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from _ref import (
+    no_gradient_here,
     assert_close,
     full_grad_rows,
     global_batch,
@@ -163,6 +164,7 @@ def _train(rank: int, model, ref, *, kind: str = "muon", steps: int = STEPS, dp=
         assert gloo == [], f"step {step}: the optimizer step issued {gloo}"
         for o in opts:
             o.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # non-owners' empty gradient pieces too
         assert cc.calls("optimizer") == 0 and cc.bytes("optimizer") == 0
         steps_out.append({
             "ops": [(r.phase, r.op) for r in cc.records if r.op != "clip_grad_norm"],
@@ -196,7 +198,7 @@ def _check_grads(model, ref_params: dict[str, torch.Tensor], rank: int) -> float
         want = ref_params[name.replace(_WRAPPED, "")].grad
         shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)  # HSDP: rank in the shard group
         if shard.role is not Role.SHARDED and not shard.is_owned_by(shard_rank):
-            assert p.grad is None, f"{name}: non-owner holds a gradient"
+            assert no_gradient_here(p), f"{name}: non-owner holds a gradient"
             continue
         assert (p.grad is None) == (want is None), f"{name}: gradient presence differs"
         if want is not None:
@@ -236,7 +238,7 @@ def _frozen(rank: int, W: int) -> dict:
             if n in frozen:
                 assert p.grad is None, f"frozen {n} has a gradient"
             else:
-                assert (p.grad is not None) == owned, n
+                assert (not no_gradient_here(p)) == owned, n
         for unit in m._moo_units():
             assert all(h.unsharded.grad is None for h in unit.handles)
 

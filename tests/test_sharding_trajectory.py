@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from _ref import (
     ADAMW_OPTS,
     assert_close,
@@ -40,6 +41,7 @@ from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
 from matrix_owner_optim.toolbox.profiling import backend_ops
 from matrix_owner_optim.sharding import fully_shard
+from matrix_owner_optim.tensors import local_tensor
 
 STEPS = 20
 # Measured worst relative errors over ranks against the whole-batch reference (W=2/3/4, 20 steps):
@@ -219,16 +221,18 @@ def _check_layout_and_resident(model, opts, rank: int, W: int) -> None:
     for name, p in model.named_parameters():
         shard = get_matrix_shard(p)
         assert shard is not None and shard.fqn == plan[name].fqn
-        assert tuple(p.shape) == shard.local_shape(rank), name
+        lp = local_tensor(p)  # this rank's piece of the owner-layout DTensor
+        assert isinstance(p, DTensor) and tuple(p.shape) == shard.shape, name
+        assert tuple(lp.shape) == shard.local_shape(rank), name
         if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
-            assert p.numel() == 0 and p.untyped_storage().size() == 0, name
-            assert p.grad is None, f"{name}: non-owner holds a gradient"
-            assert id(p) not in state_ids, f"{name}: non-owner holds optimizer state"
+            assert lp.numel() == 0 and lp.untyped_storage().size() == 0, name
+            assert p.grad is None or local_tensor(p.grad).numel() == 0, f"{name}: non-owner holds gradient data"
+            assert id(p) not in state_ids and id(lp) not in state_ids, f"{name}: non-owner holds optimizer state"
         else:
-            assert p.grad is not None and p.grad.shape == p.shape, name
-        resident += p.numel() * p.element_size()
+            assert p.grad is not None and local_tensor(p.grad).shape == lp.shape, name
+        resident += lp.numel() * lp.element_size()
         if p.grad is not None:
-            resident += p.grad.numel() * p.grad.element_size()
+            resident += local_tensor(p.grad).numel() * p.grad.element_size()
     resident += state_bytes(opts)
     assert resident == plan.loads[rank].resident_bytes, (resident, plan.loads[rank])
     # the unsharded copies of what this rank does not own are freed between steps
@@ -254,7 +258,7 @@ def _check_full_params(model, ref, rank: int, rtol: float) -> float:
     finally:
         model.reshard()
     for name, p in model.named_parameters():
-        assert tuple(p.shape) == get_matrix_shard(p).local_shape(rank), name
+        assert tuple(local_tensor(p).shape) == get_matrix_shard(p).local_shape(rank), name
     return worst
 
 

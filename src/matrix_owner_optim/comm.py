@@ -33,6 +33,7 @@ __all__ = [
     "PHASES",
     "CommCounter",
     "CommRecord",
+    "broadcast",
     "comm_phase",
     "current_phase",
     "record",
@@ -230,6 +231,18 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
     record(name, n * (W - 1), n * (W - 1))
     dist.all_gather_into_tensor(output, input, group=group)
 
+
+
+def broadcast(tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast") -> None:
+    """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: the source sends
+    ``W - 1`` copies, every other rank receives one."""
+    W, rank = _world(group)
+    n = _nbytes(tensor)
+    if rank == group_src:
+        record(name, n * (W - 1), 0)
+    else:
+        record(name, 0, n)
+    dist.broadcast(tensor, group_src=group_src, group=group)
 
 
 def object_device(group: Any = None) -> torch.device:

@@ -47,6 +47,7 @@ from .. import comm
 from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
+from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
 from ..tensors import local_tensor
 from .placements import Placement, RouterConfig
 from .replicated_placement import plan_owners
@@ -175,7 +176,7 @@ class DTensorPlacement(Placement):
 
     @staticmethod
     def accepts(param: torch.Tensor) -> bool:
-        return isinstance(param, DTensor)
+        return isinstance(param, DTensor) and not is_owner_dtensor(param)  # stock FSDP2's
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         super().__init__(config)
@@ -339,16 +340,14 @@ class DTensorPlacement(Placement):
 
     # -- state dicts ---------------------------------------------------------------------------
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """A matrix's state (on its owner's full copy): an ``OwnedTensor`` over the shard group;
+        """A matrix's state (on its owner's full copy): held whole by the owner over the shard group;
         shard-local state (tail): a DTensor with the parameter's mesh and placements."""
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
         p = rp.param
         if rp.owner is not None:
-            from ..pieces import OwnedTensor, mesh_of_group
-
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
-            return OwnedTensor.make(value, rp.owner, mesh, tuple(value.shape), value.dtype)
+            return OwnerDTensor.owned(value, rp.owner, mesh, tuple(value.shape))
         local = local_tensor(p)
         if tuple(value.shape) != tuple(local.shape):
             raise ValueError(
@@ -365,11 +364,9 @@ class DTensorPlacement(Placement):
         if not isinstance(value, torch.Tensor):
             return value
         if rp.owner is not None or value.dim() == 0:
-            from ..pieces import OwnedTensor
-
-            if isinstance(value, OwnedTensor):
-                if value.owner != rp.owner or not value.is_owner:
-                    raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
+            if is_owner_dtensor(value) and value.holder is not None:
+                if value.holder != rp.owner or not value.is_holder:
+                    raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
                                      f"{rp.owner} here; load a full state dict or go through DCP")
                 return local_tensor(value)
             return plain_local(value, what)

@@ -38,6 +38,7 @@ from .placements import Placement, RouterConfig, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
 from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
+from ..owner_dtensor import is_owner_dtensor
 from ..tensors import is_dtensor, local_tensor
 
 __all__ = ["OwnerRoutedOptimizer", "push_group_values"]
@@ -260,7 +261,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         its module is outside every ``fully_shard`` call), so each rank would drift apart."""
         everything = self._routed + new
         sharded = [rp for rp in everything
-                   if rp.shard is not None and rp.shard.world_size > 1 and not is_dtensor(rp.param)]
+                   if rp.shard is not None and rp.shard.world_size > 1
+                   and (not is_dtensor(rp.param) or is_owner_dtensor(rp.param))]
         existing = self._placements.get(ReplicatedPlacement)
         replicated = (existing.entries if existing is not None else []) \
             + new_entries.get(ReplicatedPlacement, [])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
+from ..owner_dtensor import is_owner_dtensor
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -106,7 +107,7 @@ def plain_local(value: Any, what: str) -> Any:
     if is_dtensor(value):
         from torch.distributed.tensor import Replicate
 
-        if all(isinstance(p, Replicate) for p in value.placements) and type(value).__name__ != "OwnedTensor":
+        if all(isinstance(p, Replicate) for p in value.placements):
             return local_tensor(value)
         raise ValueError(
             f"{what}: the state dict holds a piece ({type(value).__name__}, placements "
@@ -128,6 +129,8 @@ class LocalPlacement(Placement):
 
     @staticmethod
     def accepts(param: torch.Tensor) -> bool:
+        if is_owner_dtensor(param):
+            return True
         if is_dtensor(param):
             return False
         return get_shard_rank(param) is not None or not is_multi_rank()
@@ -136,20 +139,23 @@ class LocalPlacement(Placement):
         for rp in entries:
             self.entries.append(rp)
             shard = rp.shard
+            piece = local_tensor(rp.param)  # this rank's piece of an owner-layout DTensor
             if shard is not None:
                 rank = get_shard_rank(rp.param)
                 rp.owner = shard.owner
                 if shard.role is Role.SHARDED:
-                    local = rp.param.numel() > 0
+                    local = piece.numel() > 0
                 else:
-                    local = shard.owner == rank and rp.param.numel() > 0
+                    local = shard.owner == rank and (piece.numel() > 0 or not shard.shape)
             else:
                 rp.owner = 0
                 local = True
             if not local:
                 rp.proxy = None
             elif rp.role is Role.MATRIX and rp.param.dim() > 2:
-                rp.proxy = matrix_view(rp.param)
+                rp.proxy = matrix_view(piece)
+            elif piece is not rp.param:  # the child optimizer steps the plain local tensor
+                rp.proxy = piece.detach()
             else:
                 rp.proxy = rp.param
 
@@ -157,7 +163,7 @@ class LocalPlacement(Placement):
         for rp in self.entries:
             if rp.proxy is not None and rp.proxy is not rp.param:
                 grad = rp.param.grad
-                rp.proxy.grad = None if grad is None else grad.view(rp.proxy.shape)
+                rp.proxy.grad = None if grad is None else local_tensor(grad).view(rp.proxy.shape)
 
     def after_step(self) -> None:
         self.zero_grad(True)
@@ -200,14 +206,14 @@ class LocalPlacement(Placement):
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
         from ..planning.metadata import Role
-        from ..pieces import OwnedTensor, local_piece
+        from ..pieces import local_piece
 
         shard, rank, _ = info
         if shard.role is Role.SHARDED:
-            return local_piece(value, shard, rank, what=what, like=rp.param)
-        if isinstance(value, OwnedTensor):
-            if value.owner != shard.owner:
-                raise ValueError(f"{what}: held by rank {value.owner} in the state dict, by rank "
+            return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
+        if is_owner_dtensor(value) and value.holder is not None:
+            if value.holder != shard.owner:
+                raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
                                  f"{shard.owner} here; load a full state dict or go through DCP")
             return local_tensor(value)
         return plain_local(value, what)

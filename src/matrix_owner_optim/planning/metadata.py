@@ -131,9 +131,11 @@ class MatrixShard:
             return (stop - start, *self.shape[1:])
         if self.is_owned_by(rank):
             return self.shape
-        return (0,)
+        return (0, *self.shape[1:]) if self.shape else ()  # no rows (a placeholder for a scalar)
 
     def local_numel(self, rank: int) -> int:
+        if self.role is not Role.SHARDED and not self.is_owned_by(rank):
+            return 0
         n = 1
         for s in self.local_shape(rank):
             n *= int(s)

@@ -53,8 +53,9 @@ from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
 from .. import comm
 from ..agreement import check_plan_agreement
+from ..owner_dtensor import OwnerDTensor, mesh_of_group, placement_of
+from ..tensors import local_tensor
 from .context import ShardingContext
-from .state_dict import install_state_dict_hooks
 from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
 
 __all__ = ["fully_shard", "OwnerShardedModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -363,17 +364,19 @@ def _mark_pending_params(module: nn.Module) -> None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: "nn.Module | list[nn.Module]",
     *,
     mesh: Any = None,
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     plan: ShardingPlan | None = None,
-) -> nn.Module:
+) -> Any:
     """Owner-shaped sharding of ``module``'s parameters not already in a child unit.
 
     Args:
-        module: a block (call these first) or the root model (call last).
+        module: a block (call these first) or the root model (call last); or a list of modules
+            that form one unit together (FSDP2's list form, e.g. embedding, final norm and head:
+            one all-gather and one reduce-scatter for all of them).
         mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
             shard dim, gradients all-reduced across the replicate dim and averaged over both.
@@ -391,15 +394,43 @@ def fully_shard(
     optimizer after the ``fully_shard`` calls.
     """
     global _calls
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if _state(module) is not None:
-        raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module, got {type(m).__name__} (or a list of modules)")
+        if _state(m) is not None:
+            raise ValueError(f"fully_shard was already called on this {type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard: a module appears twice in the list")
+    for m in modules:
+        if any(o is not m and any(s is m for s in o.modules()) for o in modules):
+            raise ValueError(f"fully_shard: {type(m).__name__} in the list is inside another module of the "
+                             "list; list modules that do not contain each other")
     rsf = _check_reshard_after_forward(reshard_after_forward)
     _check_mp_policy(mp_policy)
     group, replicate_group = _resolve_group(mesh)
     if plan is not None:
         _check_plan_world_size(plan, dist.get_world_size(group))
+    for m in modules:
+        _check_submodules(m, group, replicate_group)
+    device = mesh_device(mesh, group)
+    for m in modules:
+        move_states_to_device(m, device)
+        as_owner_dtensors(m, mesh_of_group(group, device.type))
+        _swap_class(m)
+        m.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls)
+        _pending.append(weakref.ref(m))
+        _mark_pending_params(m)
+        m.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook, with_kwargs=True)
+    _calls += 1
+    return module
+
+
+def _check_submodules(module: nn.Module, group: Any, replicate_group: Any) -> None:
+    """Refuse a submodule sharded over another mesh, or already planned."""
     for name, sub in module.named_modules():
         sub_state = _state(sub)
         sub_mesh = None if sub_state is None else (sub_state.group, sub_state.replicate_group)
@@ -418,16 +449,6 @@ def fully_shard(
                 "by building the optimizer); call fully_shard on the blocks first, then on the "
                 "root, and only then run forward or build the optimizer"
             )
-    move_states_to_device(module, mesh_device(mesh, group))
-    _swap_class(module)
-    module.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls)
-    _calls += 1
-    _pending.append(weakref.ref(module))
-    _mark_pending_params(module)
-    module.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
-    module.register_forward_hook(_post_forward_hook, with_kwargs=True)
-    install_state_dict_hooks(module)  # state_dict() gives pieces of the global tensors
-    return module
 
 
 def _mesh_words(group: Any, replicate_group: Any) -> str:
@@ -474,14 +495,14 @@ def _check_registrations(unit: ShardedUnit) -> None:
     gradient and every rank would train its own copy. Checked at the start of every forward
     pass of an outermost unit, on every rank alike (same model, same answer)."""
     expected = unit.ctx.registrations()
-    for mod in unit.module.modules():  # no fqn strings unless something is wrong
+    for mod in (m for member in unit.members for m in member.modules()):  # no fqn strings unless wrong
         for name, p in mod._parameters.items():
             if p is None:
                 continue
             known = expected.get((id(mod), name))
             if known is not None and (p is known.sharded or p is known._unsharded):
                 continue
-            mod_name = next(n for n, m in unit.module.named_modules() if m is mod)
+            mod_name = next(n for member in unit.members for n, m in member.named_modules() if m is mod)
             fqn = f"{mod_name}.{name}" if mod_name else name
             what = "a new tensor was assigned to" if known is not None else "was registered on"
             raise ValueError(
@@ -632,6 +653,7 @@ def _locations(root: nn.Module, unit_of_module: dict[int, int], modules: list[nn
             if p is None or (id(mod), name) in seen:
                 continue
             seen.add((id(mod), name))
+            p = _current(p)
             found.setdefault(id(p), []).append((mod, name))
             u = unit_of_module[id(mod)]
             if unit_seen.setdefault(id(p), u) != u:
@@ -687,13 +709,47 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
 
 
 def _local_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
-    """This rank's data of a parameter: whole on its owner, row block, or a numel-0 tensor."""
+    """This rank's data of a parameter: whole on its owner, row block, or an empty piece (no
+    rows; a 0-dim placeholder zero for a scalar)."""
     if shard.role is Role.SHARDED:
         start, stop = shard.row_range(rank)
         return full.detach()[start:stop].clone()
     if shard.is_owned_by(rank):
         return full.detach()
-    return torch.empty(0, dtype=full.dtype, device=full.device)
+    if full.dim() == 0:
+        return torch.zeros((), dtype=full.dtype, device=full.device)
+    return full.new_empty((0, *full.shape[1:]))
+
+
+_REPLACED_BY = "_moo_replaced_by"
+
+
+def _current(p: torch.Tensor) -> torch.Tensor:
+    """``p``, or the owner-layout DTensor ``fully_shard`` registered in its place elsewhere."""
+    ref = p.__dict__.get(_REPLACED_BY)
+    new = ref() if ref is not None else None
+    return new if new is not None else p
+
+
+def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
+    """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated
+    (each rank holds the whole tensor until the plan is fixed; then the same objects become this
+    rank's pieces in place). A tied parameter stays one object at every place it is registered."""
+    new: dict[int, nn.Parameter] = {}
+    for _, mod in module.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is None or isinstance(p, OwnerDTensor):
+                continue
+            replaced = _current(p)
+            if replaced is not p:  # tied to a parameter an earlier call registered: the same object
+                mod._parameters[name] = replaced  # type: ignore[assignment]
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(OwnerDTensor.replicated(p.detach(), mesh), requires_grad=p.requires_grad)
+                # the old object may stay registered outside ``module`` (a parameter tied across
+                # two fully_shard calls): the plan finds its replacement through it and refuses it
+                p.__dict__[_REPLACED_BY] = weakref.ref(new[id(p)])
+            mod._parameters[name] = new[id(p)]
 
 
 def _shard(modules: list[nn.Module]) -> None:
@@ -706,10 +762,19 @@ def _shard(modules: list[nn.Module]) -> None:
     prefixes = [names[id(m)] for m in modules]
     if not is_container:
         record_unit_prefixes(root, prefixes)  # so plan_model(root, W) agrees
-    specs = specs_from_module(root, unit_prefixes=prefixes)
+    # one unit per fully_shard call: the modules of one call (FSDP2's list form) share it
+    first_of_call: dict[int, int] = {}
+    unit_index = [first_of_call.setdefault(st.call_index, len(first_of_call)) for st in states]
+    members: list[list[int]] = [[] for _ in first_of_call]
+    for i, u in enumerate(unit_index):
+        members[u].append(i)
+    specs = [dataclasses.replace(sp, unit=unit_index[sp.unit]) if sp.unit < len(modules) else
+             dataclasses.replace(sp, unit=len(members))
+             for sp in specs_from_module(root, unit_prefixes=prefixes)]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
-    unit_of_module = _unit_of_modules(modules)
-    locations = _locations(root, unit_of_module, modules, fqn_of)
+    unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
+    locations = _locations(root, unit_of_module, [modules[m[0]] for m in members], fqn_of)
+    states = [states[m[0]] for m in members]
     given = next((s.plan for s in reversed(states) if s.plan is not None), None)
     if given is not None:
         _validate_plan(given, specs, W)
@@ -725,31 +790,37 @@ def _shard(modules: list[nn.Module]) -> None:
     by_fqn = dict(root.named_parameters())
 
     ctx = ShardingContext(group, rank, W, plan, replicate_group=replicate_group)
-    handles_of: list[list[ParamHandle]] = [[] for _ in modules]
+    handles_of: list[list[ParamHandle]] = [[] for _ in members]
     for s in specs:
-        if s.unit >= len(modules):  # the container's own (empty) root unit
+        if s.unit >= len(members):  # the container's own (empty) root unit
             raise RuntimeError(f"parameter {s.fqn!r} is in no fully_shard unit")
         shard = shards[s.fqn]
         param = by_fqn[s.fqn]
         if not isinstance(param, nn.Parameter):
             raise TypeError(f"fully_shard: {s.fqn!r} is a {type(param).__name__}, not an nn.Parameter")
+        if not isinstance(param, OwnerDTensor):
+            raise TypeError(f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
+                            "register every parameter before calling fully_shard")
         with torch.no_grad():
             param.grad = None
-            param.data = _local_piece(param, shard, rank)
+            piece = _local_piece(local_tensor(param), shard, rank)
+            param.relayout(piece, placement_of(shard.role is Role.SHARDED, shard.owner, shard.shape, W))
         attach_matrix_shard(param, shard, rank, group)
         handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 
     units: list[ShardedUnit] = []
-    root_index = -1 if is_container else len(modules) - 1
-    for i, (m, st) in enumerate(zip(modules, states)):
+    root_index = -1 if is_container else unit_index[len(modules) - 1]
+    for u, (ms, st) in enumerate(zip(members, states)):
         units.append(ShardedUnit(
-            ctx, i, m, handles_of[i], reshard_after_forward=st.reshard_after_forward,
-            mp_policy=st.mp_policy, is_root=(i == root_index),
+            ctx, u, modules[ms[0]], handles_of[u], reshard_after_forward=st.reshard_after_forward,
+            mp_policy=st.mp_policy, is_root=(u == root_index), members=[modules[i] for i in ms],
         ))
-    for i, (unit, st) in enumerate(zip(units, states)):
-        parent_index = _parent_unit(i, modules)
-        unit.parent = units[parent_index] if parent_index is not None else None
-        st.unit = unit
+    for u, (unit, ms) in enumerate(zip(units, members)):
+        parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
+        parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
+        unit.parent = units[parent] if parent is not None else None
+        for i in ms:
+            _require_state(modules[i]).unit = unit
     ctx.units.extend(units)
 
 

@@ -52,7 +52,9 @@ from torch import nn
 
 from .. import comm
 from ..comm import comm_phase
+from ..owner_dtensor import like_layout
 from ..planning.metadata import MatrixShard
+from ..tensors import local_tensor
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -117,6 +119,20 @@ class ParamHandle:
         self._nbytes = 0
 
     @property
+    def local(self) -> torch.Tensor:
+        """This rank's piece of the sharded parameter (the DTensor's local tensor)."""
+        return local_tensor(self.sharded)
+
+    def add_grad(self, g: torch.Tensor) -> None:
+        """Land this rank's piece ``g`` of the averaged gradient as (or into) ``sharded.grad``,
+        an owner-layout DTensor of the parameter's layout on every rank."""
+        grad = self.sharded.grad
+        if grad is None:
+            self.sharded.grad = like_layout(self.sharded, g)  # type: ignore[arg-type]
+        else:
+            local_tensor(grad).add_(g)
+
+    @property
     def unsharded(self) -> nn.Parameter:
         """The tensor swapped in for compute (created once, revived and freed in place)."""
         if self._unsharded is None:
@@ -128,7 +144,7 @@ class ParamHandle:
         self.aliases_resident = self.is_owner and self.compute_dtype == self.sharded.dtype
         requires_grad = self.sharded.requires_grad
         if self.aliases_resident:
-            t = nn.Parameter(self.sharded.detach(), requires_grad=requires_grad)
+            t = nn.Parameter(self.local.detach(), requires_grad=requires_grad)
         else:
             t = nn.Parameter(
                 torch.empty(self.shard.shape, dtype=self.compute_dtype, device=self.sharded.device),
@@ -211,7 +227,8 @@ class ShardedUnit:
 
     ctx: "ShardingContext"
     index: int
-    module: nn.Module
+    module: nn.Module  # the first of its modules
+    members: list[nn.Module]  # every module of the fully_shard call (FSDP2's list form)
     handles: list[ParamHandle]
     parent: "ShardedUnit | None"  # the nearest enclosing unit (None: outermost)
     reshard_after_forward: bool
@@ -233,10 +250,11 @@ class ShardedUnit:
 
     def __init__(self, ctx: "ShardingContext", index: int, module: nn.Module,
                  handles: list[ParamHandle], *, reshard_after_forward: bool, mp_policy: Any,
-                 is_root: bool) -> None:
+                 is_root: bool, members: "list[nn.Module] | None" = None) -> None:
         self.ctx = ctx
         self.index = index
         self.module = module
+        self.members = members if members is not None else [module]
         self.handles = handles
         self.parent = None  # set once every unit of the context exists
         self.reshard_after_forward = reshard_after_forward
@@ -310,12 +328,12 @@ class ShardedUnit:
                 for h in self.handles:
                     if not h.aliases_resident:  # a low-precision compute copy
                         h.alloc()
-                        h.write(h.sharded.reshape(-1), None)
+                        h.write(h.local.reshape(-1), None)
             self.state = ShardedState.GATHERED
             return
         with torch.no_grad():
             send = torch.empty(layout.sizes[me], dtype=self.gather_dtype, device=self.device)
-            mine = [self.handles[e.index].sharded.reshape(-1).to(self.gather_dtype) for e in layout.entries[me]]
+            mine = [self.handles[e.index].local.reshape(-1).to(self.gather_dtype) for e in layout.entries[me]]
             if mine:
                 torch.cat(mine, out=send)
             for h in self.handles:
@@ -431,11 +449,7 @@ class ShardedUnit:
                     g = g.to(self.reduce_dtype)  # round as the reduction would
                     if pre * post != 1:  # a custom divide factor (one rank: nothing summed)
                         g = g.div(pre).div_(post)
-                    g = g.to(h.sharded.dtype)
-                    if h.sharded.grad is None:
-                        h.sharded.grad = g
-                    else:
-                        h.sharded.grad += g
+                    h.add_grad(g.to(h.sharded.dtype))
             return
         layout = self.reduce_layout(frozenset(grads))
         ctx.wait_reduce()  # at most one reduce-scatter in flight: bounded buffer memory
@@ -469,13 +483,16 @@ class ShardedUnit:
                 comm.all_reduce(total, group=ctx.replicate_group, name="replicate_all_reduce")
             if post != 1:
                 total.div_(post)
+            landed: set[int] = set()
             for e in layout.entries[ctx.rank]:
                 h = self.handles[e.index]
-                g = total[e.offset:e.offset + e.length].view(h.sharded.shape).to(h.sharded.dtype)
-                if h.sharded.grad is None:
-                    h.sharded.grad = g
-                else:
-                    h.sharded.grad += g
+                landed.add(e.index)
+                h.add_grad(total[e.offset:e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
+            for i in sorted({e.index for es in layout.entries for e in es}):  # every rank holds a .grad
+                if i not in landed:  # of every reduced parameter (an empty piece here), as FSDP2
+                    h = self.handles[i]
+                    if h.sharded.grad is None:
+                        h.add_grad(torch.zeros_like(h.local))
 
     def finish_gradients(self) -> None:
         """Reduce the gradients present now (sync on), or move them to the accumulators."""
