@@ -33,7 +33,7 @@ every layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -206,16 +206,20 @@ def compare_meshes(
     hardware: Hardware,
     options: SimOptions = SimOptions(),
     preconditioner: str = "muon",
+    roles: Mapping[str, str] | None = None,
     max_imbalance: float = 1.1,
     advice: MeshAdvice | None = None,
 ) -> dict[str, Any]:
-    """The advice for ``world_size`` GPUs and the four layouts' projections (JSON-ready)."""
+    """The advice for ``world_size`` GPUs and the four layouts' projections (JSON-ready).
+
+    ``gpus_per_node`` larger than ``world_size`` means one partly used node."""
     G = min(gpus_per_node, world_size)
     _check_cluster(world_size, G)
     if advice is None:
-        advice = plan_mesh(model, world_size, unit_prefixes=unit_prefixes,
+        advice = plan_mesh(model, world_size, unit_prefixes=unit_prefixes, roles=roles,
                            preconditioner=preconditioner, max_imbalance=max_imbalance)
-    flat = plan_model(model, world_size, unit_prefixes=unit_prefixes, preconditioner=preconditioner)
+    flat = plan_model(model, world_size, unit_prefixes=unit_prefixes, roles=roles,
+                      preconditioner=preconditioner)
     rows = {
         "stock_fsdp2_muon": _stock("stock_fsdp2_muon", flat, 1, G, hardware, options),
         "flat_owner": _owner("flat_owner", flat, 1, G, hardware, options),
