@@ -9,7 +9,7 @@ commands (``matrix-owner-optim``) and is never imported by the library.
 from . import checkpoint
 from .comm import CommCounter
 from .optim import OwnerRoutedOptimizer, register_preconditioner
-from .planning import MatrixShard, Role, ShardingPlan, get_matrix_shard, plan_model
+from .planning import MatrixShard, MeshAdvice, Role, ShardingPlan, get_matrix_shard, plan_mesh, plan_model
 from .sharding import (
     MixedPrecisionPolicy,
     OwnerShardedModule,
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CommCounter",
     "MatrixShard",
+    "MeshAdvice",
     "MixedPrecisionPolicy",
     "OwnerRoutedOptimizer",
     "OwnerShardedModule",
@@ -33,6 +34,7 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "get_matrix_shard",
+    "plan_mesh",
     "plan_model",
     "register_fsdp_forward_method",
     "register_preconditioner",

@@ -22,6 +22,7 @@ from .metadata import (
     get_shard_rank,
     parse_role,
 )
+from .mesh_advice import MeshAdvice, MeshCandidate, plan_mesh
 from .planner import plan_model, plan_tensors
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 
@@ -32,5 +33,6 @@ __all__ = [
     "Role",
     "ShardingPlan", "parse_role",
     "plan_model", "plan_tensors",
+    "MeshAdvice", "MeshCandidate", "plan_mesh",
     "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",
 ]

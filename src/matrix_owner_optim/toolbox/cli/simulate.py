@@ -29,6 +29,7 @@ from ..simulate import (
     simulate,
 )
 from .common import add_model_args, build_model
+from .simulate_mesh import add_mesh_args, build_mesh_report, format_mesh_report
 
 __all__ = ["add_parser", "run", "build_report", "format_report"]
 
@@ -77,6 +78,7 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     add_model_args(p, layers=PAPER_MODEL["n_layers"], width=PAPER_MODEL["d_model"],
                    vocab=PAPER_MODEL["vocab_size"], heads=PAPER_MODEL["n_heads"],
                    seq_len=PAPER_MODEL["seq_len"])
+    add_mesh_args(p)
     p.set_defaults(func=run)
 
 
@@ -267,6 +269,15 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Build the report and print it as text or JSON."""
+    if args.mesh:
+        model, prefixes, desc = _model(args)
+        report = build_mesh_report(args, model, prefixes, desc, {k: getattr(args, k) for k in _RATE_FLAGS})
+        if args.json:
+            json.dump(report, sys.stdout, indent=2, allow_nan=False, default=_json_default)
+            sys.stdout.write("\n")
+        else:
+            print(format_mesh_report(report))
+        return 0
     report = build_report(args)
     if args.json:
         json.dump(report, sys.stdout, indent=2, allow_nan=False, default=_json_default)

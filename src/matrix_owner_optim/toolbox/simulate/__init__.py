@@ -51,9 +51,11 @@ from .hardware import (
 from .formulas import (
     FORMULAS,
     all_to_all_time,
+    group_all_gather_time,
     hierarchical_all_gather_time,
     hierarchical_all_reduce_time,
     owner_routing_phase_time,
+    replica_all_reduce_time,
     ring_all_gather_time,
     ring_all_reduce_time,
 )
@@ -84,6 +86,15 @@ from .claims import (
     Claim,
     compare_with_claims,
 )
+from .mesh import (
+    MESH_LAYOUTS,
+    MeshProjection,
+    StepComm,
+    compare_meshes,
+    mesh_sweep,
+    project_mesh,
+    step_comm,
+)
 from .plot import (
     plot_sweep,
 )
@@ -101,9 +112,11 @@ __all__ = [
     "SimOptions",
     "FORMULAS",
     "all_to_all_time",
+    "group_all_gather_time",
     "hierarchical_all_gather_time",
     "hierarchical_all_reduce_time",
     "owner_routing_phase_time",
+    "replica_all_reduce_time",
     "ring_all_gather_time",
     "ring_all_reduce_time",
     "MatrixInfo",
@@ -125,5 +138,12 @@ __all__ = [
     "CLAIMS",
     "Claim",
     "compare_with_claims",
+    "MESH_LAYOUTS",
+    "MeshProjection",
+    "StepComm",
+    "compare_meshes",
+    "mesh_sweep",
+    "project_mesh",
+    "step_comm",
     "plot_sweep",
 ]

@@ -19,6 +19,19 @@ FORMULAS: dict[str, str] = {
         "[ring inside the node]"
     ),
     "hierarchical_all_reduce": "2 x hierarchical_all_gather (reduce-scatter and all-gather phases)",
+    "group_all_gather": (
+        "a sub-group of p ranks at rank stride s (rank order node-major, G GPUs per node): g = "
+        "min(p, G // s) members per node (1 when s >= G) on n = ceil(p / g) nodes, c = G // g such "
+        "groups sharing each node's NICs: T = (n-1) (alpha_inter + c bytes / (n beta_inter_node)) "
+        "+ (g-1) (alpha_intra + bytes / (g beta_intra)); stride 1 and p = W is "
+        "hierarchical_all_gather; reduce-scatter costs the same, all-reduce twice"
+    ),
+    "replica_all_reduce": (
+        "HSDP (replicate R, shard S): the shard ranks' segments n_s all-reduced across R replicas, "
+        "all replicate groups at once: T = 2 [(n-1) (alpha_inter + max_node sum_{s on node} n_s / "
+        "(n beta_inter_node)) + (g-1) (alpha_intra + max_s n_s / (g beta_intra))], g and n as "
+        "group_all_gather with stride S; the shard ranks on one node are blocks of min(S, G)"
+    ),
     "all_to_all": (
         "uniform: T = (p-1) * alpha + bytes_per_rank / beta. Owner routing (non-uniform, from the "
         "plan): T_phase = max(max_rank max(nvlink_send, nvlink_recv) / beta_intra, "
@@ -109,3 +122,52 @@ def owner_routing_phase_time(
     t_inter = max((max(i, o) for i, o in zip(nic_in, nic_out)), default=0.0) / hw.beta_inter
     latency = (min(G, W) - 1) * hw.alpha_intra + (W - min(G, W)) * hw.alpha_inter
     return max(t_intra, t_inter) + latency
+
+
+def group_all_gather_time(
+    n_bytes: float, size: int, stride: int, gpus_per_node: int, hw: Hardware
+) -> float:
+    """All-gather of ``n_bytes`` over a sub-group of ``size`` ranks ``stride`` apart.
+
+    A ``(replicate, shard)`` mesh laid out row-major has shard groups of ``shard`` consecutive
+    ranks (stride 1) and replicate groups of ``replicate`` ranks ``shard`` apart; every group of
+    a dim runs its collective at the same time. ``g`` members of the group share a node
+    (``min(size, G // stride)``, or 1 when ``stride >= G``); they ring over NVLink, and the
+    group's ``n`` nodes ring per rail over the NICs, which ``G // g`` concurrent groups share.
+    With ``stride = 1`` and ``size = W`` this is :func:`hierarchical_all_gather_time`.
+    """
+    if size < 1 or stride < 1 or gpus_per_node < 1:
+        raise ValueError(
+            f"group_all_gather_time: size, stride and gpus_per_node must be >= 1, got "
+            f"{size}, {stride}, {gpus_per_node}")
+    G = gpus_per_node
+    local = 1 if stride >= G else max(1, min(size, G // stride))
+    nodes = -(-size // local)
+    sharing = max(1, G // local)
+    inter = ring_all_gather_time(sharing * n_bytes, nodes, hw.beta_inter, hw.alpha_inter)
+    intra = ring_all_gather_time(n_bytes, local, hw.beta_intra, hw.alpha_intra)
+    return inter + intra
+
+
+def replica_all_reduce_time(
+    segment_bytes: Sequence[float], replicate: int, gpus_per_node: int, hw: Hardware
+) -> float:
+    """The HSDP all-reduce across ``replicate`` replicas of every shard rank's segment at once.
+
+    ``segment_bytes[s]`` is what shard rank ``s`` all-reduces (the owner layout: the gradients of
+    the tensors it owns in this unit, often zero; stock FSDP2: ``1/S`` of the unit). The node's
+    NICs carry the segments of all the shard ranks it hosts (blocks of ``min(S, G)``
+    consecutive ones), so the busiest block, not ``G x`` the largest segment, sets the
+    inter-node time. Uniform segments give ``2 x group_all_gather_time(n, R, S, G)``.
+    """
+    S, G = len(segment_bytes), gpus_per_node
+    if replicate <= 1 or S == 0:
+        return 0.0
+    local = 1 if S >= G else max(1, min(replicate, G // S))
+    nodes = -(-replicate // local)
+    block = min(S, G)
+    node_bytes = max(sum(segment_bytes[i:i + block]) for i in range(0, S, block))
+    # the ring formula divides by the ranks per ring; here the node's aggregate crosses its NICs
+    inter = ring_all_gather_time(node_bytes, nodes, hw.beta_inter, hw.alpha_inter)
+    intra = ring_all_gather_time(max(segment_bytes), local, hw.beta_intra, hw.alpha_intra)
+    return 2.0 * (inter + intra)
