@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ...optim.report import report_of_plan
 from ...planning import parse_role, plan_model
 from .common import add_model_args, build_model
 
@@ -78,4 +79,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_table(plan.summary()))
+        print(report_of_plan(plan).format())
     return 0
