@@ -24,6 +24,7 @@ from .metadata import (
 )
 from .planner import plan_model, plan_tensors
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
+from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 
 __all__ = [
     "ADAMW_COST", "MUON_COST", "SHAMPOO_COST", "SOAP_COST", "CostModel", "FunctionCostModel",
@@ -33,4 +34,5 @@ __all__ = [
     "ShardingPlan", "parse_role",
     "plan_model", "plan_tensors",
     "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",
+    "MatrixLayout", "MatrixView", "declare_matrix_view", "matrix_layout_of",
 ]
