@@ -497,7 +497,7 @@ def test_adam_is_not_rotation_equivariant_sanity() -> None:
 # Non-2D tensors
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opt_cls", ALL)
-@pytest.mark.parametrize("shape", [(4,), (2, 3, 4), ()])
+@pytest.mark.parametrize("shape", [(4,), (2, 3, 4, 5), ()])  # 3D is a stack of matrices
 def test_non_2d_param_rejected_at_construction(opt_cls: type, shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError) as info:
         opt_cls([torch.nn.Parameter(torch.randn(shape))])
@@ -517,9 +517,9 @@ def test_non_2d_named_param_error_names_param(opt_cls: type) -> None:
 def test_non_2d_grad_rejected_at_step(opt_cls: type) -> None:
     p = torch.nn.Parameter(torch.randn(3, 4))
     opt = opt_cls([p])
-    p.data = torch.randn(3, 2, 2)  # e.g. a conv kernel swapped in behind the optimizer's back
-    p.grad = torch.randn(3, 2, 2)
-    with pytest.raises(ValueError, match=r"\(3, 2, 2\)"):
+    p.data = torch.randn(3, 2, 2, 1)  # e.g. a conv kernel swapped in behind the optimizer's back
+    p.grad = torch.randn(3, 2, 2, 1)
+    with pytest.raises(ValueError, match=r"\(3, 2, 2, 1\)"):
         opt.step()
 
 

@@ -33,12 +33,15 @@ import torch.distributed as dist
 from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import Role
-from ..planning.roles import RoleOverrides
+from ..planning.roles import RoleOverrides, conv_params
+from ..planning.views import MatrixView, ViewOverrides
+from . import report
 from .placements import Placement, RouterConfig, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
-from .routing import RoutedParam, UserGroup, normalize_params, resolve_roles
 from ..owner_dtensor import is_owner_dtensor
+from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
+                      resolve_roles)
 from ..tensors import is_dtensor, local_tensor
 
 __all__ = ["OwnerRoutedOptimizer", "push_group_values"]
@@ -110,6 +113,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tail_options: keyword arguments of the tail optimizer.
         roles: ``{"fqn-glob": "matrix" | "tail" | "sharded"}``; the last matching glob wins.
             A glob that matches nothing is an error.
+        matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}``: how a matrix is read
+            as the matrices its optimizer steps (:mod:`matrix_owner_optim.planning.views`;
+            default: fused experts are stacks, conv kernels one ``(out, rest)`` matrix), e.g.
+            ``MatrixView(row_blocks=(d, d, d))`` steps a fused ``wqkv`` as q, k and v.
         replicated: for parameters replicated on every rank of a multi-rank job (DDP),
             ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
@@ -139,6 +146,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tail: "str | OptimizerFactory" = "adamw",
         tail_options: Mapping[str, Any] | None = None,
         roles: Mapping[str, str] | None = None,
+        matrix_views: Mapping[str, "str | MatrixView"] | None = None,
         replicated: str = "owner",
         skip_nonfinite_grads: bool = False,
         process_group: Any = None,
@@ -171,6 +179,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._names = {Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
                        Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail))}
         self._overrides = RoleOverrides(roles)
+        self._views = ViewOverrides(matrix_views)
         self._config = RouterConfig(matrix_factory=self._factories[Role.MATRIX], replicated=replicated)
         self._children: dict[Role, torch.optim.Optimizer | None] = {Role.MATRIX: None, Role.TAIL: None}
         # per child: (index of the parent group, the child's group dict)
@@ -181,11 +190,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         user_groups, self._type_roles = normalize_params(params)
         # roles for all groups at once: one warning lists every matrix routed by shape alone
-        resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False)
+        resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False, views=self._views,
+                      convs=conv_params(params) if isinstance(params, torch.nn.Module) else None)
         self._pending: list[UserGroup] = user_groups
         # torch's constructor calls add_param_group once per group; we hand it our groups.
         super().__init__([{"params": [rp.param for rp in g.params], "_moo_group": g} for g in user_groups], {})
         self._overrides.check_all_used()
+        self._views.check_all_used()
         del self._pending
         self._check_hyperparameters("OwnerRoutedOptimizer(...)")
 
@@ -202,7 +213,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if id(rp.param) in known:
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
-            resolve_roles([user_group], type_roles, self._overrides, check_globs=False)
+            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views)
         for key in user_group.options:
             if not any(key in self._role_defaults[r] for r in (Role.MATRIX, Role.TAIL)):
                 raise ValueError(
@@ -218,10 +229,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             new_entries.setdefault(placement_for(rp.param, rp.label), []).append(rp)
         self._check_names(user_group.params)
         self._check_one_layout(user_group.params, new_entries)
+        check_matrix_views(user_group.params, self._factories[Role.MATRIX], self._names[Role.MATRIX])
         for cls, entries in new_entries.items():
             if cls not in self._placements:
                 self._placements[cls] = cls(self._config)
             self._placements[cls].add(entries)
+        declare_matrix_views(user_group.params)  # how the matrix optimizer reads each proxy
         self._routed.extend(user_group.params)
 
         for role, rps in by_optimizer.items():
@@ -353,6 +366,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
+        report.log_once(self)  # what went where, on rank 0 at the first step (logging)
         with comm_phase("optimizer"), torch.no_grad():
             self.last_step_skipped = self.skip_nonfinite_grads and self._any_nonfinite_grad()
             if self.last_step_skipped:
@@ -611,6 +625,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
              "layout": layout_of.get(id(rp), "?")}
             for rp in self._routed
         ]
+
+    def routing_report(self, large_numel: int = report.LARGE_NUMEL) -> "report.RoutingReport":
+        """What went where: counts and bytes per optimizer and role, and every >2D or large 2D
+        tensor left to the tail optimizer, named (see :mod:`.report`)."""
+        return report.report_of_routes(self._routed, self._names[Role.MATRIX], self._names[Role.TAIL],
+                                       large_numel)
 
     def __repr__(self) -> str:
         counts = {r.value: sum(1 for rp in self._routed if rp.role is r) for r in Role}

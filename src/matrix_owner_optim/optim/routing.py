@@ -12,7 +12,12 @@ param group lists every parameter routed so, and says how to give names.
 
 A >2D tensor in the ``matrix`` role is updated through a 2D ``(out, rest)`` view of its storage;
 one whose memory layout admits no such view (a channels-last conv kernel) is refused here,
-naming it, because a flattening copy would be updated instead of the parameter.
+naming it, because a flattening copy would be updated instead of the parameter. How the matrix
+optimizer reads that storage is the parameter's :class:`~..planning.views.MatrixView` (a
+``matrix_views=`` glob, else the default rule: a stack of experts steps each expert alone, a
+conv kernel is one ``(out, rest)`` matrix), declared on the tensor it updates
+(:func:`declare_matrix_views`). A matrix optimizer that does not step such layouts (no
+``accepts_matrix_views``: ``torch.optim.Muon``) is refused a stack or a fused tensor.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import torch
 from torch import nn
 
 from ..planning.metadata import MatrixShard, Role, ensure_sharded, parse_role
-from ..planning.roles import RoleOverrides, module_roles, role_from_name, validate_role
+from ..planning.roles import RoleOverrides, module_roles, role_from_name, router_fqns, validate_role
+from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
 
-__all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles"]
+__all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles", "check_matrix_views",
+           "declare_matrix_views"]
 
 
 @dataclass(eq=False)
@@ -47,6 +54,12 @@ class RoutedParam:
     shard: MatrixShard | None = None
     proxy: torch.Tensor | None = None
     owner: int | None = None
+    view: MatrixView | None = None  # how the matrix optimizer reads it (matrix role only)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape in the model (its plan's, where owner-sharded)."""
+        return tuple(self.shard.shape) if self.shard is not None else tuple(self.param.shape)
 
     @property
     def label(self) -> str:
@@ -126,18 +139,27 @@ def resolve_roles(
     overrides: RoleOverrides,
     *,
     check_globs: bool = True,
+    views: ViewOverrides | None = None,
+    convs: Mapping[int, bool] | None = None,
 ) -> None:
-    """Fill ``role`` (and ``shard``) of every :class:`RoutedParam`, validating matrix shapes.
+    """Fill ``role`` (and ``shard``, and ``view`` of matrices) of every :class:`RoutedParam`,
+    validating matrix shapes. ``views`` are the ``matrix_views=`` globs; ``convs`` says per
+    parameter object whether its module is a convolution (known when a module was given).
 
     Warns once (for all ``groups`` together) listing the parameters routed to ``matrix`` by
     their shape alone (no name, no sharding plan, no module), and raises for a >2D ``matrix``
     whose memory layout has no 2D view.
     """
     by_shape: list[str] = []
+    views = views if views is not None else ViewOverrides(None)
     for g in groups:
         for rp in g.params:
             # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
             rp.shard = ensure_sharded(rp.param)
+    routers = router_fqns(n for g in groups for rp in g.params
+                          for n in ([rp.name] if rp.name else []) + ([rp.shard.fqn] if rp.shard else []))
+    for g in groups:
+        for rp in g.params:
             names = []
             if rp.name is not None:
                 names.append(rp.name)
@@ -154,7 +176,7 @@ def resolve_roles(
             elif id(rp.param) in type_roles:
                 role = type_roles[id(rp.param)]
             elif rp.name is not None:
-                role = role_from_name(rp.name, shape)
+                role = role_from_name(rp.name, shape, router=rp.name in routers)
             else:
                 role = Role.MATRIX if len(shape) == 2 else Role.TAIL
                 if role is Role.MATRIX:
@@ -162,6 +184,8 @@ def resolve_roles(
             validate_role(rp.label, shape, role)
             if role is Role.MATRIX:
                 _require_matrix_view(rp)
+                rp.view = views.view_for(names or [rp.label], shape, (convs or {}).get(id(rp.param)))
+                rp.view.resolve(shape, rp.label)  # a view that does not fit fails here, naming it
             if rp.shard is not None and rp.shard.role is Role.SHARDED and role is Role.MATRIX:
                 raise ValueError(
                     f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot "
@@ -181,6 +205,31 @@ def resolve_roles(
         )
     if check_globs:
         overrides.check_all_used()
+
+
+def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> None:
+    """Refuse a stack or fused tensor for a matrix optimizer that steps whole 2D tensors only
+    (it would orthogonalise the ``(out, rest)`` concatenation of the experts)."""
+    if getattr(factory, "accepts_matrix_views", False):
+        return
+    for rp in rps:
+        if rp.role is not Role.MATRIX or rp.view is None:
+            continue
+        layout = rp.view.resolve(rp.global_shape, rp.label)
+        if not layout.single:
+            raise ValueError(
+                f"parameter {rp.label!r} (shape {rp.global_shape}) is {layout.num_matrices} matrices "
+                f"({rp.view.label}), but the matrix optimizer {name!r} steps whole 2D tensors only. "
+                "Use matrix='muon', 'shampoo' or 'soap' (they step each matrix alone), route it "
+                f"to the tail (roles={{{rp.label!r}: 'tail'}}), or read it as one (out, rest) "
+                f"matrix (matrix_views={{{rp.label!r}: 'conv'}})")
+
+
+def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
+    """Record every matrix's view on the tensor its optimizer updates (its ``proxy``)."""
+    for rp in rps:
+        if rp.role is Role.MATRIX and rp.view is not None and rp.proxy is not None:
+            declare_matrix_view(rp.proxy, rp.view, shape=rp.global_shape, name=rp.label)
 
 
 def _require_matrix_view(rp: RoutedParam) -> None:

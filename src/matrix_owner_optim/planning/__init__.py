@@ -25,6 +25,7 @@ from .metadata import (
 from .mesh_advice import MeshAdvice, MeshCandidate, plan_mesh
 from .planner import plan_model, plan_tensors
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
+from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 
 __all__ = [
     "ADAMW_COST", "MUON_COST", "SHAMPOO_COST", "SOAP_COST", "CostModel", "FunctionCostModel",
@@ -35,4 +36,5 @@ __all__ = [
     "plan_model", "plan_tensors",
     "MeshAdvice", "MeshCandidate", "plan_mesh",
     "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",
+    "MatrixLayout", "MatrixView", "declare_matrix_view", "matrix_layout_of",
 ]

@@ -16,6 +16,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from ..tensors import itemsize
+from .views import CONV, MatrixView, default_matrix_view
 
 __all__ = [
     "CostModel",
@@ -34,6 +35,9 @@ __all__ = [
     "get_cost_model",
     "available_cost_models",
     "as_matrix_shape",
+    "matrix_shapes",
+    "matrix_state_bytes",
+    "matrix_flops",
     "itemsize",
 ]
 
@@ -53,9 +57,33 @@ def as_matrix_shape(shape: Shape) -> tuple[int, int]:
     return int(shape[0]), numel(shape[1:])
 
 
+def matrix_shapes(shape: Shape, view: MatrixView | None = None) -> list[tuple[int, int, int]]:
+    """``(count, rows, cols)`` of the matrices a tensor of ``shape`` is stepped as (see
+    :mod:`.views`): a stack of ``E`` experts is ``E`` matrices, a fused ``wqkv`` split into q, k,
+    v three. ``view`` None: the default reading (a >3D tensor of unknown origin as a conv kernel,
+    the ``(out, rest)`` convention)."""
+    view = view or default_matrix_view(shape) or CONV
+    return view.resolve(shape).matrix_shapes()
+
+
+def matrix_state_bytes(
+    cost: "CostModel", shape: Shape, dtype: torch.dtype, view: MatrixView | None = None
+) -> int:
+    """Optimizer state of a matrix-role tensor: the sum over the matrices it is stepped as."""
+    return sum(count * cost.state_bytes((m, n), dtype) for count, m, n in matrix_shapes(shape, view))
+
+
+def matrix_flops(cost: "CostModel", shape: Shape, view: MatrixView | None = None) -> float:
+    """Optimizer FLOPs of a matrix-role tensor: the sum over the matrices it is stepped as."""
+    return sum(count * cost.flops((m, n)) for count, m, n in matrix_shapes(shape, view))
+
+
 @runtime_checkable
 class CostModel(Protocol):
-    """What a preconditioner costs on the rank that updates one tensor of ``shape``."""
+    """What a preconditioner costs on the rank that updates one matrix of ``shape``.
+
+    The planner asks per matrix (a stack or a fused tensor is priced as the sum over its
+    matrices, :func:`matrix_flops`); a >2D ``shape`` reads as ``(out, rest)``."""
 
     @property
     def name(self) -> str:

@@ -16,24 +16,32 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, numel
+from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, matrix_flops, matrix_state_bytes, numel
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
 from .roles import TensorSpec, specs_from_module
+from .views import MatrixView
 
 __all__ = ["plan_tensors", "plan_model", "tensor_resident_bytes", "tensor_flops"]
 
 
 def tensor_resident_bytes(spec: TensorSpec, cost: CostModel, rows_fraction: float = 1.0) -> int:
-    """Parameter + gradient + optimizer state of ``spec`` on the rank that updates it."""
+    """Parameter + gradient + optimizer state of ``spec`` on the rank that updates it; a matrix
+    priced per matrix it is stepped as (its :class:`~.views.MatrixView`: experts, fused blocks)."""
     param = numel(spec.shape) * itemsize(spec.dtype)
     if not spec.requires_grad:
         return int(param * rows_fraction)
-    state = cost.state_bytes(spec.shape, spec.dtype)
+    if spec.role is Role.MATRIX:
+        state = matrix_state_bytes(cost, spec.shape, spec.dtype, spec.view)
+    else:
+        state = cost.state_bytes(spec.shape, spec.dtype)
     return int((2 * param + state) * rows_fraction)
 
 
 def tensor_flops(spec: TensorSpec, cost: CostModel) -> float:
-    return cost.flops(spec.shape) if spec.requires_grad else 0.0
+    """One optimizer step's FLOPs of ``spec`` (a matrix: summed over its matrices)."""
+    if not spec.requires_grad:
+        return 0.0
+    return matrix_flops(cost, spec.shape, spec.view) if spec.role is Role.MATRIX else cost.flops(spec.shape)
 
 
 @dataclass
@@ -239,6 +247,7 @@ def plan_model(
     roles: Mapping[str, str] | None = None,
     preconditioner: "str | CostModel | type" = "muon",
     unit_prefixes: Sequence[str] | None = None,
+    matrix_views: "Mapping[str, str | MatrixView] | None" = None,
 ) -> ShardingPlan:
     """The :class:`ShardingPlan` that ``fully_shard`` would apply, computed in one process.
 
@@ -251,8 +260,11 @@ def plan_model(
         unit_prefixes: module fqns in ``fully_shard`` call order (blocks first, ``""`` for the
             root). When omitted, the units recorded by an earlier ``fully_shard`` call are used,
             or the whole model is one unit.
+        matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}`` overriding how a
+            matrix is read (see :mod:`.views`); the cost is summed over its matrices.
     """
     if unit_prefixes is None:
         unit_prefixes = recorded_unit_prefixes(model)
-    specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes)
+    specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes,
+                              matrix_views=matrix_views)
     return plan_tensors(specs, world_size, preconditioner=preconditioner)

@@ -1,13 +1,22 @@
 """Default roles and user overrides.
 
 From a module: weights of ``nn.Linear`` (and any other 2D parameter used as a matrix) are
-``matrix``; ``nn.Embedding`` weights and output heads are ``sharded``; everything else is
-``tail``. An output head is a Linear tied to an embedding (the same weight), named like a head
-(see :data:`EMBEDDING_NAME_HINTS`), or the model's final projection (see
+``matrix``; so are stacks of matrices (a >2D parameter of a module that is not a convolution,
+e.g. fused experts ``[E, out, in]``; see :mod:`.views` for how they are read);
+``nn.Embedding`` weights and output heads are ``sharded``; the router of a mixture of experts
+(see :func:`router_fqns`) and everything else is ``tail``. An output head is a Linear tied to
+an embedding (the same weight), named like a head (see :data:`EMBEDDING_NAME_HINTS`), or the
+model's final projection (see
 :func:`final_projection`) -- never just any Linear whose weight has the vocabulary table's
 shape: with ``vocab = 4 d`` every MLP up-projection has that shape.
 From names alone (``model.named_parameters()`` handed to an optimizer): 2D tensors are
-``matrix`` unless their name marks them as an embedding or an output head.
+``matrix`` unless their name marks them as an embedding or an output head or a router; >2D
+tensors named like experts (:data:`STACK_NAME_HINTS`) are ``matrix`` (stacks).
+
+The router (``gate``/``router`` ``[E, H]`` next to ``experts``) stays on the tail optimizer
+(AdamW), as Moonlight's, torchtitan's and Megatron's Muon MoE recipes keep it: it is small,
+and its rows are per-expert logit scales that load balancing tunes one by one; orthogonalising
+it would give every expert's logit direction the same norm.
 Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
 """
 
@@ -21,10 +30,15 @@ import torch
 from torch import nn
 
 from .metadata import Role, parse_role
+from .views import MatrixView, ViewOverrides
 
 __all__ = [
     "TensorSpec",
     "EMBEDDING_NAME_HINTS",
+    "STACK_NAME_HINTS",
+    "ROUTER_MODULE_NAMES",
+    "router_fqns",
+    "is_matrix_stack",
     "RoleOverrides",
     "role_from_name",
     "specs_from_module",
@@ -43,6 +57,46 @@ EMBEDDING_NAME_HINTS: tuple[str, ...] = (
     "lm_head",
     "output_head",
 )
+# Substrings of a >2D parameter's name that mark a stack of matrices when no module is known.
+STACK_NAME_HINTS: tuple[str, ...] = ("expert",)
+# Module names of a mixture-of-experts router, when a sibling or parent holds the experts.
+ROUTER_MODULE_NAMES: tuple[str, ...] = ("gate", "router")
+EXPERTS_MODULE_NAMES: tuple[str, ...] = ("experts", "shared_experts", "shared_expert")
+
+
+def router_fqns(fqns: Iterable[str]) -> set[str]:
+    """The names among ``fqns`` of mixture-of-experts routers: a parameter of a module named
+    ``gate`` or ``router`` (or ``*expert_gate``, Qwen2-MoE's shared-expert gate) whose parent or
+    grandparent module also holds ``experts`` (transformers ``mlp.gate.weight`` next to
+    ``mlp.experts``; torchtitan ``moe.router.gate.weight`` next to ``moe.experts``). A GLU's
+    ``gate_proj`` is not a router, and neither is a ``gate`` with no experts beside it."""
+    names = list(fqns)
+    with_experts: set[str] = set()
+    for n in names:
+        parts = n.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part in EXPERTS_MODULE_NAMES:
+                with_experts.add(".".join(parts[:i]))
+    found: set[str] = set()
+    for n in names:
+        parts = n.split(".")
+        if len(parts) < 2:
+            continue
+        module = parts[-2]
+        if module not in ROUTER_MODULE_NAMES and not module.endswith("expert_gate"):
+            continue
+        if ".".join(parts[:-2]) in with_experts or (
+                len(parts) >= 3 and ".".join(parts[:-3]) in with_experts):
+            found.add(n)
+    return found
+
+
+def is_matrix_stack(fqn: str, shape: tuple[int, ...]) -> bool:
+    """A >2D tensor that reads as a stack of matrices: its last two dims both > 1 and its name
+    not an embedding's (a ViT ``pos_embed`` ``[1, T, d]`` or a ``cls_token`` is not one)."""
+    if len(shape) < 3 or shape[-2] < 2 or shape[-1] < 2:
+        return False
+    return not any(h in fqn.lower() for h in EMBEDDING_NAME_HINTS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +110,7 @@ class TensorSpec:
     unit: int = 0
     aliases: tuple[str, ...] = ()
     requires_grad: bool = True
+    view: MatrixView | None = None  # how a matrix is read (None: the default of views.py)
 
 
 class RoleOverrides:
@@ -97,7 +152,8 @@ def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:
     if role is Role.MATRIX and len(shape) < 2:
         raise ValueError(
             f"parameter {fqn!r} with shape {tuple(shape)} cannot take role 'matrix': matrix "
-            "optimizers need a 2D tensor (or >2D, viewed as (out, rest)); route it to 'tail'"
+            "optimizers need a 2D tensor (or >2D: a stack of matrices or a conv kernel, see "
+            "matrix_views=); route it to 'tail'"
         )
     if role is Role.SHARDED and len(shape) < 1:
         raise ValueError(
@@ -105,12 +161,15 @@ def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:
         )
 
 
-def role_from_name(fqn: str, shape: tuple[int, ...]) -> Role:
-    """Default role when only a name and a shape are known."""
+def role_from_name(fqn: str, shape: tuple[int, ...], *, router: bool = False) -> Role:
+    """Default role when only a name and a shape are known (``router``: the name is in
+    :func:`router_fqns` of the names around it)."""
     if len(shape) == 2:
         lowered = fqn.lower()
         if any(h in lowered for h in EMBEDDING_NAME_HINTS):
             return Role.SHARDED
+        return Role.TAIL if router else Role.MATRIX
+    if any(h in fqn.lower() for h in STACK_NAME_HINTS) and is_matrix_stack(fqn, shape):
         return Role.MATRIX
     return Role.TAIL
 
@@ -148,8 +207,10 @@ def module_roles(model: nn.Module) -> dict[int, Role]:
             if rows > cols:
                 vocab_sizes.add(int(rows))
     head = final_projection(model, vocab_sizes)
+    routers = router_fqns(name for name, _ in model.named_parameters())
     roles: dict[int, Role] = {}
     for mod_name, module in model.named_modules():
+        is_conv = isinstance(module, nn.modules.conv._ConvNd)
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in roles:
                 continue
@@ -157,14 +218,24 @@ def module_roles(model: nn.Module) -> dict[int, Role]:
             shape = tuple(param.shape)
             if id(param) in embedding_ids:  # an embedding, or a head tied to one
                 roles[id(param)] = Role.SHARDED
+            elif len(shape) == 2 and fqn in routers:
+                roles[id(param)] = Role.TAIL
             elif isinstance(module, nn.Linear) and p_name == "weight":
                 is_head = module is head or role_from_name(fqn, shape) is Role.SHARDED
                 roles[id(param)] = Role.SHARDED if is_head else Role.MATRIX
-            elif len(shape) == 2 and not isinstance(module, nn.modules.conv._ConvNd):
+            elif len(shape) == 2 and not is_conv:
                 roles[id(param)] = role_from_name(fqn, shape)
+            elif not is_conv and is_matrix_stack(fqn, shape):
+                roles[id(param)] = Role.MATRIX  # fused experts and other stacks of matrices
             else:
                 roles[id(param)] = Role.TAIL
     return roles
+
+
+def conv_params(model: nn.Module) -> dict[int, bool]:
+    """Per parameter object (``id``): whether its module is a convolution (the view rule)."""
+    return {id(p): isinstance(m, nn.modules.conv._ConvNd)
+            for m in model.modules() for p in m.parameters(recurse=False)}
 
 
 def specs_from_module(
@@ -172,15 +243,21 @@ def specs_from_module(
     *,
     roles: Mapping[str, "str | Role"] | None = None,
     unit_prefixes: Iterable[str] | None = None,
+    matrix_views: Mapping[str, "str | MatrixView"] | None = None,
 ) -> list[TensorSpec]:
     """One :class:`TensorSpec` per distinct parameter of ``model``, in model order.
+
+    Every ``matrix`` spec carries its :class:`~.views.MatrixView`: a ``matrix_views`` glob's,
+    else the default (conv modules ``"conv"``, other >2D tensors ``"stack"``).
 
     ``unit_prefixes`` lists module fqns in the order ``fully_shard`` was (or would be) called;
     a parameter belongs to the unit of the longest prefix containing it, and parameters under
     no prefix to the last unit listed as ``""`` (the root). ``None`` means a single unit.
     """
     overrides = RoleOverrides(roles)
+    view_overrides = ViewOverrides(matrix_views)
     defaults = module_roles(model)
+    convs = conv_params(model)
     prefixes = list(unit_prefixes) if unit_prefixes is not None else [""]
     if "" not in prefixes:
         prefixes.append("")
@@ -208,6 +285,10 @@ def specs_from_module(
         shape = tuple(int(s) for s in param.shape)
         role = overrides.lookup(names) or defaults.get(id(param), role_from_name(fqn, shape))
         validate_role(fqn, shape, role)
+        view = view_overrides.view_for(names, shape, convs.get(id(param))) \
+            if role is Role.MATRIX else None
+        if view is not None:
+            view.resolve(shape, fqn)  # a view that does not fit fails here, naming the parameter
         specs.append(
             TensorSpec(
                 fqn=fqn,
@@ -217,7 +298,9 @@ def specs_from_module(
                 unit=unit_of(fqn),
                 aliases=tuple(aliases[id(param)]),
                 requires_grad=bool(param.requires_grad),
+                view=view,
             )
         )
     overrides.check_all_used()
+    view_overrides.check_all_used()
     return specs

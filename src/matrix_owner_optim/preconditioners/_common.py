@@ -10,7 +10,8 @@ What lives here and why:
 * :func:`state_dtype_for` -- the precision optimizer state is kept in: float64 for float64
   parameters, float32 otherwise (bf16/fp16 factors and bases are too coarse to be useful).
 * :class:`MatrixOptimizer` -- a thin :class:`torch.optim.Optimizer` base that checks every
-  parameter is 2D at construction and keeps state dtypes across ``load_state_dict`` (stock
+  parameter reads as matrices at construction (2D, a 3D stack, or a declared
+  :class:`~..planning.views.MatrixView`) and keeps state dtypes across ``load_state_dict`` (stock
   ``Optimizer.load_state_dict`` casts every floating state tensor to the parameter's dtype,
   which would silently round float32 Kronecker factors of a bf16 parameter down to bf16).
 
@@ -26,12 +27,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..planning.views import MatrixLayout, matrix_layout_of
+
 __all__ = [
     "require_2d",
     "matrix_inverse_root",
     "state_dtype_for",
     "as_float",
     "MatrixOptimizer",
+    "MatrixState",
+    "matrix_positions",
 ]
 
 
@@ -140,7 +145,12 @@ def matrix_inverse_root(
 
 
 class MatrixOptimizer(Optimizer):
-    """Base class of the matrix optimizers: 2D check at construction, dtype-preserving loads.
+    """Base class of the matrix optimizers: shape check at construction, dtype-preserving loads.
+
+    Every tensor is stepped as the matrices of its :class:`~..planning.views.MatrixLayout`
+    (:meth:`matrix_layout`): a 2D tensor is one matrix, a stack ``[E, out, in]`` (fused experts) is
+    ``E`` matrices, a declared fused ``wqkv`` three; each is updated exactly as the optimizer
+    would update it alone. ``accepts_matrix_views`` tells the router this class does that.
 
     Subclasses set ``_NAME`` (used in error messages) and implement ``_step_group(group)``.
     Parameter names are taken from ``group["param_names"]`` when the optimizer was built from
@@ -149,6 +159,7 @@ class MatrixOptimizer(Optimizer):
     """
 
     _NAME: str = "Muon/Shampoo/SOAP"
+    accepts_matrix_views: bool = True
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -159,8 +170,19 @@ class MatrixOptimizer(Optimizer):
     def _check_shape(
         self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str
     ) -> None:
-        """Raise unless ``tensor`` has a shape this optimizer takes (2D here; SOAP widens it)."""
-        require_2d(tensor, self._NAME, name, what=what)
+        """Raise unless ``tensor`` reads as matrices (its layout, :meth:`matrix_layout`; SOAP widens it)."""
+        try:
+            matrix_layout_of(tensor, name)
+        except ValueError as exc:
+            label = f"{what} {name!r}" if name else what
+            raise ValueError(
+                f"{self._NAME} steps 2D matrices (and stacks of them); got a {label} of shape "
+                f"{tuple(tensor.shape)}: {exc}") from None
+
+    @staticmethod
+    def matrix_layout(tensor: Tensor) -> MatrixLayout:
+        """How ``tensor`` is read as matrices: its declared view, else the default by shape."""
+        return matrix_layout_of(tensor)
 
     @staticmethod
     def _param_name(group: Mapping[str, Any], index: int) -> str | None:
@@ -222,3 +244,37 @@ class MatrixOptimizer(Optimizer):
                     and current[key].dtype != value.dtype
                 ):
                     current[key] = value.to(device=p.device, copy=True)
+
+
+def matrix_positions(layout: MatrixLayout | None) -> list[tuple[int, int]]:
+    """``(run, index within the run)`` of every matrix, in :meth:`MatrixLayout.matrices` order
+    (``None``: one plain tensor, e.g. SOAP's 1D parameters)."""
+    if layout is None:
+        return [(0, 0)]
+    return [(run, i) for run, (count, _, _) in enumerate(layout.matrix_shapes()) for i in range(count)]
+
+
+class MatrixState:
+    """One matrix's factors and roots: the state entries themselves for a plain matrix, else
+    its slice of the run's stacked entries (``(matrices, r, r)``). ``layout`` None: a plain
+    tensor (its own entries)."""
+
+    def __init__(self, state: dict[str, Any], layout: MatrixLayout | None, run: int, index: int) -> None:
+        self.state, self.layout, self.run, self.index = state, layout, run, index
+        self.single = layout is None or layout.single
+
+    def key(self, key: str) -> str:
+        return key if self.layout is None else self.layout.state_key(key, self.run)
+
+    def has(self, key: str) -> bool:
+        return self.key(key) in self.state
+
+    def get(self, key: str) -> Tensor:
+        value: Tensor = self.state[self.key(key)]
+        return value if self.single else value[self.index]
+
+    def set(self, key: str, value: Tensor) -> None:
+        if self.single:
+            self.state[key] = value
+        else:
+            self.state[self.key(key)][self.index].copy_(value)

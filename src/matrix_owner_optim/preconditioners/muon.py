@@ -25,6 +25,12 @@ round-off (not bitwise: batched and single matmuls may sum in different orders).
 occurs once takes the per-matrix path, so a single matrix is still bitwise ``torch.optim.Muon``.
 ``matrix-owner-optim bench --muon-batching`` times both.
 
+Stacks and fused blocks: every matrix of a tensor's :class:`~..planning.views.MatrixLayout`
+(the experts of ``[E, 2I, H]``, the q, k, v blocks of a declared fused ``wqkv``) is
+orthogonalised on its own, with its own shape's ``adjusted_lr``, in the same same-shape batches
+as separate matrices would be: a fused ``wqkv`` split into q, k, v updates bitwise as three
+separate matrices, and expert ``e``'s update depends on expert ``e``'s gradient only.
+
 State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) -- what
 ``planning.cost.MUON_COST`` assumes.
 """
@@ -38,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ..planning.cost import MUON_COST, FunctionCostModel
+from ..planning.views import MatrixLayout
 from ._common import MatrixOptimizer, as_float
 
 __all__ = ["Muon", "newton_schulz", "newton_schulz_batched", "adjust_lr"]
@@ -129,7 +136,8 @@ class Muon(MatrixOptimizer):
     """Muon over whole 2D tensors; matches ``torch.optim.Muon`` with the default ``ns_dtype``.
 
     Args:
-        params: 2D parameters or parameter groups (named parameters work too).
+        params: 2D parameters, stacks of matrices (3D, or declared with
+            ``declare_matrix_view``) or parameter groups (named parameters work too).
         lr: learning rate (default 1e-3). A float or a one-element tensor.
         weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (default 0.1).
         momentum: momentum factor (default 0.95).
@@ -146,8 +154,9 @@ class Muon(MatrixOptimizer):
             (default True; see the module docstring).
 
     Raises:
-        ValueError: for a non-2D parameter (at construction) or gradient (at step), naming
-            the shape; for invalid hyperparameters.
+        ValueError: for a parameter (at construction) or gradient (at step) that does not read
+            as matrices (<2D, or >3D with no declared view), naming the shape; for invalid
+            hyperparameters.
     """
 
     _NAME = "Muon"
@@ -202,7 +211,9 @@ class Muon(MatrixOptimizer):
         weight_decay = group["weight_decay"]
         momentum = group["momentum"]
         ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
-        updates: list[tuple[Tensor, Tensor]] = []
+        # Every matrix of every tensor (see MatrixLayout): one piece per run of same-shape
+        # matrices of a tensor, as a (k, m, n) stack of its updates.
+        pieces: list[tuple[Tensor, MatrixLayout, int, Tensor]] = []
         for p, grad in self._grads(group):
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -211,27 +222,41 @@ class Muon(MatrixOptimizer):
                 )
             buf: Tensor = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
-            updates.append((p, grad.lerp(buf, momentum) if group["nesterov"] else buf))
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            layout = self.matrix_layout(p)
+            if layout.single:
+                pieces.append((p, layout, 0, update.view(1, layout.rows, layout.cols)))
+            else:
+                for r, run_view in enumerate(layout.run_views(update)):
+                    pieces.append((p, layout, r, run_view.flatten(0, 1)))
+        decayed: set[int] = set()
 
-        def apply(p: Tensor, ortho: Tensor) -> None:
-            adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-            p.mul_(1 - lr * weight_decay)
-            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr)
+        def apply(p: Tensor, layout: MatrixLayout, run: int, ortho: Tensor) -> None:
+            if id(p) not in decayed:  # decoupled weight decay, once per tensor
+                decayed.add(id(p))
+                p.mul_(1 - lr * weight_decay)
+            target = p.view(1, 1, layout.rows, layout.cols) if layout.single \
+                else layout.run_views(p)[run]
+            adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], tuple(target.shape[-2:]))
+            target.add_(ortho.view(target.shape).to(p.dtype), alpha=-adjusted_lr)
 
         if not group.get("batched", False):
-            for p, update in updates:
-                apply(p, newton_schulz(update, *ns_args))
+            for p, layout, run, updates in pieces:
+                each = [newton_schulz(u, *ns_args) for u in updates.unbind(0)]
+                apply(p, layout, run, each[0] if len(each) == 1 else torch.stack(each))
             return
-        buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = {}
-        for p, update in updates:
-            buckets.setdefault((tuple(update.shape), update.dtype, update.device), []).append(
-                (p, update)
-            )
+        buckets: dict[tuple[Any, ...], list[tuple[Tensor, MatrixLayout, int, Tensor]]] = {}
+        for piece in pieces:
+            updates = piece[3]
+            key = (tuple(updates.shape[1:]), updates.dtype, updates.device)
+            buckets.setdefault(key, []).append(piece)
         for bucket in buckets.values():
-            if len(bucket) == 1:
-                p, update = bucket[0]
-                apply(p, newton_schulz(update, *ns_args))
+            if len(bucket) == 1 and bucket[0][3].size(0) == 1:  # one matrix: torch's exact path
+                p, layout, run, updates = bucket[0]
+                apply(p, layout, run, newton_schulz(updates[0], *ns_args))
                 continue
-            orthos = newton_schulz_batched(torch.stack([u for _, u in bucket]), *ns_args)
-            for (p, _), ortho in zip(bucket, orthos.unbind(0)):
-                apply(p, ortho)
+            stacked = torch.cat([u for *_, u in bucket]) if len(bucket) > 1 else bucket[0][3]
+            orthos = newton_schulz_batched(stacked, *ns_args)
+            for (p, layout, run, _), ortho in zip(
+                    bucket, orthos.split([u.size(0) for *_, u in bucket])):
+                apply(p, layout, run, ortho)

@@ -75,6 +75,12 @@ one block and ``L_i_j`` ... for block ``(i, j)`` otherwise (one side only when o
 per element ``filtered_grad`` (``beta1 > 0``), ``momentum_buffer`` (``momentum > 0``) and
 ``graft_state`` (AdaGrad/RMSprop/Adam grafting) -- what :func:`~..planning.cost.shampoo_cost`
 prices.
+
+Stacks and fused blocks (a :class:`~..planning.views.MatrixLayout` of several matrices: fused
+experts ``[E, out, in]``, a declared fused ``wqkv``): every matrix keeps its own factors and
+roots, stacked per run of same-shape matrices (``L`` of shape ``(E, r, r)``; keys suffixed
+``_m<run>`` when the layout has several runs), and is preconditioned exactly as alone; the
+per-element state keeps the parameter's shape.
 """
 
 from __future__ import annotations
@@ -91,7 +97,8 @@ from ..planning.cost import (
     shampoo_cost,
     shampoo_sides,
 )
-from ._common import MatrixOptimizer, matrix_inverse_root, state_dtype_for
+from ..planning.views import MatrixLayout
+from ._common import MatrixOptimizer, MatrixState, matrix_inverse_root, matrix_positions, state_dtype_for
 
 __all__ = ["Shampoo", "GRAFTING_TYPES"]
 
@@ -264,18 +271,22 @@ class Shampoo(MatrixOptimizer):
                 out.append(("" if single else f"_{i}_{j}", rs, cs, left, right))
         return out
 
-    def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _init_state(self, p: Tensor, group: dict[str, Any], layout: MatrixLayout) -> dict[str, Any]:
         state = self.state[p]
         dtype, device = state_dtype_for(p), p.device
         state["step"] = 0
-        for suffix, rs, cs, left, right in self.block_keys(p.shape, group):
-            r, c = rs.stop - rs.start, cs.stop - cs.start
-            if left:
-                state[f"L{suffix}"] = torch.zeros(r, r, dtype=dtype, device=device)
-                state[f"L_root{suffix}"] = torch.eye(r, dtype=dtype, device=device)
-            if right:
-                state[f"R{suffix}"] = torch.zeros(c, c, dtype=dtype, device=device)
-                state[f"R_root{suffix}"] = torch.eye(c, dtype=dtype, device=device)
+        for run, (count, m, n) in enumerate(layout.matrix_shapes()):
+            lead = () if layout.single else (count,)  # a stack keeps one factor per matrix
+            for suffix, rs, cs, left, right in self.block_keys((m, n), group):
+                r, c = rs.stop - rs.start, cs.stop - cs.start
+                for side, size, has in (("L", r, left), ("R", c, right)):
+                    if not has:
+                        continue
+                    eye = torch.eye(size, dtype=dtype, device=device)
+                    state[layout.state_key(f"{side}{suffix}", run)] = torch.zeros(
+                        *lead, size, size, dtype=dtype, device=device)
+                    state[layout.state_key(f"{side}_root{suffix}", run)] = \
+                        eye.repeat(*lead, 1, 1) if lead else eye
         if group["betas"][0] > 0:
             state["filtered_grad"] = torch.zeros(p.shape, dtype=dtype, device=device)
         if group["momentum"] > 0:
@@ -287,34 +298,27 @@ class Shampoo(MatrixOptimizer):
     # -- the step --------------------------------------------------------------------------------
     def _step_group(self, group: dict[str, Any]) -> None:
         lr = group["lr"]
-        beta1, beta2 = group["betas"]
+        beta1 = group["betas"][0]
         grafting = group["grafting"]
         bias_correction = group["use_bias_correction"]
         start = group["start_preconditioning_step"]
         frequency = group["precondition_frequency"]
         for p, grad in self._grads(group):
             state = self.state[p]
+            layout = self.matrix_layout(p)
             if "step" not in state:
-                state = self._init_state(p, group)
+                state = self._init_state(p, group, layout)
             state["step"] += 1
             t: int = state["step"]
             dtype = state_dtype_for(p)
             g = grad.to(dtype)
-            blocks = self.block_keys(p.shape, group)
+            # Every matrix of the layout: its gradient view and its factors.
+            mats = [(gm, MatrixState(state, layout, run, index), self.block_keys(gm.shape, group))
+                    for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout))]
 
-            # 1. Factors (raw gradient, every step).
-            for suffix, rs, cs, left, right in blocks:
-                gb = g[rs, cs]
-                outers = []
-                if left:
-                    outers.append((state[f"L{suffix}"], gb @ gb.T))
-                if right:
-                    outers.append((state[f"R{suffix}"], gb.T @ gb))
-                for factor, outer in outers:
-                    if beta2 == 1.0:
-                        factor.add_(outer)
-                    else:
-                        factor.mul_(beta2).add_(outer, alpha=1 - beta2)
+            # 1. Factors (raw gradient, every step), per matrix.
+            for gm, ms, blocks in mats:
+                self._update_factors(gm, ms, blocks, group)
 
             # 2. Grafting state (raw gradient, per element).
             graft_beta2 = group["grafting_beta2"]
@@ -341,25 +345,17 @@ class Shampoo(MatrixOptimizer):
                     v = v / (1 - graft_beta2**t)
                 graft = gf / (v.sqrt() + group["grafting_eps"])
 
-            # 5. Roots (Distributed Shampoo's schedule) and the search direction.
+            # 5. Roots (Distributed Shampoo's schedule) and the search direction, per matrix.
             if t < start:
                 direction = graft if graft is not None else gf
             else:
-                if t == start or t % frequency == 0:
-                    self._compute_roots(state, blocks, group, t)
                 direction = torch.empty_like(gf)
-                for suffix, rs, cs, left, right in blocks:
-                    d = gf[rs, cs]
-                    if left:
-                        d = state[f"L_root{suffix}"] @ d
-                    if right:
-                        d = d @ state[f"R_root{suffix}"]
-                    if graft is not None:
-                        scale = torch.linalg.matrix_norm(graft[rs, cs]) / (
-                            torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS
-                        )
-                        d = d * scale
-                    direction[rs, cs] = d
+                grafts = layout.matrices(graft) if graft is not None else [None] * len(mats)
+                for (_, ms, blocks), gfm, graft_m, dm in zip(
+                        mats, layout.matrices(gf), grafts, layout.matrices(direction)):
+                    if t == start or t % frequency == 0:
+                        self._compute_roots(ms, blocks, group, t)
+                    self._precondition(gfm, graft_m, dm, ms, blocks)
 
             # 6. Decoupled weight decay, momentum, update.
             if group["weight_decay"] != 0:
@@ -374,8 +370,46 @@ class Shampoo(MatrixOptimizer):
                 p.add_(direction.to(p.dtype), alpha=-lr)
 
     @staticmethod
+    def _update_factors(
+        gm: Tensor, ms: "MatrixState", blocks: list[tuple[str, slice, slice, bool, bool]],
+        group: dict[str, Any],
+    ) -> None:
+        beta2 = group["betas"][1]
+        for suffix, rs, cs, left, right in blocks:
+            gb = gm[rs, cs]
+            outers = []
+            if left:
+                outers.append((ms.get(f"L{suffix}"), gb @ gb.T))
+            if right:
+                outers.append((ms.get(f"R{suffix}"), gb.T @ gb))
+            for factor, outer in outers:
+                if beta2 == 1.0:
+                    factor.add_(outer)
+                else:
+                    factor.mul_(beta2).add_(outer, alpha=1 - beta2)
+
+    @staticmethod
+    def _precondition(
+        gfm: Tensor, graft_m: Tensor | None, dm: Tensor, ms: "MatrixState",
+        blocks: list[tuple[str, slice, slice, bool, bool]],
+    ) -> None:
+        """``L_root Gf R_root`` per block of one matrix, grafted, written into ``dm``."""
+        for suffix, rs, cs, left, right in blocks:
+            d = gfm[rs, cs]
+            if left:
+                d = ms.get(f"L_root{suffix}") @ d
+            if right:
+                d = d @ ms.get(f"R_root{suffix}")
+            if graft_m is not None:
+                scale = torch.linalg.matrix_norm(graft_m[rs, cs]) / (
+                    torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS
+                )
+                d = d * scale
+            dm[rs, cs] = d
+
+    @staticmethod
     def _compute_roots(
-        state: dict[str, Any],
+        ms: "MatrixState",
         blocks: list[tuple[str, slice, slice, bool, bool]],
         group: dict[str, Any],
         t: int,
@@ -389,9 +423,9 @@ class Shampoo(MatrixOptimizer):
             for side, has in (("L", left), ("R", right)):
                 if not has:
                     continue
-                factor = state[f"{side}{suffix}"]
+                factor = ms.get(f"{side}{suffix}")
                 if correction != 1.0:
                     factor = factor / correction
-                state[f"{side}_root{suffix}"] = matrix_inverse_root(
+                ms.set(f"{side}_root{suffix}", matrix_inverse_root(
                     factor, exponent, group["eps"], root_dtype=group["root_dtype"]
-                )
+                ))

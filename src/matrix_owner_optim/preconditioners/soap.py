@@ -48,7 +48,10 @@ Options of the reference implementation, with its defaults:
 State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
 ``exp_avg``, ``exp_avg_sq`` (the parameter's shape), and per preconditioned side ``L``/``QL``
 (rows, or the merged vector) and ``R``/``QR`` (columns) -- what
-:func:`~..planning.cost.soap_cost` prices.
+:func:`~..planning.cost.soap_cost` prices. A stack or fused tensor (a
+:class:`~..planning.views.MatrixLayout` of several matrices) keeps factors and bases per matrix,
+stacked per run of same-shape matrices (``L`` of shape ``(E, m, m)``; keys suffixed ``_m<run>``
+for several runs), and every matrix is stepped exactly as alone.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ import torch
 from torch import Tensor
 
 from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
-from ._common import MatrixOptimizer, as_float, require_2d, state_dtype_for
+from ..planning.views import MatrixLayout
+from ._common import MatrixOptimizer, MatrixState, as_float, matrix_positions, state_dtype_for
 
 __all__ = ["SOAP"]
 
@@ -171,7 +175,7 @@ class SOAP(MatrixOptimizer):
     ) -> None:
         if tensor.ndim == 1 and group.get("precondition_1d", False):
             return
-        require_2d(tensor, self._NAME, name, what=what)
+        super()._check_shape(tensor, group, name, what)
 
     @staticmethod
     def layout(
@@ -193,6 +197,48 @@ class SOAP(MatrixOptimizer):
             return (m * n, 1), work[0] <= cap, False
         return (m, n), m <= cap, n <= cap
 
+    def _matrices(
+        self, p: Tensor, group: dict[str, Any]
+    ) -> tuple[MatrixLayout | None, list[tuple[tuple[int, ...], int, int]]]:
+        """``p``'s matrix layout (None for a 1D parameter) and, per matrix, its shape, run and
+        index within the run."""
+        if p.ndim == 1:
+            return None, [(tuple(p.shape), 0, 0)]
+        layout = self.matrix_layout(p)
+        shapes = [(m, n) for count, m, n in layout.matrix_shapes() for _ in range(count)]
+        return layout, [(shape, run, i) for shape, (run, i) in zip(shapes, matrix_positions(layout))]
+
+    @staticmethod
+    def _views(layout: MatrixLayout | None, tensor: Tensor) -> list[Tensor]:
+        return [tensor] if layout is None else layout.matrices(tensor)
+
+    def _init_state(self, p: Tensor, grad: Tensor, group: dict[str, Any], shampoo_beta: float) -> None:
+        """First step: build the factors and bases from this gradient (no update)."""
+        state = self.state[p]
+        dtype, device = state_dtype_for(p), p.device
+        layout, mats = self._matrices(p, group)
+        state["step"] = torch.tensor(0, dtype=torch.int64)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
+        for (shape, run, index), gm in zip(mats, self._views(layout, grad)):
+            (a, b), left, right = self.layout(shape, group)
+            g = gm.to(dtype).reshape(a, b)
+            ms = MatrixState(state, layout, run, index)
+            count = 1 if ms.single else layout.matrix_shapes()[run][0]  # type: ignore[union-attr]
+            lead = () if ms.single else (count,)
+            for side, size, has in (("L", a, left), ("R", b, right)):
+                if not has:
+                    continue
+                outer = g @ g.T if side == "L" else g.T @ g
+                if not ms.has(side):
+                    state[ms.key(side)] = torch.zeros(*lead, size, size, dtype=dtype, device=device)
+                    if not ms.single:  # column-major per matrix, as LAPACK returns one
+                        # basis (eigh, qr): each matrix's products then match its own bit for bit
+                        state[ms.key(f"Q{side}")] = torch.zeros(
+                            count, size, size, dtype=dtype, device=device).mT
+                ms.get(side).lerp_(outer, 1 - shampoo_beta)
+                ms.set(f"Q{side}", _eigh_basis(ms.get(side)))
+
     def _step_group(self, group: dict[str, Any]) -> None:
         lr = as_float(group["lr"])
         beta1, beta2 = group["betas"]
@@ -201,68 +247,64 @@ class SOAP(MatrixOptimizer):
             shampoo_beta = beta2
         for p, grad in self._grads(group):
             state = self.state[p]
-            (a, b), left, right = self.layout(p.shape, group)
             if "exp_avg" not in state:
                 # First step: build the factors and bases from this gradient, do not update.
-                dtype = state_dtype_for(p)
-                g = grad.to(dtype).reshape(a, b)
-                device = p.device
-                state["step"] = torch.tensor(0, dtype=torch.int64)
-                state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
-                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
-                if left:
-                    state["L"] = torch.zeros(a, a, dtype=dtype, device=device)
-                    state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-                    state["QL"] = _eigh_basis(state["L"])
-                if right:
-                    state["R"] = torch.zeros(b, b, dtype=dtype, device=device)
-                    state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
-                    state["QR"] = _eigh_basis(state["R"])
+                self._init_state(p, grad, group, shampoo_beta)
                 continue
 
-            ql: Tensor | None = state.get("QL")
-            qr: Tensor | None = state.get("QR")
             exp_avg: Tensor = state["exp_avg"]
-            g = grad.to(exp_avg.dtype).reshape(a, b)
             state["step"] += 1
             step = int(state["step"])
-
-            def project(x: Tensor) -> Tensor:
-                x = ql.T @ x if ql is not None else x
-                return x @ qr if qr is not None else x
-
-            def project_back(x: Tensor) -> Tensor:
-                x = ql @ x if ql is not None else x
-                return x @ qr.T if qr is not None else x
-
-            g_rot = project(g)
             exp_avg.mul_(beta1).add_(grad.to(exp_avg.dtype), alpha=1 - beta1)
-            exp_avg_sq = state["exp_avg_sq"].view(a, b)
-            exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
-            denom = exp_avg_sq.sqrt().add_(group["eps"])
-            m_rot = project(exp_avg.view(a, b))
-
             step_size = lr
             if group["correct_bias"]:
                 bias_correction1 = 1.0 - beta1**step
                 bias_correction2 = 1.0 - beta2**step
                 step_size = lr * (bias_correction2**0.5) / bias_correction1
-            direction = project_back(m_rot / denom)
-            if group["normalize_grads"]:
-                direction = direction / (1e-30 + direction.square().mean().sqrt())
-            p.add_(direction.reshape(p.shape).to(p.dtype), alpha=-step_size)
+            layout, mats = self._matrices(p, group)
+            direction = torch.empty_like(exp_avg)
+            refresh = step % group["precondition_frequency"] == 0
+            for (shape, run, index), gm, mm, sq_m, dm in zip(
+                    mats, self._views(layout, grad), self._views(layout, exp_avg),
+                    self._views(layout, state["exp_avg_sq"]), self._views(layout, direction)):
+                (a, b), _, _ = self.layout(shape, group)
+                ms = MatrixState(state, layout, run, index)
+                ql: Tensor | None = ms.get("QL") if ms.has("QL") else None
+                qr: Tensor | None = ms.get("QR") if ms.has("QR") else None
+                g = gm.to(exp_avg.dtype).reshape(a, b)
+
+                def project(x: Tensor) -> Tensor:
+                    x = ql.T @ x if ql is not None else x
+                    return x @ qr if qr is not None else x
+
+                def project_back(x: Tensor) -> Tensor:
+                    x = ql @ x if ql is not None else x
+                    return x @ qr.T if qr is not None else x
+
+                g_rot = project(g)
+                exp_avg_sq = sq_m.view(a, b)
+                exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
+                denom = exp_avg_sq.sqrt().add_(group["eps"])
+                m_rot = project(mm.view(a, b))
+                d = project_back(m_rot / denom)
+                if group["normalize_grads"]:
+                    d = d / (1e-30 + d.square().mean().sqrt())
+                dm.copy_(d.view(dm.shape))
+
+                # Update the factors after the step, so the current gradient never shapes its
+                # own projection; refresh the bases every precondition_frequency Adam steps.
+                if ql is not None:
+                    ms.get("L").lerp_(g @ g.T, 1 - shampoo_beta)
+                if qr is not None:
+                    ms.get("R").lerp_(g.T @ g, 1 - shampoo_beta)
+                if refresh:
+                    if ql is not None:
+                        new_ql, exp_avg_sq = _refresh_basis(ms.get("L"), ql, exp_avg_sq, 0)
+                        ms.set("QL", new_ql)
+                    if qr is not None:
+                        new_qr, exp_avg_sq = _refresh_basis(ms.get("R"), qr, exp_avg_sq, 1)
+                        ms.set("QR", new_qr)
+                    sq_m.copy_(exp_avg_sq.view(sq_m.shape))
+            p.add_(direction.to(p.dtype), alpha=-step_size)
             if group["weight_decay"] > 0.0:
                 p.mul_(1 - lr * group["weight_decay"])
-
-            # Update the factors after the step, so the current gradient never shapes its own
-            # projection; refresh the bases every precondition_frequency Adam steps.
-            if ql is not None:
-                state["L"].lerp_(g @ g.T, 1 - shampoo_beta)
-            if qr is not None:
-                state["R"].lerp_(g.T @ g, 1 - shampoo_beta)
-            if step % group["precondition_frequency"] == 0:
-                if ql is not None:
-                    state["QL"], exp_avg_sq = _refresh_basis(state["L"], ql, exp_avg_sq, 0)
-                if qr is not None:
-                    state["QR"], exp_avg_sq = _refresh_basis(state["R"], qr, exp_avg_sq, 1)
-                state["exp_avg_sq"] = exp_avg_sq.reshape(p.shape)

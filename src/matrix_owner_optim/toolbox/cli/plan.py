@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ...optim.report import report_of_plan
 from ...planning import MeshAdvice, parse_role, plan_mesh, plan_model
 from ..simulate import PRESETS, compare_meshes
 from .common import add_model_args, build_model
@@ -174,4 +175,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_table(plan.summary()))
+        print(report_of_plan(plan).format())
     return 0
