@@ -252,6 +252,11 @@ def plan_model(
             root). When omitted, the units recorded by an earlier ``fully_shard`` call are used,
             or the whole model is one unit.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"plan_model(model, world_size): model must be a torch.nn.Module, got "
+            f"{type(model).__name__}; to plan loose tensors, wrap them in a module "
+            "(torch.nn.ParameterDict) or call plan_tensors with TensorSpec entries")
     if unit_prefixes is None:
         unit_prefixes = recorded_unit_prefixes(model)
     specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes)
