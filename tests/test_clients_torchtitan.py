@@ -74,7 +74,8 @@ def test_fqn_keyed_optimizer_checkpoint_saves_at_two_and_loads_at_three(tmp_path
     saved = spawn_ranks(titan_job, 2, ckpt, "save", threads_per_rank=1)
     names = saved[0]["param_names"]
     assert all(isinstance(n, list) and n for n in names), names  # torchtitan's names kept per group
-    assert any(k.startswith("param_groups.model.") for k in saved[0]["flat_keys"]), saved[0]["flat_keys"]
+    # FQN-keyed: the first param-group key is that of the model's lm_head (sorted)
+    assert saved[0]["flat_keys"][0].startswith("param_groups.lm_head.weight."), saved[0]["flat_keys"]
     loaded = spawn_ranks(titan_job, 3, ckpt, "load", threads_per_rank=1)
     ref = reference_params("llama", steps=4)
     for rank, r in enumerate(loaded):
