@@ -224,12 +224,21 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None,
 
 
 
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """torch's even all-gather into one tensor: ``all_gather_single`` where torch has it
+    (torch 2.13 deprecates ``all_gather_into_tensor`` with a FutureWarning), else the older name."""
+    gather = getattr(dist, "all_gather_single", None)
+    if gather is None:
+        gather = dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
                            name: str = "all_gather_into_tensor") -> None:
     W, _ = _world(group)
     n = _nbytes(input)
     record(name, n * (W - 1), n * (W - 1))
-    dist.all_gather_into_tensor(output, input, group=group)
+    _all_gather_single(output, input, group)
 
 
 
@@ -270,7 +279,7 @@ def _object_sizes(data: torch.Tensor, group: Any) -> list[int]:
     W, _ = _world(group)
     sizes = torch.empty(W, dtype=torch.int64, device=data.device)
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
-    dist.all_gather_into_tensor(sizes, mine, group=group)
+    _all_gather_single(sizes, mine, group)
     return [int(n) for n in sizes.tolist()]
 
 
@@ -289,7 +298,7 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
     sizes = _object_sizes(data, group)
     n = max(sizes)
     out = torch.empty(W * n, dtype=torch.uint8, device=data.device)
-    dist.all_gather_into_tensor(out, _padded(data, n), group=group)
+    _all_gather_single(out, _padded(data, n), group)
     record(name, (n + 8) * (W - 1), (n + 8) * (W - 1))
     return [_decode(out[r * n:r * n + sizes[r]]) for r in range(W)]
 

@@ -41,7 +41,7 @@ from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
 from ..owner_dtensor import is_owner_dtensor
 from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
-                      resolve_roles)
+                      resolve_roles, swapped_in)
 from ..tensors import is_dtensor, local_tensor
 
 __all__ = ["OwnerRoutedOptimizer", "push_group_values"]
@@ -188,6 +188,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._routed: list[RoutedParam] = []
         self._pushed: list[dict[str, Any]] = []
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
+        self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)
+        # per parent group: ids of the parameters it was routed with (to see a framework's swap)
+        self._group_param_ids: list[list[int]] = []
         user_groups, self._type_roles = normalize_params(params)
         # roles for all groups at once: one warning lists every matrix routed by shape alone
         resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False, views=self._views,
@@ -214,6 +217,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
             resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views)
+        if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
+            have = "with" if "param_names" in self.param_groups[0] else "without"
+            raise ValueError(
+                f"OwnerRoutedOptimizer.add_param_group: the optimizer's param groups are {have} "
+                "param_names, this one is not; as with torch.optim, give every group names "
+                "((name, tensor) pairs or 'param_names') or none")
         for key in user_group.options:
             if not any(key in self._role_defaults[r] for r in (Role.MATRIX, Role.TAIL)):
                 raise ValueError(
@@ -224,18 +233,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         for rp in user_group.params:
             by_optimizer[_ROLE_OPTIMIZER[rp.role]].append(rp)
 
-        new_entries: dict[type[Placement], list[RoutedParam]] = {}
-        for rp in user_group.params:
-            new_entries.setdefault(placement_for(rp.param, rp.label), []).append(rp)
-        self._check_names(user_group.params)
-        self._check_one_layout(user_group.params, new_entries)
-        check_matrix_views(user_group.params, self._factories[Role.MATRIX], self._names[Role.MATRIX])
-        for cls, entries in new_entries.items():
-            if cls not in self._placements:
-                self._placements[cls] = cls(self._config)
-            self._placements[cls].add(entries)
-        declare_matrix_views(user_group.params)  # how the matrix optimizer reads each proxy
-        self._routed.extend(user_group.params)
+        self._route(user_group.params)
 
         for role, rps in by_optimizer.items():
             if not rps:
@@ -243,8 +241,72 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             defaults = self._role_defaults[role]
             group = {"params": [rp.param for rp in rps], "role": role.value, **defaults}
             group.update({k: v for k, v in user_group.options.items() if k in defaults})
+            if user_group.named:  # as torch.optim records the names of (name, tensor) pairs
+                group["param_names"] = [rp.name for rp in rps]
             super().add_param_group(group)
+            self._group_param_ids.append([id(p) for p in group["params"]])
             self._attach_child_group(len(self.param_groups) - 1, role, rps)
+
+    def _route(self, rps: list[RoutedParam]) -> None:
+        """Give ``rps`` to the placements of their layouts (which set each one's proxy and owner)."""
+        new_entries: dict[type[Placement], list[RoutedParam]] = {}
+        for rp in rps:
+            new_entries.setdefault(placement_for(rp.param, rp.label), []).append(rp)
+        self._check_names(rps)
+        self._check_one_layout(rps, new_entries)
+        check_matrix_views(rps, self._factories[Role.MATRIX], self._names[Role.MATRIX])
+        for cls, entries in new_entries.items():
+            if cls not in self._placements:
+                self._placements[cls] = cls(self._config)
+            self._placements[cls].add(entries)
+        declare_matrix_views(rps)  # how the matrix optimizer reads each proxy
+        self._routed.extend(rps)
+
+    def _follow_param_swaps(self) -> None:
+        """Re-route the parameters a framework put into ``param_groups`` after construction.
+
+        Accelerate's FSDP2 ``prepare`` shards the model after the optimizer exists and sets each
+        group's ``"params"`` to the new (DTensor) parameters; torch's optimizers simply step
+        whatever the groups hold. Here the children hold the old tensors, so the groups are
+        compared with what was routed (by identity, once per step) and, where they differ, every
+        parameter is routed again: same names, indices and roles, the new tensors' layouts,
+        hyperparameters from the groups. Refused (``RuntimeError``) once state exists, since
+        the state of the old tensors has the old layout, and when a group changed its length
+        or groups were appended without ``add_param_group``.
+        """
+        groups = self.param_groups
+        if len(groups) == len(self._group_param_ids) and all(
+                len(g["params"]) == len(ids) and all(id(p) == i for p, i in zip(g["params"], ids))
+                for g, ids in zip(groups, self._group_param_ids)):
+            return
+        what = ("OwnerRoutedOptimizer: the parameters in param_groups are not the ones it was built "
+                "with (a framework swapped them, e.g. Accelerate's FSDP2 prepare)")
+        if len(groups) != len(self._group_param_ids):
+            raise RuntimeError(
+                f"{what}: it has {len(groups)} param groups, {len(self._group_param_ids)} were routed; add "
+                "groups with optimizer.add_param_group(...), not by appending to param_groups")
+        for i, (g, ids) in enumerate(zip(groups, self._group_param_ids)):
+            if len(g["params"]) != len(ids):
+                raise RuntimeError(
+                    f"{what}: param group {i} holds {len(g['params'])} parameters, {len(ids)} were routed; "
+                    "replace parameters one for one (or build the optimizer after sharding the model)")
+        if self.state or any(c is not None and c.state for c in self._children.values()):
+            raise RuntimeError(
+                f"{what}, after optimizer state exists; that state belongs to the old tensors and "
+                "their layout. Swap parameters before the first step, or build the optimizer on "
+                "the sharded model (and load state through get/set_optimizer_state_dict)")
+        previous = {id(rp.param): rp for rp in self._routed}
+        regrouped = [(i, Role(g["role"]), [swapped_in(previous[pid], p) for p, pid in zip(g["params"], ids)])
+                     for i, (g, ids) in enumerate(zip(groups, self._group_param_ids))]
+        self._routed = []
+        self._placements = {}
+        self._children = {Role.MATRIX: None, Role.TAIL: None}
+        self._child_groups = {Role.MATRIX: [], Role.TAIL: []}
+        self._consolidated = None
+        for i, role, rps in regrouped:
+            self._route(rps)
+            self._attach_child_group(i, role, rps)
+        self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
 
     def _check_names(self, new: list[RoutedParam]) -> None:
         """Refuse two owner-sharded parameters with one fqn: the parameters of two separately
@@ -366,6 +428,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
+        self._follow_param_swaps()
         report.log_once(self)  # what went where, on rank 0 at the first step (logging)
         with comm_phase("optimizer"), torch.no_grad():
             self.last_step_skipped = self.skip_nonfinite_grads and self._any_nonfinite_grad()
@@ -378,6 +441,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for child in self._children.values():
                 if child is not None:
                     child.step()
+            self._has_state = True
             self._pull_child_values()
             for placement in self._placements.values():
                 placement.after_step()
@@ -450,9 +514,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         * DDP with owners (``replicated="owner"``, several ranks): the whole state in plain
           tensors after :meth:`consolidate_state_dict`; an error before it.
 
-        Param groups carry the inner optimizers' own values (Prodigy's ``d``, ...).
+        Param groups carry the inner optimizers' own values (Prodigy's ``d``, ...), and
+        ``param_names`` where the parameters were given with names, as torch's do. Before any
+        step (and any load) there is no state to consolidate, so under DDP it is torch's empty
+        state dict then (Accelerate calls ``state_dict()`` while wrapping the optimizer).
         """
-        if self._partitioned_replicas():
+        self._follow_param_swaps()
+        if self._partitioned_replicas() and self._has_state:
             return self._consolidated_state_dict()
         sd = super().state_dict()
         placement = self._placement_of()
@@ -471,6 +539,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         :meth:`state_dict` there returns the whole state, as
         ``ZeroRedundancyOptimizer.consolidate_state_dict`` does. Valid until the next step.
         A no-op on layouts whose ``state_dict`` needs no consolidation."""
+        self._follow_param_swaps()
         self._consolidated = None
         if not self._partitioned_replicas():
             return
@@ -519,6 +588,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         device (``step`` stays where it is). Raises ``KeyError`` naming the trainable parameters
         this rank updates whose state is missing while others of their param group have state.
         """
+        self._follow_param_swaps()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -568,7 +638,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             g.clear()
             g.update(sg)
             g["params"] = params_
-            if names is not None:
+            if names is not None and "param_names" not in sg:  # saved names win, as in torch
                 g["param_names"] = names
         for rp in self._routed:
             child = self._children[_ROLE_OPTIMIZER[rp.role]]
@@ -583,6 +653,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             child.state[rp.proxy] = entry
             self.state[rp.param] = entry
         self._consolidated = None
+        self._has_state = any(bool(st) for st in saved_state.values())
         self._sync_hyperparameters()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -619,6 +690,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
     def routes(self) -> list[dict[str, Any]]:
         """Per parameter: name, role, owner, whether this rank updates it, and the layout."""
+        self._follow_param_swaps()
         layout_of = {id(rp): cls.name for cls, pl in self._placements.items() for rp in pl.entries}
         return [
             {"name": rp.label, "role": rp.role.value, "owner": rp.owner, "local": rp.proxy is not None,

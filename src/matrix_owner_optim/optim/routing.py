@@ -35,7 +35,7 @@ from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
 
 __all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles", "check_matrix_views",
-           "declare_matrix_views"]
+           "declare_matrix_views", "swapped_in"]
 
 
 @dataclass(eq=False)
@@ -76,6 +76,12 @@ class UserGroup:
     options: dict[str, Any] = field(default_factory=dict)
     role: Role | None = None
 
+    @property
+    def named(self) -> bool:
+        """Whether every parameter has a name: then the optimizer's groups record
+        ``param_names``, as ``torch.optim`` does for ``(name, tensor)`` pairs."""
+        return bool(self.params) and all(rp.name is not None for rp in self.params)
+
 
 def _named(items: Iterable[Any]) -> list[tuple[str | None, torch.Tensor]]:
     out: list[tuple[str | None, torch.Tensor]] = []
@@ -90,6 +96,19 @@ def _named(items: Iterable[Any]) -> list[tuple[str | None, torch.Tensor]]:
                 f"got an element of type {type(item).__name__}"
             )
     return out
+
+
+def _param_names(names: Any, count: int) -> list[str]:
+    """A group's ``"param_names"`` (torchtitan's ``{"params": [...], "param_names": [...]}``),
+    checked: one string per parameter."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"param group 'param_names' must be a list of strings, got {names!r}")
+    names = list(names)
+    if len(names) != count:
+        raise ValueError(
+            f"param group 'param_names' has {len(names)} names for {count} parameters; give one "
+            "name per parameter, in the order of 'params'")
+    return names
 
 
 def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup], dict[int, Role]]:
@@ -117,8 +136,12 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
             raise ValueError("a param group needs a 'params' entry")
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        named = _named(ps)
+        given_names = g.get("param_names")
+        if given_names is not None and all(name is None for name, _ in named):
+            named = list(zip(_param_names(given_names, len(named)), (p for _, p in named)))
         routed = []
-        for name, p in _named(ps):
+        for name, p in named:
             if id(p) in seen:
                 raise ValueError(
                     f"parameter {name or tuple(p.shape)} appears in more than one group"
@@ -126,7 +149,7 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
             seen.add(id(p))
             routed.append(RoutedParam(p, name, index))
             index += 1
-        options = {k: v for k, v in g.items() if k not in ("params", "role")}
+        options = {k: v for k, v in g.items() if k not in ("params", "param_names", "role")}
         role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") \
             if "role" in g else None
         groups.append(UserGroup(routed, options, role))
@@ -248,3 +271,21 @@ def _require_matrix_view(rp: RoutedParam) -> None:
             "copy. Make it contiguous (model.to(memory_format=torch.contiguous_format)) or "
             f"route it to the tail (roles={{{rp.label!r}: 'tail'}})."
         ) from None
+
+
+def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
+    """The routing of ``param``, a tensor a framework put into ``param_groups`` in place of
+    ``previous.param`` (Accelerate's FSDP2 ``prepare``): same name, index and role, the sharding
+    metadata of the new tensor, checked as :func:`resolve_roles` checks a new parameter."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(
+            f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
+    rp = RoutedParam(param, previous.name, previous.index, role=previous.role)
+    rp.shard = ensure_sharded(param)
+    if rp.shard is not None and rp.shard.role is Role.SHARDED and rp.role is Role.MATRIX:
+        raise ValueError(
+            f"parameter {rp.label!r} was routed to the matrix optimizer, but the tensor swapped into "
+            "param_groups in its place is sharded by rows; re-plan with roles={...: 'matrix'} in fully_shard")
+    if rp.role is Role.MATRIX:
+        _require_matrix_view(rp)
+    return rp

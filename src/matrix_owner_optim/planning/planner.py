@@ -263,6 +263,11 @@ def plan_model(
         matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}`` overriding how a
             matrix is read (see :mod:`.views`); the cost is summed over its matrices.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"plan_model(model, world_size): model must be a torch.nn.Module, got "
+            f"{type(model).__name__}; to plan loose tensors, wrap them in a module "
+            "(torch.nn.ParameterDict) or call plan_tensors with TensorSpec entries")
     if unit_prefixes is None:
         unit_prefixes = recorded_unit_prefixes(model)
     specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes,

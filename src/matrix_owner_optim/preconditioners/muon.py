@@ -33,6 +33,12 @@ separate matrices, and expert ``e``'s update depends on expert ``e``'s gradient 
 
 State per parameter: ``momentum_buffer`` (the parameter's shape and dtype) -- what
 ``planning.cost.MUON_COST`` assumes.
+
+The param group keeps ``ns_dtype`` as the dtype's name (``"bfloat16"``), not as a
+``torch.dtype``: torch's state-dict utilities (``get_optimizer_state_dict`` with
+``full_state_dict=True`` or ``cpu_offload=True``) carry only tensors, numbers, strings and
+containers of them in param groups, and refuse a ``torch.dtype``. The constructor and the
+group accept either form.
 """
 
 from __future__ import annotations
@@ -47,10 +53,27 @@ from ..planning.cost import MUON_COST, FunctionCostModel
 from ..planning.views import MatrixLayout
 from ._common import MatrixOptimizer, as_float
 
-__all__ = ["Muon", "newton_schulz", "newton_schulz_batched", "adjust_lr"]
+__all__ = ["Muon", "newton_schulz", "newton_schulz_batched", "adjust_lr", "ns_dtype_name", "resolve_ns_dtype"]
 
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def resolve_ns_dtype(value: "torch.dtype | str") -> torch.dtype:
+    """The floating ``torch.dtype`` that ``value`` names (a ``torch.dtype``, or its name such as
+    ``"bfloat16"`` or ``"torch.float32"``); ``ValueError`` naming the value otherwise."""
+    dtype: Any = value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"ns_dtype must be a floating torch.dtype or its name (torch.float32, 'bfloat16'), got {value!r}")
+    return dtype
+
+
+def ns_dtype_name(value: "torch.dtype | str") -> str:
+    """The name a param group keeps for ``ns_dtype`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(resolve_ns_dtype(value)).removeprefix("torch.")
 
 
 def newton_schulz(
@@ -58,7 +81,7 @@ def newton_schulz(
     ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
-    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_dtype: "torch.dtype | str" = torch.bfloat16,
 ) -> Tensor:
     """Approximately orthogonalise a 2D ``grad`` (``U V^T``) by a quintic Newton-Schulz iteration.
 
@@ -76,7 +99,7 @@ def newton_schulz(
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = ns_coefficients
     tall = grad.size(0) > grad.size(1)
-    x = grad.to(ns_dtype, copy=True)  # copy: never scale the caller's tensor in place
+    x = grad.to(resolve_ns_dtype(ns_dtype), copy=True)  # copy: never scale the caller's tensor in place
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
@@ -94,7 +117,7 @@ def newton_schulz_batched(
     ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
-    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_dtype: "torch.dtype | str" = torch.bfloat16,
 ) -> Tensor:
     """:func:`newton_schulz` of every matrix of a ``(batch, m, n)`` stack at once.
 
@@ -107,7 +130,7 @@ def newton_schulz_batched(
         raise ValueError(f"expected a (batch, m, n) stack, got shape {tuple(grads.shape)}")
     a, b, c = ns_coefficients
     tall = grads.size(1) > grads.size(2)
-    x = grads.to(ns_dtype, copy=True)
+    x = grads.to(resolve_ns_dtype(ns_dtype), copy=True)
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
@@ -149,7 +172,8 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: None or ``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
             (``0.2 * sqrt(max(A, B))``) (default None = ``"original"``).
         ns_dtype: precision of the Newton-Schulz iteration (default ``torch.bfloat16``, as torch;
-            ``torch.float32`` for exactness). The result is cast back to the parameter dtype.
+            ``torch.float32`` for exactness), a ``torch.dtype`` or its name; the param group
+            keeps the name. The result is cast back to the parameter dtype.
         batched: run same-shape matrices of a group through one stacked Newton-Schulz
             (default True; see the module docstring).
 
@@ -173,7 +197,7 @@ class Muon(MatrixOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: "torch.dtype | str" = torch.bfloat16,
         batched: bool = True,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -190,8 +214,6 @@ class Muon(MatrixOptimizer):
             raise ValueError("ns_coefficients must be a tuple of exactly 3 values")
         if not 0 <= ns_steps < 100:
             raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
-        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -201,7 +223,7 @@ class Muon(MatrixOptimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
-            "ns_dtype": ns_dtype,
+            "ns_dtype": ns_dtype_name(ns_dtype),  # a name: state-dict utilities refuse torch.dtype
             "batched": batched,
         }
         super().__init__(params, defaults)

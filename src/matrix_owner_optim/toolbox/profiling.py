@@ -6,15 +6,49 @@ input shapes. :func:`backend_ops` lists them (optionally inside a time window, s
 with the same conventions as :mod:`matrix_owner_optim.comm` (ring all-reduce, own chunk
 excluded). Used to measure stock FSDP2 and ``torch.optim.Muon``, whose collectives do not go
 through our wrappers, and to cross-check ours.
+
+:func:`native_stderr_without_usdt` wraps the profiler's start and stop: torch's profiler
+(kineto) writes ``USDT: ... profiler_start`` / ``profiler_stop`` lines to the process's
+native stderr, which would land in the commands' output.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES"]
+__all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES",
+           "native_stderr_without_usdt"]
+
+_USDT_PREFIX = "USDT:"
+
+
+@contextmanager
+def native_stderr_without_usdt() -> Iterator[None]:
+    """Capture file descriptor 2 while the body runs (the profiler's ``__enter__`` or
+    ``__exit__``) and write back every line except kineto's ``USDT:`` trace markers; anything
+    else printed there meanwhile (a warning, an error) still reaches stderr, after the body."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not line.startswith(_USDT_PREFIX)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")
 

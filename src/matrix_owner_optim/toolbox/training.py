@@ -28,7 +28,7 @@ from .models import GPT, GPTConfig
 from ..optim import OwnerRoutedOptimizer
 from ..planning.metadata import Role
 from ..planning.roles import module_roles
-from .profiling import backend_ops, op_bytes, phase_windows
+from .profiling import backend_ops, native_stderr_without_usdt, op_bytes, phase_windows
 
 __all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes", "synchronize"]
 
@@ -205,7 +205,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
         if cfg.profile_step == step:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
-            prof.__enter__()
+            with native_stderr_without_usdt():  # kineto's USDT markers are no output of ours
+                prof.__enter__()
         synchronize(device)
         t0 = time.perf_counter()
         with CommCounter() as cc:
@@ -227,7 +228,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
         for s in schedulers:
             s.step()
         if prof is not None:
-            prof.__exit__(None, None, None)
+            with native_stderr_without_usdt():
+                prof.__exit__(None, None, None)
             profiled = _profiled_bytes(prof, world_size)
         loss_value, comm_bytes = float(loss.detach()), cc.by_phase()
         rec: dict[str, Any] = {"step": step, "loss": loss_value, "step_time_s": t2 - t0,
