@@ -75,11 +75,9 @@ def _state_diff(a: dict, b: dict) -> tuple[float, int, bool]:
 
 ALL_FORMS = ("full", "cpu_offload", "full_cpu_offload")
 # A matrix's optimizer state exists on its owner alone (owner layout, and stock FSDP2, whose
-# matrices are updated whole on an owner), so with full_state_dict=True torch's
-# _iterate_state_dict broadcasts from the owner while the other ranks, which have no such key, do
-# not: a deadlock. The non-owners need empty pieces with the owner's keys, shapes and dtypes; see
-# test_full_optimizer_state_dict_on_the_owner_layout. cpu_offload=True alone round-trips.
-OWNER_FORMS = ("cpu_offload",)
+# matrices are updated whole on an owner); every other rank lists its keys as empty pieces, so
+# every form round-trips on both layouts.
+OWNER_FORMS = ALL_FORMS
 
 
 def dsd_roundtrips(model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -193,10 +191,6 @@ def owner_full_job(rank: int, W: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="owner layout: optimizer state keys differ per rank, so full_state_dict=True "
-                          "deadlocks in torch's _iterate_state_dict (see OWNER_FORMS); left to the "
-                          "piece representation of the owner layout (issue 23)")
 def test_full_optimizer_state_dict_on_the_owner_layout() -> None:
     res = spawn_ranks(owner_full_job, 2, threads_per_rank=1, timeout_s=10)
     for rank, r in enumerate(res):

@@ -179,6 +179,17 @@ def is_owner_dtensor(t: Any) -> "TypeGuard[OwnerDTensor]":
     return isinstance(t, OwnerDTensor)
 
 
+def as_owner_dtensor(value: Any) -> Any:
+    """``value`` as an owner-layout DTensor when it is a plain ``DTensor`` carrying an owner
+    placement (torch's state-dict utilities rebuild pieces with ``DTensor.from_local``);
+    anything else as it is."""
+    if isinstance(value, DTensor) and not isinstance(value, OwnerDTensor) and len(value.placements) == 1 \
+            and isinstance(value.placements[0], OwnerShard):
+        return OwnerDTensor.make(value._local_tensor, value.device_mesh, value.placements[0], value.shape,
+                                 value.stride())
+    return value
+
+
 def like_layout(t: "OwnerDTensor", local: torch.Tensor) -> "OwnerDTensor":
     """``local`` (this rank's piece of a tensor laid out as ``t``) as an owner-layout DTensor."""
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
@@ -276,13 +287,13 @@ class OwnerDTensor(DTensor):
         """A tensor held whole by ``owner``: ``local`` is the whole tensor there, empty elsewhere."""
         shape = tuple(int(s) for s in shape)
         me = mesh.get_local_rank()
+        if len(shape) == 0:  # a scalar: the owner's value, a zero placeholder elsewhere (Partial sum)
+            value = local.reshape(()) if me == owner else torch.zeros((), dtype=local.dtype, device=local.device)
+            return OwnerDTensor.make(value, mesh, Partial("sum"), shape, holder=owner)
         if me == owner and tuple(local.shape) != shape:
             raise ValueError(f"the owner's piece has shape {tuple(local.shape)}, expected {shape}")
         if me != owner and local.numel() != 0:
             raise ValueError(f"a non-owner's piece must be empty, got shape {tuple(local.shape)}")
-        if len(shape) == 0:
-            return OwnerDTensor.make(local.reshape(()) if local.numel() else torch.zeros((), dtype=local.dtype,
-                                     device=local.device), mesh, Partial("sum"), shape, holder=owner)
         if me != owner:
             local = local.reshape((0, *shape[1:]))
         return OwnerDTensor.make(local, mesh, OwnerShard(0, owned_ranges(shape[0], owner, mesh.size())), shape)

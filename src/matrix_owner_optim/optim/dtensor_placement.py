@@ -47,7 +47,7 @@ from .. import comm
 from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
-from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
 from ..tensors import local_tensor
 from .placements import Placement, RouterConfig
 from .replicated_placement import plan_owners
@@ -342,7 +342,7 @@ class DTensorPlacement(Placement):
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """A matrix's state (on its owner's full copy): held whole by the owner over the shard group;
         shard-local state (tail): a DTensor with the parameter's mesh and placements."""
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and rp.owner is None):
             return value
         p = rp.param
         if rp.owner is not None:
@@ -357,10 +357,16 @@ class DTensorPlacement(Placement):
         return DTensor.from_local(value, p.device_mesh, list(p.placements), run_check=False,  # type: ignore[attr-defined]
                                   shape=p.shape, stride=p.stride())
 
+    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
+        if rp.owner is None or id(rp) not in self._group_of:
+            return None
+        return rp.owner, self._group_of[id(rp)]
+
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         from .placements import plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
+        value = as_owner_dtensor(value)
         if not isinstance(value, torch.Tensor):
             return value
         if rp.owner is not None or value.dim() == 0:

@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..comm import comm_phase
@@ -36,10 +37,10 @@ from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides, conv_params
 from ..planning.views import MatrixView, ViewOverrides
 from . import report
-from .placements import Placement, RouterConfig, placement_for
+from .placements import Placement, RouterConfig, is_multi_rank, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
-from ..owner_dtensor import is_owner_dtensor
+from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
 from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
                       resolve_roles, swapped_in)
 from ..tensors import is_dtensor, local_tensor
@@ -529,9 +530,62 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             rp = ordered[idx]
             pl = placement[id(rp)]
             sd["state"][idx] = {k: pl.state_entry(rp, k, v) for k, v in st.items()}
-        for idx in range(len(ordered)):  # held by another rank, or stateless: an empty entry, so
-            sd["state"].setdefault(idx, {})  # every rank's keys cover every parameter (DSD needs that)
+        self._list_held_elsewhere(sd["state"], ordered, placement)
+        for idx in range(len(ordered)):  # stateless: an empty entry, so every rank's keys cover
+            sd["state"].setdefault(idx, {})  # every parameter (DSD needs that)
+        sd["state"] = dict(sorted(sd["state"].items()))  # one order on every rank, whoever holds what
         return sd
+
+    @staticmethod
+    def _whole_where_cut_elsewhere(saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]],
+                                   placement: dict[int, Placement]) -> dict[Any, Any]:
+        """State of owner-held tensors that arrives cut as ``torch.chunk`` rows (torch's
+        ``set_optimizer_state_dict(full_state_dict=True)`` re-distributes full tensors with
+        ``distribute_tensor``, which splits every ``Shard`` placement that way) made whole again:
+        every rank gathers each such piece, in the state dict's order (collective, symmetric:
+        every rank holds the same keys), and keeps its own part later as from a full tensor."""
+        out = dict(saved)
+        for key, rp in keyed:
+            entry = saved.get(key)
+            if not entry or placement[id(rp)].state_holder(rp) is None:
+                continue
+            fixed = dict(entry)
+            for k, v in entry.items():
+                if (isinstance(v, DTensor) and not is_owner_dtensor(v)
+                        and any(type(p) is Shard for p in v.placements)):
+                    fixed[k] = v.full_tensor()
+            out[key] = fixed
+        return out
+
+    def _list_held_elsewhere(self, state: dict[int, Any], ordered: list[RoutedParam],
+                             placement: dict[int, Placement]) -> None:
+        """Give this rank an entry, of empty pieces, for every state its owner alone holds, so
+        that every rank's state dict has the same keys and shapes (torch's full_state_dict and
+        DCP go through them in the same order on every rank). Collective when any state is
+        held by one rank: one all-gather of the (key, shape, dtype) lists."""
+        holders = {idx: placement[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
+        if not is_multi_rank() or all(h is None for h in holders.values()):
+            return
+        mine = {idx: {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
+                      if isinstance(v, torch.Tensor) else ("value", v) for k, v in state[idx].items()}
+                for idx, h in holders.items() if h is not None and state.get(idx)}
+        for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
+            for idx, keys in theirs.items():
+                held = holders[idx]
+                if state.get(idx) or held is None:
+                    continue
+                owner, group = held
+                entry: dict[str, Any] = {}
+                for k, spec in keys.items():
+                    if spec[0] == "value":
+                        entry[k] = spec[1]
+                        continue
+                    shape, dtype, device = spec
+                    empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype),
+                                        device=device)
+                    entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner,
+                                                  mesh_of_group(group, device), shape)
+                state[idx] = entry
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collective (every rank): gather the owners' matrix state of a DDP job
@@ -615,6 +669,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         missing: list[str] = []
         pairs = [(key, param, any(saved_state.get(k) for k in sg["params"]))
                  for sg, g in zip(saved_groups, groups) for key, param in zip(sg["params"], g["params"])]
+        saved_state = self._whole_where_cut_elsewhere(saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs],
+                                                      placement)
         for key, param, group_has_state in pairs:
             rp = by_param[id(param)]
             if rp.proxy is None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
-from ..owner_dtensor import is_owner_dtensor
+from ..owner_dtensor import as_owner_dtensor, is_owner_dtensor
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -92,9 +92,15 @@ class Placement(ABC):
         """``value`` (state ``key`` of ``rp`` on this rank) as a state-dict entry.
 
         Default: the tensor itself (one process, replicated layouts). Partitioned layouts return
-        DCP pieces of the global tensor (``DTensor`` / ``OwnedTensor``) so that DCP reshards.
+        DCP pieces of the global tensor (owner-layout DTensors) so that DCP reshards.
         """
         return value
+
+    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
+        """(owner in the shard group, shard group) when one rank alone holds ``rp``'s state
+        (the others then list its keys as empty pieces, so every rank's state dict has the same
+        entries, as torch's state-dict utilities need); None where every rank holds its own."""
+        return None
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """This rank's value of state ``key`` of ``rp`` from a state-dict entry: a piece written
@@ -181,15 +187,18 @@ class LocalPlacement(Placement):
         return shard, rank, get_shard_group(rp.param)
 
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """Owner-held state: an ``OwnedTensor`` of its own shape; row-block state (``sharded``):
-        a ``Shard(0)`` DTensor of the parameter's global shape; scalars as they are."""
+        """Owner-held state (``step`` included): held whole by the owner, of its own shape;
+        row-block state (``sharded``): a ``Shard(0)`` DTensor of the parameter's global shape;
+        its scalars as they are (every rank holds the same)."""
         info = self._sharded(rp)
-        if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if info is None or not isinstance(value, torch.Tensor):
             return value
         from ..planning.metadata import Role
         from ..pieces import piece_of
 
         shard, rank, group = info
+        if value.dim() == 0 and shard.role is Role.SHARDED:
+            return value
         if shard.role is Role.SHARDED:
             if tuple(value.shape) != tuple(shard.local_shape(rank)):
                 raise ValueError(
@@ -200,9 +209,21 @@ class LocalPlacement(Placement):
             return piece_of(value, shard, rank, group)
         return piece_of(value, shard, rank, group, shape=tuple(value.shape))
 
+    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
+        info = self._sharded(rp)
+        if info is None or info[0].role is Role.SHARDED or info[0].owner is None:
+            return None
+        return info[0].owner, info[2]
+
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         info = self._sharded(rp)
         what = f"optimizer state {key!r} of {rp.label!r}"
+        value = as_owner_dtensor(value)
+        if info is not None and is_owner_dtensor(value) and value.holder is not None:
+            if value.holder != info[0].owner:
+                raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
+                                 f"{info[0].owner} here; load a full state dict or go through DCP")
+            return local_tensor(value)
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
         from ..planning.metadata import Role
