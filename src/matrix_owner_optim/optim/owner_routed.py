@@ -195,6 +195,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         user_groups, self._type_roles = normalize_params(params)
         # roles for all groups at once: one warning lists every matrix routed by shape alone
         resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False, views=self._views,
+                      preconditioner=self._factories[Role.MATRIX],
                       convs=conv_params(params) if isinstance(params, torch.nn.Module) else None)
         self._pending: list[UserGroup] = user_groups
         # torch's constructor calls add_param_group once per group; we hand it our groups.
@@ -217,7 +218,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if id(rp.param) in known:
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
-            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views)
+            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views,
+                          preconditioner=self._factories[Role.MATRIX])
         if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
             have = "with" if "param_names" in self.param_groups[0] else "without"
             raise ValueError(

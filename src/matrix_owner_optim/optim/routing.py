@@ -164,6 +164,7 @@ def resolve_roles(
     check_globs: bool = True,
     views: ViewOverrides | None = None,
     convs: Mapping[int, bool] | None = None,
+    preconditioner: Any = None,
 ) -> None:
     """Fill ``role`` (and ``shard``, and ``view`` of matrices) of every :class:`RoutedParam`,
     validating matrix shapes. ``views`` are the ``matrix_views=`` globs; ``convs`` says per
@@ -178,7 +179,7 @@ def resolve_roles(
     for g in groups:
         for rp in g.params:
             # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
-            rp.shard = ensure_sharded(rp.param)
+            rp.shard = ensure_sharded(rp.param, preconditioner)  # priced by the matrix optimizer
     routers = router_fqns(n for g in groups for rp in g.params
                           for n in ([rp.name] if rp.name else []) + ([rp.shard.fqn] if rp.shard else []))
     for g in groups:

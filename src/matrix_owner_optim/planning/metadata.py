@@ -332,7 +332,7 @@ def get_shard_rank(param: torch.Tensor) -> int | None:
 _PENDING_PARAM_ATTR = "_moo_awaiting_shard"
 
 
-def mark_awaiting_shard(param: torch.Tensor, shard_now: Callable[[], None]) -> None:
+def mark_awaiting_shard(param: torch.Tensor, shard_now: Callable[[Any], None]) -> None:
     """Flag a parameter of a module passed to ``fully_shard`` whose plan is not fixed yet.
 
     Sharding is lazy (the plan covers every unit, so it waits for the first forward or the
@@ -347,10 +347,14 @@ def is_awaiting_shard(param: torch.Tensor) -> bool:
     return getattr(param, _PENDING_PARAM_ATTR, None) is not None and peek_matrix_shard(param) is None
 
 
-def ensure_sharded(param: torch.Tensor) -> MatrixShard | None:
-    """Shard ``param``'s model now if it waits for lazy sharding; return its MatrixShard."""
+def ensure_sharded(param: torch.Tensor, preconditioner: Any = None) -> MatrixShard | None:
+    """Shard ``param``'s model now if it waits for lazy sharding; return its MatrixShard.
+
+    ``preconditioner`` (a name, a cost model or an optimizer class) prices the matrices of a plan
+    fixed now, unless ``fully_shard(preconditioner=...)`` named one: the optimizer that fixes
+    the plan passes its own, so a Shampoo run is balanced for Shampoo's cost."""
     if is_awaiting_shard(param):
-        getattr(param, _PENDING_PARAM_ATTR)()
+        getattr(param, _PENDING_PARAM_ATTR)(preconditioner)
     if hasattr(param, _PENDING_PARAM_ATTR):
         delattr(param, _PENDING_PARAM_ATTR)
     return peek_matrix_shard(param)

@@ -49,6 +49,7 @@ from ..planning.metadata import (
     peek_matrix_shard,
     record_unit_prefixes,
 )
+from ..planning.cost import get_cost_model
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
 from .. import comm
@@ -76,6 +77,7 @@ class OwnerShardState:
     unit: ShardedUnit | None = None  # set when the plan is fixed
     failed: str | None = None  # why sharding failed, if it did
     forward_methods: list[str] = field(default_factory=list)
+    preconditioner: Any = None  # prices the plan's matrices (None: the optimizer's, else Muon)
 
 
 # Modules passed to fully_shard whose plan is not fixed yet, in call order. Weak: a model the
@@ -350,10 +352,10 @@ class _ShardNow:
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
 
-    def __call__(self) -> None:
+    def __call__(self, preconditioner: Any = None) -> None:
         module = self._module()
         if module is not None:
-            _ensure_sharded(module)
+            _ensure_sharded(module, preconditioner)
 
 
 def _mark_pending_params(module: nn.Module) -> None:
@@ -370,6 +372,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     plan: ShardingPlan | None = None,
+    preconditioner: Any = None,
 ) -> Any:
     """Owner-shaped sharding of ``module``'s parameters not already in a child unit.
 
@@ -389,6 +392,10 @@ def fully_shard(
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
             units and segments follow the ``fully_shard`` calls).
+        preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
+            ``"shampoo"``, a ``CostModel`` or an optimizer class). Default: the optimizer that
+            fixes the plan (``OwnerRoutedOptimizer`` built before the first forward passes its
+            own), else Muon's.
 
     Returns ``module``. Nothing moves until the plan is fixed (module docstring); build the
     optimizer after the ``fully_shard`` calls.
@@ -410,6 +417,8 @@ def fully_shard(
                              "list; list modules that do not contain each other")
     rsf = _check_reshard_after_forward(reshard_after_forward)
     _check_mp_policy(mp_policy)
+    if preconditioner is not None:
+        get_cost_model(preconditioner)  # an unknown name fails here, before anything is recorded
     group, replicate_group = _resolve_group(mesh)
     if plan is not None:
         _check_plan_world_size(plan, dist.get_world_size(group))
@@ -420,7 +429,8 @@ def fully_shard(
         move_states_to_device(m, device)
         as_owner_dtensors(m, mesh_of_group(group, device.type))
         _swap_class(m)
-        m.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls)
+        m.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls,
+                                                  preconditioner=preconditioner)
         _pending.append(weakref.ref(m))
         _mark_pending_params(m)
         m.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
@@ -589,8 +599,9 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
 
 
 # -- lazy sharding -------------------------------------------------------------------------------
-def _ensure_sharded(module: nn.Module) -> None:
-    """Fix the plan and shard every pending unit on ``module``'s mesh (no-op once sharded)."""
+def _ensure_sharded(module: nn.Module, preconditioner: Any = None) -> None:
+    """Fix the plan and shard every pending unit on ``module``'s mesh (no-op once sharded);
+    ``preconditioner`` prices it unless a ``fully_shard`` call named one (default: Muon)."""
     state = _require_state(module)
     if state.unit is not None:
         return
@@ -608,7 +619,7 @@ def _ensure_sharded(module: nn.Module) -> None:
     if not any(m is module for m in modules):
         modules.append(module)
     try:
-        _shard(modules)
+        _shard(modules, preconditioner)
     except BaseException as exc:
         for m in modules:
             _require_state(m).failed = f"{type(exc).__name__}: {exc}"
@@ -752,7 +763,7 @@ def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
             mod._parameters[name] = new[id(p)]
 
 
-def _shard(modules: list[nn.Module]) -> None:
+def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
     """Plan ``modules`` (units in call order) as one model and shard every unit."""
     states = [_require_state(m) for m in modules]
     group, replicate_group = states[0].group, states[0].replicate_group
@@ -780,7 +791,8 @@ def _shard(modules: list[nn.Module]) -> None:
         _validate_plan(given, specs, W)
         plan = given
     else:
-        plan = plan_tensors(specs, W)
+        named = next((s.preconditioner for s in reversed(states) if s.preconditioner is not None), None)
+        plan = plan_tensors(specs, W, preconditioner=named if named is not None else preconditioner)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(  # the first collective, before any data moves
         plan, group, who="fully_shard", what="sharding plan",
