@@ -195,8 +195,12 @@ def like_layout(t: "OwnerDTensor", local: torch.Tensor) -> "OwnerDTensor":
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
 
 
-def placement_of(role_is_rows: bool, owner: int | None, shape: Sequence[int], world_size: int) -> Any:
-    """The placement of a planned tensor: ``Shard(0)`` row blocks, or held whole by ``owner``."""
+def placement_of(role_is_rows: bool, owner: int | None, shape: Sequence[int], world_size: int,
+                 ranges: Sequence[tuple[int, int]] | None = None) -> Any:
+    """The placement of a planned tensor: ``Shard(0)`` row blocks, planned row ``ranges`` per
+    rank (a stack split into whole experts), or held whole by ``owner``."""
+    if ranges is not None:
+        return OwnerShard(0, ranges)
     if role_is_rows:
         return Shard(0)
     assert owner is not None

@@ -36,6 +36,9 @@ def piece_of(
     ``Shard(0)`` DTensors, owner-held tensors :class:`OwnedTensor`.
     """
     mesh = mesh_of_group(group, local.device.type)
+    if shard.is_split:  # this rank's experts; state keeps the experts on dim 0
+        full = tuple(shape) if shape is not None else (shard.shape[0], *local.shape[1:])
+        return OwnerDTensor.make(local, mesh, _split_placement(shard), full)
     if shard.role is Role.SHARDED:
         return OwnerDTensor.rows(local, mesh, shard.shape if shape is None else shape)
     assert shard.owner is not None
@@ -43,6 +46,10 @@ def piece_of(
     if rank != shard.owner:  # nothing of it here: an empty piece of the global shape
         local = local.new_empty((0, *full_shape[1:])) if full_shape else local.new_zeros(())
     return OwnerDTensor.owned(local, shard.owner, mesh, full_shape)
+
+
+def _split_placement(shard: MatrixShard) -> OwnerShard:
+    return OwnerShard(0, [shard.row_range(r) for r in range(shard.world_size)])
 
 
 def local_piece(
@@ -55,8 +62,11 @@ def local_piece(
     (and the empty shape of non-owners). No collective.
     """
     full_shape = tuple(shard.shape)
+    if shard.is_split and isinstance(value, torch.Tensor) and value.dim() > 0 \
+            and int(value.shape[0]) == int(full_shape[0]):  # experts on dim 0 (also their state)
+        full_shape = (full_shape[0], *value.shape[1:])
     if isinstance(value, OwnerDTensor) and not isinstance(value.placement, Replicate):
-        expected = (Shard(0) if shard.role is Role.SHARDED else
+        expected = (_split_placement(shard) if shard.is_split else Shard(0) if shard.role is Role.SHARDED else
                     OwnerShard(0, tuple((0, full_shape[0]) if r == shard.owner else (full_shape[0],) * 2
                                         for r in range(shard.world_size))) if full_shape else None)
         if tuple(value.shape) == full_shape and (
@@ -89,8 +99,10 @@ def local_piece(
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
     local_shape = tuple(shard.local_shape(rank))
+    if shard.is_split:
+        local_shape = (local_shape[0], *full_shape[1:])
     if tuple(value.shape) == full_shape:
-        if shard.role is Role.SHARDED:
+        if shard.holds_rows:
             start, stop = shard.row_range(rank)
             return value[start:stop]
         if shard.is_owned_by(rank):
@@ -108,6 +120,8 @@ def local_piece(
 
 
 def describe(shard: MatrixShard, rank: int) -> str:
+    if shard.is_split:
+        return f"whole experts over {shard.world_size} ranks (rank {rank} holds {shard.row_range(rank)})"
     if shard.role is Role.SHARDED:
         return f"row blocks over {shard.world_size} ranks (rank {rank} holds rows {shard.row_range(rank)})"
     return f"held whole by rank {shard.owner} of {shard.world_size}"

@@ -149,7 +149,7 @@ class LocalPlacement(Placement):
             if shard is not None:
                 rank = get_shard_rank(rp.param)
                 rp.owner = shard.owner
-                if shard.role is Role.SHARDED:
+                if shard.holds_rows:
                     local = piece.numel() > 0
                 else:
                     local = shard.owner == rank and (piece.numel() > 0 or not shard.shape)
@@ -197,8 +197,10 @@ class LocalPlacement(Placement):
         from ..pieces import piece_of
 
         shard, rank, group = info
-        if value.dim() == 0 and shard.role is Role.SHARDED:
+        if value.dim() == 0 and shard.holds_rows:
             return value
+        if shard.is_split:  # this rank's experts: their state keeps the experts on dim 0
+            return piece_of(value, shard, rank, group)
         if shard.role is Role.SHARDED:
             if tuple(value.shape) != tuple(shard.local_shape(rank)):
                 raise ValueError(
@@ -211,7 +213,7 @@ class LocalPlacement(Placement):
 
     def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
         info = self._sharded(rp)
-        if info is None or info[0].role is Role.SHARDED or info[0].owner is None:
+        if info is None or info[0].holds_rows or info[0].owner is None:
             return None
         return info[0].owner, info[2]
 
@@ -226,11 +228,10 @@ class LocalPlacement(Placement):
             return local_tensor(value)
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
-        from ..planning.metadata import Role
         from ..pieces import local_piece
 
         shard, rank, _ = info
-        if shard.role is Role.SHARDED:
+        if shard.holds_rows:
             return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
         if is_owner_dtensor(value) and value.holder is not None:
             if value.holder != shard.owner:

@@ -65,7 +65,7 @@ def plan_owners(
                    dtype=dtype, role=Role.MATRIX, unit=0, requires_grad=rp.param.requires_grad)
         for rp, shape, dtype in zip(rps, shapes, dtypes)
     ]
-    plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon")
+    plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon", split_stacks=False)
     check_plan_agreement(
         plan, group, who="OwnerRoutedOptimizer", what="owner plan",
         remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "

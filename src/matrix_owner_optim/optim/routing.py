@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, cast
 import torch
 from torch import nn
 
-from ..planning.metadata import MatrixShard, Role, ensure_sharded, parse_role
+from ..planning.metadata import MatrixShard, Role, ensure_sharded, get_shard_rank, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, router_fqns, validate_role
 from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
@@ -253,7 +253,11 @@ def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
     """Record every matrix's view on the tensor its optimizer updates (its ``proxy``)."""
     for rp in rps:
         if rp.role is Role.MATRIX and rp.view is not None and rp.proxy is not None:
-            declare_matrix_view(rp.proxy, rp.view, shape=rp.global_shape, name=rp.label)
+            shape = tuple(rp.global_shape)
+            if rp.shard is not None and rp.shard.is_split:  # this rank's experts only
+                start, stop = rp.shard.row_range(get_shard_rank(rp.param) or 0)
+                shape = (stop - start, *shape[1:])
+            declare_matrix_view(rp.proxy, rp.view, shape=shape, name=rp.label)
 
 
 def _require_matrix_view(rp: RoutedParam) -> None:

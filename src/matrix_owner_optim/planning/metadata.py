@@ -98,6 +98,17 @@ class MatrixShard:
     aliases: tuple[str, ...] = ()
     requires_grad: bool = True
     world_size: int = 1
+    row_owners: tuple[tuple[int, int, int], ...] = ()  # a split stack: (start, stop, rank) per rank
+
+    @property
+    def is_split(self) -> bool:
+        """A stack of matrices held as whole experts by several owners (rows per rank)."""
+        return bool(self.row_owners)
+
+    @property
+    def holds_rows(self) -> bool:
+        """Whether every rank holds rows of it (``sharded`` row blocks, or a split stack)."""
+        return self.role is Role.SHARDED or self.is_split
 
     @property
     def numel(self) -> int:
@@ -120,13 +131,16 @@ class MatrixShard:
         Rows are split as ``torch.chunk`` splits them (FSDP2's ``Shard(0)`` convention):
         ``ceil(rows / W)`` per rank, the last ranks possibly short or empty.
         """
+        if self.is_split:
+            start, stop, _ = next(r for r in self.row_owners if r[2] == rank)
+            return start, stop
         if self.role is not Role.SHARDED:
-            raise ValueError(f"{self.fqn}: row_range is only defined for role 'sharded'")
+            raise ValueError(f"{self.fqn}: row_range is only defined for role 'sharded' and split stacks")
         return chunk_row_range(self.shape[0] if self.shape else 1, self.world_size, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the tensor this rank keeps resident when sharded."""
-        if self.role is Role.SHARDED:
+        if self.holds_rows:
             start, stop = self.row_range(rank)
             return (stop - start, *self.shape[1:])
         if self.is_owned_by(rank):
@@ -134,7 +148,7 @@ class MatrixShard:
         return (0, *self.shape[1:]) if self.shape else ()  # no rows (a placeholder for a scalar)
 
     def local_numel(self, rank: int) -> int:
-        if self.role is not Role.SHARDED and not self.is_owned_by(rank):
+        if not self.holds_rows and not self.is_owned_by(rank):
             return 0
         n = 1
         for s in self.local_shape(rank):
@@ -153,6 +167,7 @@ class MatrixShard:
             "segment_length": self.segment_length,
             "aliases": list(self.aliases),
             "requires_grad": self.requires_grad,
+            **({"row_owners": [list(r) for r in self.row_owners]} if self.row_owners else {}),
         }
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, matrix_flops, matrix_state_bytes, numel
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
 from .roles import TensorSpec, specs_from_module
-from .views import MatrixView
+from .views import MatrixView, default_matrix_view
 
 __all__ = ["plan_tensors", "plan_model", "tensor_resident_bytes", "tensor_flops"]
 
@@ -69,8 +69,13 @@ def plan_tensors(
     preconditioner: "str | CostModel | type" = "muon",
     tail_cost: CostModel = ADAMW_COST,
     refine_iterations: int = 200,
+    split_stacks: bool = True,
 ) -> ShardingPlan:
-    """Place ``specs`` (in model order) on ``world_size`` ranks and return the plan."""
+    """Place ``specs`` (in model order) on ``world_size`` ranks and return the plan.
+
+    ``split_stacks``: a heavy stack of matrices (fused experts) may be split over owners at
+    expert boundaries (``MatrixShard.row_owners``); False keeps every matrix whole on one owner
+    (what a layout that updates whole tensors on owners needs: DDP's owner placement)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     seen: set[str] = set()
@@ -124,6 +129,25 @@ def plan_tensors(
     for it in items:
         it.score = it.bytes / bt + it.flops / ft
 
+    # -- experts as ownable units: a stack of matrices of about half a fair share or more is
+    # placed expert by expert (whole experts only), so balance holds when experts outnumber ranks
+    split_of: dict[int, tuple[str, int]] = {}  # item index -> (fqn of the stack, experts in it)
+    if W > 1 and split_stacks:
+        for s in specs:
+            if s.role is not Role.MATRIX or s.fqn not in item_of or not _splits_by_expert(s):
+                continue
+            it = items[item_of[s.fqn]]
+            if it.score <= 1.0:  # about half a fair share of bytes and of FLOPs, or more
+                continue
+            experts = int(s.shape[0])
+            it.bytes, it.flops, it.score = it.bytes / experts, it.flops / experts, it.score / experts
+            split_of[it.index] = (s.fqn, 1)
+            for _ in range(experts - 1):
+                extra = _Item(len(items), [s.fqn], it.bytes, it.flops, True)
+                extra.score = it.score
+                split_of[extra.index] = (s.fqn, 1)
+                items.append(extra)
+
     ranks = [_Rank(base_bytes[r], base_flops[r]) for r in range(W)]
 
     def level(b: float, f: float) -> tuple[float, float]:
@@ -156,12 +180,24 @@ def plan_tensors(
     _refine(ranks, items, level, refine_iterations)
 
     owner_of_item = {i: r for r, rk in enumerate(ranks) for i in rk.items}
+    # a split stack: each rank's experts as one contiguous row range, ranks in order (experts of
+    # one stack cost the same, so only how many each rank holds matters)
+    row_owners: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    counts: dict[str, list[int]] = {}
+    for i, (fqn, n) in split_of.items():
+        counts.setdefault(fqn, [0] * W)[owner_of_item[i]] += n
+    for fqn, per_rank in counts.items():
+        start, ranges = 0, []
+        for r in range(W):
+            ranges.append((start, start + per_rank[r], r))
+            start += per_rank[r]
+        row_owners[fqn] = tuple(ranges)
 
     # -- segments: each rank's owned tensors of a unit, contiguous, in model order -------------
     cursor: dict[tuple[int, int], int] = {}
     shards: dict[str, MatrixShard] = {}
     for s in specs:
-        if s.role is Role.SHARDED:
+        if s.role is Role.SHARDED or s.fqn in row_owners:
             owner = None
             offset = length = 0
         else:
@@ -172,7 +208,7 @@ def plan_tensors(
         shards[s.fqn] = MatrixShard(
             fqn=s.fqn, shape=tuple(s.shape), dtype=s.dtype, role=s.role, owner=owner,
             unit=s.unit, segment_offset=offset, segment_length=length, aliases=tuple(s.aliases),
-            requires_grad=s.requires_grad, world_size=W,
+            requires_grad=s.requires_grad, world_size=W, row_owners=row_owners.get(s.fqn, ()),
         )
 
     loads = []
@@ -188,6 +224,14 @@ def plan_tensors(
             )
         )
     return ShardingPlan(world_size=W, shards=shards, loads=loads, preconditioner=cost_name)
+
+
+def _splits_by_expert(s: TensorSpec) -> bool:
+    """A 3D stack of matrices (fused experts ``[E, out, in]``): its dim 0 indexes whole matrices."""
+    if len(s.shape) != 3 or int(s.shape[0]) < 2:
+        return False
+    view = s.view if s.view is not None else default_matrix_view(s.shape, name=s.fqn)
+    return view is not None and view.kind == "stack"
 
 
 def _refine(ranks: list[_Rank], items: list[_Item], level, iterations: int) -> None:

@@ -696,7 +696,7 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int)
                 f"fully_shard: parameter {s.fqn!r} is {tuple(s.shape)} {s.dtype} in the model but "
                 f"{tuple(shard.shape)} {shard.dtype} in the plan"
             )
-        if shard.role is not Role.SHARDED and (shard.owner is None or not 0 <= shard.owner < world_size):
+        if not shard.holds_rows and (shard.owner is None or not 0 <= shard.owner < world_size):
             raise ValueError(f"fully_shard: parameter {s.fqn!r} has no valid owner in the plan ({shard.owner!r})")
 
 
@@ -706,7 +706,7 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
     out: dict[str, MatrixShard] = {}
     for s in specs:
         shard = plan[s.fqn]
-        if shard.role is Role.SHARDED:
+        if shard.holds_rows:
             offset = length = 0
         else:
             length = shard.numel
@@ -722,7 +722,7 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
 def _local_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
     """This rank's data of a parameter: whole on its owner, row block, or an empty piece (no
     rows; a 0-dim placeholder zero for a scalar)."""
-    if shard.role is Role.SHARDED:
+    if shard.holds_rows:
         start, stop = shard.row_range(rank)
         return full.detach()[start:stop].clone()
     if shard.is_owned_by(rank):
@@ -816,7 +816,9 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
         with torch.no_grad():
             param.grad = None
             piece = _local_piece(local_tensor(param), shard, rank)
-            param.relayout(piece, placement_of(shard.role is Role.SHARDED, shard.owner, shard.shape, W))
+            param.relayout(piece, placement_of(shard.role is Role.SHARDED, shard.owner, shard.shape, W,
+                                               ranges=[shard.row_range(r) for r in range(W)] if shard.is_split
+                                               else None))
         attach_matrix_shard(param, shard, rank, group)
         handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 

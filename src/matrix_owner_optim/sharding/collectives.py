@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..planning.metadata import MatrixShard, Role
+from ..planning.metadata import MatrixShard
 
 __all__ = [
     "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "gradient_divide_factors",
@@ -62,13 +62,13 @@ class SegmentLayout:
         entries: list[list[SegmentEntry]] = [[] for _ in range(world_size)]
         cursor = [0] * world_size
         for i, s in enumerate(shards):
-            if include(s) and s.role is not Role.SHARDED:
+            if include(s) and not s.holds_rows:
                 if s.owner is None or not 0 <= s.owner < world_size:
                     raise ValueError(f"parameter {s.fqn!r} has owner {s.owner!r} outside world size {world_size}")
                 entries[s.owner].append(SegmentEntry(i, cursor[s.owner], s.numel))
                 cursor[s.owner] += s.numel
         for i, s in enumerate(shards):
-            if include(s) and s.role is Role.SHARDED:
+            if include(s) and s.holds_rows:
                 for r in range(world_size):
                     start, stop = s.row_range(r)
                     n = s.local_numel(r)
