@@ -179,7 +179,8 @@ def test_optimizer_state_dict_options_round_trip_on_both_layouts(W: int) -> None
                 print(f"W={W} {layout} {form} rank {rank}: {count} tensors, max |diff| {worst:.1e}")
                 assert same, f"W={W} {layout} {form} rank {rank}: keys or param groups differ after the round trip"
                 assert worst == 0.0, f"W={W} {layout} {form} rank {rank}: state differs by {worst}"
-                assert count > 0, (layout, form, rank)
+                # full_state_dict with cpu_offload: rank 0 alone receives the state (ranks_only=(0,))
+                assert count > 0 or (form == "full_cpu_offload" and rank > 0), (layout, form, rank)
 
 
 def owner_full_job(rank: int, W: int) -> dict[str, Any]:

@@ -75,12 +75,15 @@ class UserGroup:
     params: list[RoutedParam]
     options: dict[str, Any] = field(default_factory=dict)
     role: Role | None = None
+    names_given: bool = True  # False: names read off a module (routing only, not recorded)
 
     @property
     def named(self) -> bool:
-        """Whether every parameter has a name: then the optimizer's groups record
-        ``param_names``, as ``torch.optim`` does for ``(name, tensor)`` pairs."""
-        return bool(self.params) and all(rp.name is not None for rp in self.params)
+        """Whether the user named every parameter (``(name, tensor)`` pairs, ``param_names``):
+        then the optimizer's groups record ``param_names``, as ``torch.optim`` does. A module's
+        own names route but are not recorded, so ``OwnerRoutedOptimizer(model)`` and
+        ``(model.parameters())`` write the same state dict (DCP checks a checkpoint's keys)."""
+        return self.names_given and bool(self.params) and all(rp.name is not None for rp in self.params)
 
 
 def _named(items: Iterable[Any]) -> list[tuple[str | None, torch.Tensor]]:
@@ -114,6 +117,7 @@ def _param_names(names: Any, count: int) -> list[str]:
 def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup], dict[int, Role]]:
     """Turn ``params`` into user groups; also return module-type roles when a module is given."""
     type_roles: dict[int, Role] = {}
+    from_module = isinstance(params, nn.Module)
     if isinstance(params, nn.Module):
         type_roles = module_roles(params)
         params = list(params.named_parameters())
@@ -152,7 +156,7 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
         options = {k: v for k, v in g.items() if k not in ("params", "param_names", "role")}
         role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") \
             if "role" in g else None
-        groups.append(UserGroup(routed, options, role))
+        groups.append(UserGroup(routed, options, role, names_given=not from_module))
     return groups, type_roles
 
 
