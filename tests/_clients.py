@@ -29,7 +29,8 @@ def _common() -> dict[str, Any]:
 
 def build_hf(kind: str, seed: int = 0) -> nn.Module:
     """A tiny transformers decoder: ``llama`` (GQA: 4 query heads over 2 key/value heads, untied
-    head), ``qwen2`` (GQA, head tied to the embedding), ``mixtral`` (4 experts, top 2)."""
+    head), ``qwen2`` (GQA, head tied to the embedding), ``mixtral`` and ``qwen3_moe`` (4 fused
+    experts, top 2)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -42,12 +43,16 @@ def build_hf(kind: str, seed: int = 0) -> nn.Module:
     elif kind == "mixtral":
         cfg = tf.MixtralConfig(**_common(), num_local_experts=4, num_experts_per_tok=2)
         model = tf.MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**_common(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                decoder_sparse_step=1, mlp_only_layers=[])
+        model = tf.Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
     return model.float()
 
 
-HF_KINDS = ("llama", "qwen2", "mixtral")
+HF_KINDS = ("llama", "qwen2", "mixtral", "qwen3_moe")
 
 
 def global_tokens(step: int) -> torch.Tensor:

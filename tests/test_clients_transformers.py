@@ -230,3 +230,17 @@ def test_hf_trainer_saves_and_resumes(tmp_path: Path) -> None:
     worst, name = max_abs_diff(resumed, straight)
     print(f"Trainer resume: max |diff| {worst:.2e} ({name})")
     assert worst == 0.0, f"resumed run differs at {name} by {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_experts_reach_the_matrix_optimizer(kind: str) -> None:
+    """transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
+    take the matrix role by default and are stepped expert by expert; the router (``mlp.gate``)
+    stays on AdamW, as Muon MoE recipes keep it."""
+    model = build_hf(kind)
+    opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
+    roles = {r["name"]: r["role"] for r in opt.routes()}
+    experts = [n for n in roles if ".experts." in n]
+    routers = [n for n in roles if n.endswith("mlp.gate.weight")]
+    assert len(experts) == 4 and all(roles[n] == "matrix" for n in experts), {n: roles[n] for n in experts}
+    assert len(routers) == 2 and all(roles[n] == "tail" for n in routers), {n: roles[n] for n in routers}
