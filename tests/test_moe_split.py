@@ -116,3 +116,38 @@ def test_split_experts_train_as_one_process(W: int) -> None:
         assert r["step_ops"] == [], r["step_ops"]
         assert r["loss_err"] <= RTOL and r["param_err"] <= RTOL, (r["loss_err"], r["param_err"])
         assert r["reloaded"]
+
+
+def _full_state_job(rank: int, W: int) -> dict:
+    """Two heavy experts over three ranks: one rank holds none of a split stack, yet every
+    rank's optimizer state dict lists the same keys, so torch's full_state_dict round-trips."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyMoE(layers=1, experts=2, hidden=HIDDEN, inter=128, vocab=VOCAB)
+    _shard(model)
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
+    holders = {n: [r for r in range(W) if get_matrix_shard(p).row_range(r)[1] > get_matrix_shard(p).row_range(r)[0]]
+               for n, p in model.named_parameters() if get_matrix_shard(p).is_split}
+    idx, tgt = _batch(0, W)
+    _loss(model, idx[rank * MICRO:(rank + 1) * MICRO], tgt[rank * MICRO * SEQ:(rank + 1) * MICRO * SEQ]).backward()
+    opt.step()
+    opt.zero_grad()  # torch initialises a fresh optimizer's state only where no gradient is set
+    opts = StateDictOptions(full_state_dict=True)
+    full = get_optimizer_state_dict(model, opt, options=opts)
+    fresh = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
+    set_optimizer_state_dict(model, fresh, full, options=opts)
+    again = get_optimizer_state_dict(model, fresh, options=opts)
+    same = full["state"].keys() == again["state"].keys() and all(
+        torch.equal(v, again["state"][n][k]) for n, st in full["state"].items() for k, v in st.items()
+        if isinstance(v, torch.Tensor))
+    return {"holders": holders, "same": same, "entries": len(full["state"])}
+
+
+def test_full_optimizer_state_dict_with_a_rank_holding_no_expert() -> None:
+    res = spawn_ranks(_full_state_job, 3)
+    for r in res:
+        assert r["holders"] and any(len(h) < 3 for h in r["holders"].values()), r["holders"]
+        assert r["same"] and r["entries"] > 0, r

@@ -40,7 +40,7 @@ from . import report
 from .placements import Placement, RouterConfig, is_multi_rank, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
-from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
 from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
                       resolve_roles, swapped_in)
 from ..tensors import is_dtensor, local_tensor
@@ -568,8 +568,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         holders = {idx: placement[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
         if not is_multi_rank() or all(h is None for h in holders.values()):
             return
-        mine = {idx: {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
-                      if isinstance(v, torch.Tensor) else ("value", v) for k, v in state[idx].items()}
+        def spec(v: Any) -> tuple:
+            if not isinstance(v, torch.Tensor):
+                return ("value", v)
+            if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
+                return ("value", v.detach().cpu().clone())
+            return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
+        mine = {idx: {k: spec(v) for k, v in state[idx].items()}
                 for idx, h in holders.items() if h is not None and state.get(idx)}
         for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
             for idx, keys in theirs.items():
@@ -577,16 +582,21 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 if state.get(idx) or held is None:
                     continue
                 owner, group = held
+                shard = ordered[idx].shard
                 entry: dict[str, Any] = {}
-                for k, spec in keys.items():
-                    if spec[0] == "value":
-                        entry[k] = spec[1]
+                for k, s in keys.items():
+                    if s[0] == "value":
+                        entry[k] = s[1]
                         continue
-                    shape, dtype, device = spec
+                    shape, dtype, device = s
                     empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype),
                                         device=device)
-                    entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner,
-                                                  mesh_of_group(group, device), shape)
+                    mesh = mesh_of_group(group, device)
+                    if shard is not None and shard.is_split:  # no experts here: an empty row range
+                        ranges = [shard.row_range(r) for r in range(shard.world_size)]
+                        entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ranges), shape)
+                    else:
+                        entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
                 state[idx] = entry
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:

@@ -213,6 +213,8 @@ class LocalPlacement(Placement):
 
     def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
         info = self._sharded(rp)
+        if info is not None and info[0].is_split:  # ranks holding no expert list the others' keys
+            return -1, info[2]
         if info is None or info[0].holds_rows or info[0].owner is None:
             return None
         return info[0].owner, info[2]
