@@ -27,6 +27,7 @@ back).
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from matrix_owner_optim import OwnerRoutedOptimizer
+from matrix_owner_optim.toolbox.launch import shutdown_process_groups
 
 VOCAB, SEQ, BATCH_PER_RANK = 64, 16, 2
 
@@ -98,7 +100,19 @@ def main() -> None:
     if not 0 < save_at < args.steps:
         parser.error(f"--save-at must lie in 1..{args.steps - 1} (steps - 1), got {save_at}")
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    run(args, save_at)
+    # gloo's worker threads stop only when nothing references the process group any more; one
+    # still running at interpreter exit can abort the process ("terminate called without an
+    # active exception") after all the work is done. run() has returned, so the models and
+    # optimizers are garbage: this collects them, clears DTensor's caches and checks.
+    shutdown_process_groups()
+
+
+def run(args: argparse.Namespace, save_at: int) -> None:
+    """Both runs, and what they print (the main process)."""
+    # one GPU per local process where there are enough, else CPU processes (gloo)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    accelerator = Accelerator(cpu=torch.cuda.device_count() < max(1, local_processes))
     accelerator.print(f"uninterrupted run ({accelerator.distributed_type}, {accelerator.num_processes} processes):")
     model, optimizer, loader, scheduler = build(accelerator, seed=0, steps=args.steps)
     straight = train(accelerator, model, optimizer, loader, scheduler, 0, save=(save_at, args.out))

@@ -15,7 +15,8 @@ random weights), optimizer and scheduler load that checkpoint and train the rema
 It prints both runs' losses and the largest difference of the final parameters (0 when the
 model, the optimizer state and the schedule all came back).
 
-CPU ranks use gloo; with CUDA each rank takes the GPU of its LOCAL_RANK and NCCL.
+With a GPU for every local rank each rank takes the GPU of its LOCAL_RANK and NCCL; else CPU
+ranks and gloo.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from matrix_owner_optim import OwnerRoutedOptimizer
+from matrix_owner_optim.toolbox.launch import shutdown_process_groups
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -131,6 +133,32 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().cpu().clone() for n, t in sd.items()}
 
 
+def run(args: argparse.Namespace, save_at: int, device: str) -> None:
+    """Both runs, and what they print (rank 0). Models and optimizers live in this frame only,
+    so that they are garbage when it returns (see ``main``)."""
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"uninterrupted run ({args.layout} layout, {dist.get_world_size()} ranks, {device}):", flush=True)
+    model = build_model(seed=0, layout=args.layout, mesh=mesh)
+    opt, sched = build_optimizer(model, args.steps)
+    straight = train(model, opt, sched, 0, args.steps, device, save=(save_at, args.ckpt))
+    final = full_params(model)
+
+    if rank0:
+        print(f"resumed run (fresh model, optimizer and schedule; checkpoint after {save_at} steps):", flush=True)
+    model = build_model(seed=1, layout=args.layout, mesh=mesh)  # other weights: the load must set them
+    opt, sched = build_optimizer(model, args.steps)
+    start = resume(model, opt, sched, args.ckpt)
+    resumed = train(model, opt, sched, start, args.steps, device)
+    diff = max(float((final[n] - t).abs().max()) for n, t in full_params(model).items())
+    if rank0:
+        print(f"resumed from step {start}: losses {' '.join(f'{v:.6f}' for v in resumed)}")
+        print(f"uninterrupted, same steps: losses {' '.join(f'{v:.6f}' for v in straight[start:])}")
+        print(f"final loss: uninterrupted {straight[-1]:.6f} resumed {resumed[-1]:.6f}")
+        print(f"max |param diff| resumed vs uninterrupted: {diff:.3e}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -142,34 +170,21 @@ def main() -> None:
     if not 0 < save_at < args.steps:
         parser.error(f"--save-at must lie in 1..{args.steps - 1} (steps - 1), got {save_at}")
 
-    if torch.cuda.is_available():
+    # one GPU per local rank (NCCL) where there are enough, else CPU ranks (gloo)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = "cuda" if torch.cuda.device_count() >= max(1, local_ranks) else "cpu"
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    mesh = init_device_mesh(device, (dist.get_world_size(),))
-    rank0 = dist.get_rank() == 0
     try:
-        if rank0:
-            print(f"uninterrupted run ({args.layout} layout, {dist.get_world_size()} ranks, {device}):", flush=True)
-        model = build_model(seed=0, layout=args.layout, mesh=mesh)
-        opt, sched = build_optimizer(model, args.steps)
-        straight = train(model, opt, sched, 0, args.steps, device, save=(save_at, args.ckpt))
-        final = full_params(model)
-
-        if rank0:
-            print(f"resumed run (fresh model, optimizer and schedule; checkpoint after {save_at} steps):", flush=True)
-        model = build_model(seed=1, layout=args.layout, mesh=mesh)  # other weights: the load must set them
-        opt, sched = build_optimizer(model, args.steps)
-        start = resume(model, opt, sched, args.ckpt)
-        resumed = train(model, opt, sched, start, args.steps, device)
-        diff = max(float((final[n] - t).abs().max()) for n, t in full_params(model).items())
-        if rank0:
-            print(f"resumed from step {start}: losses {' '.join(f'{v:.6f}' for v in resumed)}")
-            print(f"uninterrupted, same steps: losses {' '.join(f'{v:.6f}' for v in straight[start:])}")
-            print(f"final loss: uninterrupted {straight[-1]:.6f} resumed {resumed[-1]:.6f}")
-            print(f"max |param diff| resumed vs uninterrupted: {diff:.3e}", flush=True)
+        run(args, save_at, device)
     finally:
-        dist.destroy_process_group()
+        # Not just dist.destroy_process_group(): gloo's worker threads stop only when nothing
+        # references the group any more, and one still running at interpreter exit can abort
+        # the rank ("terminate called without an active exception") after all the work is
+        # done. This collects the dead models and optimizers, clears DTensor's mesh caches,
+        # destroys the group and checks that its threads are gone.
+        shutdown_process_groups()
 
 
 if __name__ == "__main__":
