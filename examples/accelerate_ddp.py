@@ -101,10 +101,11 @@ def main() -> None:
         parser.error(f"--save-at must lie in 1..{args.steps - 1} (steps - 1), got {save_at}")
 
     run(args, save_at)
-    # gloo's worker threads stop only when nothing references the process group any more; one
+    # In place of accelerator.end_training() (no trackers here): run() has returned, so the
+    # models and optimizers are garbage; this collects them while the process group is still
+    # registered, then destroys it and checks that gloo's worker threads are gone. A thread
     # still running at interpreter exit can abort the process ("terminate called without an
-    # active exception") after all the work is done. run() has returned, so the models and
-    # optimizers are garbage: this collects them, clears DTensor's caches and checks.
+    # active exception") after all the work is done.
     shutdown_process_groups()
 
 
@@ -130,7 +131,9 @@ def run(args: argparse.Namespace, save_at: int) -> None:
     accelerator.print(f"uninterrupted, same steps: losses {' '.join(f'{v:.6f}' for v in straight[save_at:])}")
     accelerator.print(f"final loss: uninterrupted {straight[-1]:.6f} resumed {resumed[-1]:.6f}")
     accelerator.print(f"max |param diff| resumed vs uninterrupted: {diff:.3e}")
-    accelerator.end_training()
+    # no accelerator.end_training() here: it destroys the process group while the DDP model
+    # still lives, leaving DDP's C++ Reducer the group's last owner; freeing the model later
+    # then joins gloo's threads holding the GIL, which one of them may need (a hang, seen 1 in ~10)
 
 
 if __name__ == "__main__":

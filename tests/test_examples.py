@@ -7,12 +7,16 @@ the same order: the difference is exactly 0 (measured 0 on every script and layo
 resume that drops the optimizer state measures ~9e-3 (torchtitan_style.py with its
 ``set_optimizer_state_dict`` removed), so the check is equality. The resumed losses must repeat
 the uninterrupted run's, and the uninterrupted run must learn (its last loss below its first).
+Every process must exit with code 0: the multi-rank scripts end with the strict
+``shutdown_process_groups()``, so a process group still referenced at exit fails the run every
+time instead of aborting a rank now and then (see toolbox/launch.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +27,24 @@ from matrix_owner_optim.toolbox.launch import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 4
+TIMEOUT_S = 180  # each script takes 10-20 s on 2 busy cores
 
 
 def _run(cmd: list[str]) -> str:
+    """Run ``cmd`` in its own session; its stdout. On a timeout the whole session is killed
+    (torchrun's ranks too, not only torchrun) and the test fails with what it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent)
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=EXAMPLES.parent, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s\n{out[-3000:]}\n{err[-3000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    assert "terminate called" not in err, err[-3000:]
+    return out
 
 
 def _torchrun(script: str, *args: str) -> list[str]:
