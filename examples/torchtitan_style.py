@@ -4,10 +4,11 @@ groups, an LR schedule, gradient clipping, and a DCP checkpoint that a fresh job
     torchrun --nproc-per-node 2 examples/torchtitan_style.py --steps 6 --ckpt /tmp/ckpt
 
 Versus the stock torchtitan setup (``torch.distributed.fsdp.fully_shard`` + AdamW) one line
-changes: the optimizer (``OwnerRoutedOptimizer``: Muon on every weight matrix, AdamW on the
-rest). Importing ``fully_shard`` from ``matrix_owner_optim`` instead of torch is the second,
-optional, change: it gives each matrix whole to one rank (its owner), so Muon's step moves zero
-bytes. ``--layout fsdp2`` keeps torch's ``fully_shard`` and the same optimizer line.
+changes: the optimizer (``OwnerRoutedOptimizer``: Muon on the blocks' weight matrices, AdamW
+on embeddings, the tied head, norms and biases). Importing ``fully_shard`` from
+``matrix_owner_optim`` instead of torch is the second, optional, change: it gives each matrix
+whole to one rank (its owner), so Muon's step moves zero bytes. ``--layout fsdp2`` keeps
+torch's ``fully_shard`` and the same optimizer line.
 
 The script trains ``--steps`` steps and saves a checkpoint after step ``--save-at`` (default:
 half way), as a long run does periodically. It then plays a restart: a fresh model (other
