@@ -72,7 +72,7 @@ def gloo_worker_threads() -> int | None:
 def _clear_dtensor_caches() -> None:
     """Drop DTensor's process-wide caches, which keep every ``DeviceMesh`` they saw (and its
     process group) alive: sharding propagation (FSDP2's ``detach``/``requires_grad_`` on its
-    sharded parameters fill it), redistribute plans and mesh topology. Only where DTensor was
+    sharded parameters fill it), redistribute planners and plans, and mesh topology. Only where DTensor was
     imported: nothing to clear otherwise. These are torch's debug/internal entry points (torch
     2.13); one a later torch lacks is passed over, and :func:`shutdown_process_groups`'s
     thread check still tells whether the group was released."""
@@ -82,6 +82,9 @@ def _clear_dtensor_caches() -> None:
     clears = [
         getattr(debug, "_clear_sharding_prop_cache", None),
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        # redistribute plans by (source, target) spec, each holding its mesh: filled by any
+        # Partial -> Replicate, e.g. the norm torch.nn.utils.clip_grad_norm_ returns on DTensors
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
         getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear",
                 None),
     ]
