@@ -227,10 +227,7 @@ def _job(rank: int, W: int, ckpt_root: str) -> dict:
 @pytest.fixture(scope="module", params=[2, 3])
 def results(request):
     with tempfile.TemporaryDirectory() as root:
-        # not strict_shutdown: torch's own DTensor arithmetic in these checks (clip's Partial norms,
-        # torch optimizers) fills torch-internal caches that keep the mesh alive, as for stock
-        # FSDP2 with torch optimizers (see spawn_ranks); exit codes are still checked
-        return request.param, spawn_ranks(_job, request.param, root)
+        return request.param, spawn_ranks(_job, request.param, root, strict_shutdown=True)
 
 
 @pytest.mark.xdist_group("dtensor_params")
