@@ -22,13 +22,13 @@ Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from .globs import GlobOverrides
 from .metadata import Role, parse_role
 from .views import MatrixView, ViewOverrides
 
@@ -113,38 +113,14 @@ class TensorSpec:
     view: MatrixView | None = None  # how a matrix is read (None: the default of views.py)
 
 
-class RoleOverrides:
-    """``{"fqn-glob": role}`` with validation; unmatched globs are reported, not ignored."""
+class RoleOverrides(GlobOverrides[Role]):
+    """``roles={"fqn-glob": role}`` (:class:`~.globs.GlobOverrides`: the last match wins, an
+    unmatched glob is an error)."""
+
+    what = "roles"
 
     def __init__(self, roles: Mapping[str, "str | Role"] | None) -> None:
-        self.rules: list[tuple[str, Role]] = []
-        for glob, role in (roles or {}).items():
-            if not isinstance(glob, str) or not glob:
-                raise ValueError(f"roles: every key must be a non-empty fqn glob, got {glob!r}")
-            self.rules.append((glob, parse_role(role, where=f"roles[{glob!r}]")))
-        self._used: set[str] = set()
-
-    def __bool__(self) -> bool:
-        return bool(self.rules)
-
-    def lookup(self, names: Iterable[str]) -> Role | None:
-        """The role of the last glob matching any of ``names`` (fqn and aliases)."""
-        names = tuple(names)
-        found: Role | None = None
-        for glob, role in self.rules:
-            if any(fnmatch.fnmatchcase(n, glob) for n in names):
-                found = role
-                self._used.add(glob)
-        return found
-
-    def check_all_used(self) -> None:
-        """Fail on a glob that matched no parameter: a typo must not pass silently."""
-        unused = [g for g, _ in self.rules if g not in self._used]
-        if unused:
-            raise ValueError(
-                f"roles: glob {unused[0]!r} matches no parameter; check the name "
-                "(globs match fully qualified names such as 'layers.0.attn.qkv.weight')"
-            )
+        super().__init__(roles, lambda v, where: parse_role(v, where=where))  # type: ignore[arg-type]
 
 
 def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:

@@ -30,12 +30,13 @@ gets the default from its shape alone.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
+
+from .globs import GlobOverrides
 
 __all__ = [
     "MatrixView",
@@ -233,32 +234,16 @@ def ambiguous_view_error(name: str | None, shape: Sequence[int]) -> ValueError:
         "route it to the tail")
 
 
-class ViewOverrides:
-    """``{"fqn-glob": view}``; the last matching glob wins; an unmatched glob is an error."""
+class ViewOverrides(GlobOverrides[MatrixView]):
+    """``matrix_views={"fqn-glob": view}`` (:class:`~.globs.GlobOverrides`: the last match wins,
+    an unmatched glob is an error)."""
+
+    what = "matrix_views"
+    scope = "parameter of the matrix role"
+    example = "layers.0.mlp.experts.down_proj"
 
     def __init__(self, views: Mapping[str, "str | MatrixView"] | None) -> None:
-        self.rules: list[tuple[str, MatrixView]] = []
-        for glob, view in (views or {}).items():
-            if not isinstance(glob, str) or not glob:
-                raise ValueError(f"matrix_views: every key must be a non-empty fqn glob, got {glob!r}")
-            self.rules.append((glob, parse_matrix_view(view, where=f"matrix_views[{glob!r}]")))
-        self._used: set[str] = set()
-
-    def lookup(self, names: Iterable[str]) -> MatrixView | None:
-        names = tuple(names)
-        found: MatrixView | None = None
-        for glob, view in self.rules:
-            if any(fnmatch.fnmatchcase(n, glob) for n in names):
-                found = view
-                self._used.add(glob)
-        return found
-
-    def check_all_used(self) -> None:
-        unused = [g for g, _ in self.rules if g not in self._used]
-        if unused:
-            raise ValueError(
-                f"matrix_views: glob {unused[0]!r} matches no parameter of the matrix role; check "
-                "the name (globs match fully qualified names such as 'layers.0.mlp.experts.down_proj')")
+        super().__init__(views, lambda v, where: parse_matrix_view(v, where=where))  # type: ignore[arg-type]
 
     def view_for(self, names: Sequence[str], shape: Sequence[int], conv: bool | None) -> MatrixView:
         """The override, else the default; ``ValueError`` when neither decides."""
