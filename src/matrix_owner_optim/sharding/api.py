@@ -6,8 +6,8 @@ lazily, as FSDP2 initialises lazily, at the first of:
 
 * the first forward of any recorded unit,
 * the first reader of the metadata: the optimizer (``OwnerRoutedOptimizer`` calls
-  :func:`~matrix_owner_optim.planning.metadata.ensure_sharded`), ``state_dict()``,
-  ``unshard()``, ``sharding_plan``.
+  :func:`~matrix_owner_optim.planning.metadata.ensure_sharded`), ``unshard()``,
+  ``sharding_plan``. (``state_dict()`` before that holds the replicated parameters.)
 
 All units recorded on the same mesh and not sharded yet are planned together then, in call
 order (FSDP2's order: blocks first, the root last), so it does not matter who holds the model
@@ -518,7 +518,7 @@ def _check_registrations(unit: ShardedUnit) -> None:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} (shape {tuple(p.shape)}) {what} "
                 f"{type(unit.module).__name__} after its sharding plan was fixed (by the first "
-                "forward, state_dict(), unshard() or building the optimizer); the plan has no "
+                "forward, unshard() or building the optimizer); the plan has no "
                 "owner for it, so its gradient would never be averaged across ranks. Register "
                 "every parameter before that point (sharding is lazy: fully_shard itself fixes nothing), "
                 "or change values in place (load_state_dict / set_model_state_dict)"
