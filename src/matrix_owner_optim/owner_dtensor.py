@@ -55,9 +55,10 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import comm
+from .planning.metadata import chunk_row_range
 
 __all__ = ["OwnerShard", "OwnerDTensor", "owned_ranges", "contiguous_stride", "is_owner_dtensor", "same_placement",
-           "like_layout", "placement_of", "mesh_of_group"]
+           "like_layout", "mesh_of_group"]
 
 aten = torch.ops.aten
 
@@ -193,20 +194,6 @@ def as_owner_dtensor(value: Any) -> Any:
 def like_layout(t: "OwnerDTensor", local: torch.Tensor) -> "OwnerDTensor":
     """``local`` (this rank's piece of a tensor laid out as ``t``) as an owner-layout DTensor."""
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
-
-
-def placement_of(role_is_rows: bool, owner: int | None, shape: Sequence[int], world_size: int,
-                 ranges: Sequence[tuple[int, int]] | None = None) -> Any:
-    """The placement of a planned tensor: ``Shard(0)`` row blocks, planned row ``ranges`` per
-    rank (a stack split into whole experts), or held whole by ``owner``."""
-    if ranges is not None:
-        return OwnerShard(0, ranges)
-    if role_is_rows:
-        return Shard(0)
-    assert owner is not None
-    if len(shape) == 0:
-        return Partial("sum")
-    return OwnerShard(0, owned_ranges(int(shape[0]), owner, world_size))
 
 
 # (id(group), device type) -> mesh, held weakly: a DeviceMesh keeps its process group alive, and
@@ -345,10 +332,7 @@ class OwnerDTensor(DTensor):
         me = self.device_mesh.get_local_rank()
         if isinstance(p, OwnerShard):
             return p.ranges[me]
-        n, W = int(self.shape[0]), self.device_mesh.size()
-        per = -(-n // W) if n else 0
-        start = min(n, per * me)
-        return start, min(n, start + per)
+        return chunk_row_range(int(self.shape[0]), self.device_mesh.size(), me)
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor of this tensor's global shape (a view, no copy)."""
@@ -384,8 +368,7 @@ class OwnerDTensor(DTensor):
             return full
         if type(p) is Shard:  # torch.chunk's rows, gathered as explicit ranges
             n, W = int(self.shape[0]), self.device_mesh.size()
-            per = -(-n // W) if n else 0
-            ranges = [(min(n, per * r), min(n, per * r + per)) for r in range(W)]
+            ranges = [chunk_row_range(n, W, r) for r in range(W)]
             return _gather_ranges(local, OwnerShard(0, ranges), tuple(self.shape), group)
         raise NotImplementedError(f"full_tensor() of an owner-layout tensor with placement {p!r}")
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .owner_dtensor import OwnerDTensor, OwnerShard, mesh_of_group, same_placement
+from .owner_dtensor import OwnerDTensor, OwnerShard, mesh_of_group, owned_ranges, same_placement
 from .planning.metadata import MatrixShard, Role
 
-__all__ = ["describe", "mesh_of_group", "piece_of", "local_piece"]
+__all__ = ["describe", "mesh_of_group", "piece_of", "local_piece", "placement_of"]
 
 
 def piece_of(
@@ -38,7 +38,7 @@ def piece_of(
     mesh = mesh_of_group(group, local.device.type)
     if shard.is_split:  # this rank's experts; state keeps the experts on dim 0
         full = tuple(shape) if shape is not None else (shard.shape[0], *local.shape[1:])
-        return OwnerDTensor.make(local, mesh, _split_placement(shard), full)
+        return OwnerDTensor.make(local, mesh, placement_of(shard), full)
     if shard.role is Role.SHARDED:
         return OwnerDTensor.rows(local, mesh, shard.shape if shape is None else shape)
     assert shard.owner is not None
@@ -48,8 +48,19 @@ def piece_of(
     return OwnerDTensor.owned(local, shard.owner, mesh, full_shape)
 
 
-def _split_placement(shard: MatrixShard) -> OwnerShard:
-    return OwnerShard(0, [shard.row_range(r) for r in range(shard.world_size)])
+def placement_of(shard: MatrixShard, shape: Sequence[int] | None = None) -> Any:
+    """The placement of a tensor laid out like ``shard`` (global ``shape``, default the
+    parameter's): planned row ranges of a split stack, ``Shard(0)`` row blocks, or held whole by
+    the owner (a scalar: ``Partial`` with zeros elsewhere)."""
+    if shard.is_split:
+        return OwnerShard(0, [shard.row_range(r) for r in range(shard.world_size)])
+    if shard.role is Role.SHARDED:
+        return Shard(0)
+    assert shard.owner is not None
+    full_shape = tuple(shard.shape if shape is None else shape)
+    if not full_shape:
+        return Partial("sum")
+    return OwnerShard(0, owned_ranges(int(full_shape[0]), shard.owner, shard.world_size))
 
 
 def local_piece(
@@ -66,12 +77,9 @@ def local_piece(
             and int(value.shape[0]) == int(full_shape[0]):  # experts on dim 0 (also their state)
         full_shape = (full_shape[0], *value.shape[1:])
     if isinstance(value, OwnerDTensor) and not isinstance(value.placement, Replicate):
-        expected = (_split_placement(shard) if shard.is_split else Shard(0) if shard.role is Role.SHARDED else
-                    OwnerShard(0, tuple((0, full_shape[0]) if r == shard.owner else (full_shape[0],) * 2
-                                        for r in range(shard.world_size))) if full_shape else None)
         if tuple(value.shape) == full_shape and (
-                (expected is not None and same_placement(value.placement, expected))
-                or (not full_shape and value.holder == shard.owner)):
+                same_placement(value.placement, placement_of(shard, full_shape)) if full_shape
+                else value.holder == shard.owner):
             return value._local_tensor
         raise ValueError(
             f"{what}: the state dict holds it as {value.placement!r}, shape {tuple(value.shape)}, but "

@@ -40,7 +40,8 @@ from . import report
 from .placements import Placement, RouterConfig, is_multi_rank, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
-from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..pieces import placement_of
 from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
                       resolve_roles, swapped_in)
 from ..tensors import is_dtensor, local_tensor
@@ -593,8 +594,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                                         device=device)
                     mesh = mesh_of_group(group, device)
                     if shard is not None and shard.is_split:  # no experts here: an empty row range
-                        ranges = [shard.row_range(r) for r in range(shard.world_size)]
-                        entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ranges), shape)
+                        entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
                     else:
                         entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
                 state[idx] = entry

@@ -42,7 +42,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..planning.metadata import (
     MatrixShard,
-    Role,
     ShardingPlan,
     attach_matrix_shard,
     mark_awaiting_shard,
@@ -54,7 +53,8 @@ from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
 from .. import comm
 from ..agreement import check_plan_agreement
-from ..owner_dtensor import OwnerDTensor, mesh_of_group, placement_of
+from ..owner_dtensor import OwnerDTensor, mesh_of_group
+from ..pieces import placement_of
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
@@ -816,9 +816,7 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
         with torch.no_grad():
             param.grad = None
             piece = _local_piece(local_tensor(param), shard, rank)
-            param.relayout(piece, placement_of(shard.role is Role.SHARDED, shard.owner, shard.shape, W,
-                                               ranges=[shard.row_range(r) for r in range(W)] if shard.is_split
-                                               else None))
+            param.relayout(piece, placement_of(shard))
         attach_matrix_shard(param, shard, rank, group)
         handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 
