@@ -39,13 +39,14 @@ from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.toolbox.training import synchronize
 
 
-def _batch(step: int, rank: int, W: int, cfg: GPTConfig, micro: int, device: torch.device,
-           whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    step: int, rank: int, W: int, cfg: GPTConfig, micro: int, device: torch.device, whole: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(0, cfg.vocab_size, (W * micro, cfg.seq_len), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (W * micro, cfg.seq_len), generator=g)
     if not whole:
-        idx, tgt = idx[rank * micro:(rank + 1) * micro], tgt[rank * micro:(rank + 1) * micro]
+        idx, tgt = idx[rank * micro : (rank + 1) * micro], tgt[rank * micro : (rank + 1) * micro]
     return idx.to(device), tgt.to(device)
 
 
@@ -71,10 +72,8 @@ def exactness(rank: int, W: int, device: torch.device, rtol: float) -> dict[str,
             ref_opt: torch.optim.Optimizer = torch.optim.AdamW(ref.parameters(), **adamw)
         else:
             muon = {"lr": 0.02, "ns_dtype": torch.float32}
-            opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=muon,
-                                       tail="adamw", tail_options=adamw)
-            ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=muon,
-                                           tail="adamw", tail_options=adamw)
+            opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=muon, tail="adamw", tail_options=adamw)
+            ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=muon, tail="adamw", tail_options=adamw)
         optimizer_calls = 0
         for step in range(8):
             model(*_batch(step, rank, W, cfg, 2, device)).backward()
@@ -92,9 +91,12 @@ def exactness(rank: int, W: int, device: torch.device, rtol: float) -> dict[str,
             q = ref_params[name]
             worst = max(worst, float((p.double() - q.double()).norm() / q.double().norm().clamp_min(1e-30)))
         model.reshard()
-        out[kind] = {"max_rel_err": worst, "optimizer_collectives": optimizer_calls,
-                     "on_mesh_device": on_device,
-                     "ok": worst <= rtol and optimizer_calls == 0 and on_device}
+        out[kind] = {
+            "max_rel_err": worst,
+            "optimizer_collectives": optimizer_calls,
+            "on_mesh_device": on_device,
+            "ok": worst <= rtol and optimizer_calls == 0 and on_device,
+        }
     return out
 
 
@@ -106,8 +108,9 @@ def timing(rank: int, W: int, device: torch.device, layers: int, width: int, ste
         model = GPT(cfg).to(device)
         if row == "owner":
             _shard(model)
-            opt: Any = OwnerRoutedOptimizer(model, matrix="muon", matrix_options={"lr": 0.02},
-                                            tail="adamw", tail_options={"lr": 3e-3})
+            opt: Any = OwnerRoutedOptimizer(
+                model, matrix="muon", matrix_options={"lr": 0.02}, tail="adamw", tail_options={"lr": 3e-3}
+            )
             opts = [opt]
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -140,8 +143,11 @@ def timing(rank: int, W: int, device: torch.device, layers: int, width: int, ste
                     o.zero_grad()
                 step_s.append(t2 - t0)
                 opt_s.append(t2 - t1)
-        rows[row] = {"median_step_s": statistics.median(step_s[2:]), "median_optimizer_s": statistics.median(opt_s[2:]),
-                     "package_bytes_sent_per_step": {k: v["bytes_sent"] / steps for k, v in cc.by_phase().items()}}
+        rows[row] = {
+            "median_step_s": statistics.median(step_s[2:]),
+            "median_optimizer_s": statistics.median(opt_s[2:]),
+            "package_bytes_sent_per_step": {k: v["bytes_sent"] / steps for k, v in cc.by_phase().items()},
+        }
     rows["optimizer_ratio_owner_vs_fsdp2"] = rows["owner"]["median_optimizer_s"] / rows["fsdp2"]["median_optimizer_s"]
     return rows
 
@@ -170,8 +176,11 @@ def profile_overlap(rank: int, W: int, device: torch.device, out: Path) -> dict[
         (comm if "nccl" in e.name.lower() else compute).append(span)
     total = sum(b - a for a, b in comm)
     overlapped = sum(max(0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
-    return {"comm_kernel_us": total, "overlapped_us": overlapped,
-            "overlap_fraction": overlapped / total if total else None}
+    return {
+        "comm_kernel_us": total,
+        "overlapped_us": overlapped,
+        "overlap_fraction": overlapped / total if total else None,
+    }
 
 
 def main() -> int:
@@ -193,10 +202,14 @@ def main() -> int:
     rank, W = dist.get_rank(), dist.get_world_size()
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        result = {"world_size": W, "device": str(device),
-                  "torch": torch.__version__, "exactness": exactness(rank, W, device, args.rtol),
-                  "timing": timing(rank, W, device, args.layers, args.width, args.steps),
-                  "profile": profile_overlap(rank, W, device, args.out)}
+        result = {
+            "world_size": W,
+            "device": str(device),
+            "torch": torch.__version__,
+            "exactness": exactness(rank, W, device, args.rtol),
+            "timing": timing(rank, W, device, args.layers, args.width, args.steps),
+            "profile": profile_overlap(rank, W, device, args.out),
+        }
     finally:
         dist.destroy_process_group()
     ok = all(v["ok"] for v in result["exactness"].values())

@@ -44,9 +44,16 @@ VOCAB, SEQ, BATCH_PER_RANK = 64, 16, 2
 def build_model(seed: int) -> torch.nn.Module:
     """A tiny Llama (GQA: 4 query heads over 2 key/value heads), from a config, no download."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -61,16 +68,28 @@ def dataset(n: int) -> list[dict[str, torch.Tensor]]:
 def build(accelerator: Accelerator, seed: int, steps: int) -> tuple[Any, Any, Any, Any]:
     model = build_model(seed)
     # stock: optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    optimizer = OwnerRoutedOptimizer(model, matrix="muon", matrix_options={"lr": 0.02},  # <- the one line that changes
-                                     tail="adamw", tail_options={"lr": 3e-3})
+    optimizer = OwnerRoutedOptimizer(
+        model,
+        matrix="muon",
+        matrix_options={"lr": 0.02},  # <- the one line that changes
+        tail="adamw",
+        tail_options={"lr": 3e-3},
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.5 * s / steps)
     # the loader yields the global batch split over the ranks (BATCH_PER_RANK rows each)
     loader = DataLoader(dataset(steps * BATCH_PER_RANK * accelerator.num_processes), batch_size=BATCH_PER_RANK)
     return accelerator.prepare(model, optimizer, loader, scheduler)
 
 
-def train(accelerator: Accelerator, model: Any, optimizer: Any, loader: Any, scheduler: Any, start: int,
-          save: tuple[int, str] | None = None) -> list[float]:
+def train(
+    accelerator: Accelerator,
+    model: Any,
+    optimizer: Any,
+    loader: Any,
+    scheduler: Any,
+    start: int,
+    save: tuple[int, str] | None = None,
+) -> list[float]:
     """One step per batch of ``loader`` (numbered from ``start``); the global mean loss of each.
     ``save=(steps, dir)``: ``accelerator.save_state(dir)`` after that many steps."""
     losses = []
@@ -123,10 +142,10 @@ def run(args: argparse.Namespace, save_at: int) -> None:
     accelerator.print(f"resumed run (fresh model, optimizer, scheduler, dataloader; state after {save_at} steps):")
     model, optimizer, loader, scheduler = build(accelerator, seed=1, steps=args.steps)  # other weights
     accelerator.load_state(args.out)
-    resumed = train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, save_at), scheduler,
-                    save_at)
-    diff = max(float((final[n] - p.detach()).abs().max())
-               for n, p in accelerator.unwrap_model(model).named_parameters())
+    resumed = train(accelerator, model, optimizer, accelerator.skip_first_batches(loader, save_at), scheduler, save_at)
+    diff = max(
+        float((final[n] - p.detach()).abs().max()) for n, p in accelerator.unwrap_model(model).named_parameters()
+    )
     accelerator.print(f"resumed from step {save_at}: losses {' '.join(f'{v:.6f}' for v in resumed)}")
     accelerator.print(f"uninterrupted, same steps: losses {' '.join(f'{v:.6f}' for v in straight[save_at:])}")
     accelerator.print(f"final loss: uninterrupted {straight[-1]:.6f} resumed {resumed[-1]:.6f}")

@@ -32,9 +32,16 @@ OPTIMIZER = dict(matrix="muon", matrix_options={"lr": 0.02}, tail="adamw", tail_
 def build_model(seed: int) -> torch.nn.Module:
     """A tiny Llama (GQA: 4 query heads over 2 key/value heads), from a config, no download."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -48,14 +55,28 @@ def dataset(n: int) -> list[dict[str, torch.Tensor]]:
 def run(out: Path, steps: int, save_every: int, seed: int, resume: str | None = None) -> tuple[Trainer, list[float]]:
     """Train to ``steps`` (from the checkpoint ``resume`` if given); the Trainer and its losses."""
     model = build_model(seed)
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH,
-                             save_strategy="steps", save_steps=save_every, logging_steps=1,
-                             lr_scheduler_type="cosine", max_grad_norm=1.0,
-                             use_cpu=not torch.cuda.is_available(), report_to=[], seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(steps * BATCH),
-                      # stock: no optimizers argument (the Trainer builds AdamW)
-                      optimizers=(OwnerRoutedOptimizer(model, **OPTIMIZER), None))  # <- the one line that changes
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        save_strategy="steps",
+        save_steps=save_every,
+        logging_steps=1,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        use_cpu=not torch.cuda.is_available(),
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(steps * BATCH),
+        # stock: no optimizers argument (the Trainer builds AdamW)
+        optimizers=(OwnerRoutedOptimizer(model, **OPTIMIZER), None),
+    )  # <- the one line that changes
     trainer.train(resume_from_checkpoint=resume)
     # the log history comes back with a checkpoint: keep this run's steps
     first = 0 if resume is None else int(Path(resume).name.split("-")[-1])

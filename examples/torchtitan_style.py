@@ -29,9 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from matrix_owner_optim import OwnerRoutedOptimizer
@@ -63,18 +67,32 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     implementation flags; here weight decay on matrices and embeddings, none on norms and biases."""
     decay = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
-    return [{"params": [p for _, p in g], "param_names": [n for n, _ in g], "fused": False, "foreach": False,
-             "weight_decay": wd} for g, wd in ((decay, 0.01), (no_decay, 0.0))]
+    return [
+        {
+            "params": [p for _, p in g],
+            "param_names": [n for n, _ in g],
+            "fused": False,
+            "foreach": False,
+            "weight_decay": wd,
+        }
+        for g, wd in ((decay, 0.01), (no_decay, 0.0))
+    ]
 
 
 def build_optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
     groups = param_groups(model)
     # stock: opt = torch.optim.AdamW(groups, lr=3e-3)
-    opt = OwnerRoutedOptimizer(groups, matrix="muon", matrix_options={"lr": 0.02},  # <- the one line that changes
-                               tail="adamw", tail_options={"lr": 3e-3})
+    opt = OwnerRoutedOptimizer(
+        groups,
+        matrix="muon",
+        matrix_options={"lr": 0.02},  # <- the one line that changes
+        tail="adamw",
+        tail_options={"lr": 3e-3},
+    )
     # torchtitan's schedule: linear warmup, then linear decay (each group scales its own lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / WARMUP, max(0.1, (steps - s) / max(1, steps - WARMUP))))
+        opt, lambda s: min((s + 1) / WARMUP, max(0.1, (steps - s) / max(1, steps - WARMUP)))
+    )
     return opt, sched
 
 
@@ -86,8 +104,15 @@ def batch(step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, start: int, stop: int,
-          device: str, save: tuple[int, str] | None = None) -> list[float]:
+def train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    start: int,
+    stop: int,
+    device: str,
+    save: tuple[int, str] | None = None,
+) -> list[float]:
     """Steps ``start .. stop-1``; the global mean loss of each. ``save=(step, dir)``: a DCP
     checkpoint of model, optimizer, schedule and step count after that step."""
     losses = []
@@ -105,11 +130,17 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, start:
         dist.all_reduce(mean)
         losses.append(float(mean) / dist.get_world_size())
         if dist.get_rank() == 0:
-            print(f"  step {step}: loss {losses[-1]:.4f}  grad norm {float(norm.full_tensor()):.3f}  "
-                  f"lr {lr:.4f}", flush=True)
+            print(
+                f"  step {step}: loss {losses[-1]:.4f}  grad norm {float(norm.full_tensor()):.3f}  lr {lr:.4f}",
+                flush=True,
+            )
         if save is not None and step + 1 == save[0]:
-            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt),
-                     "lr_scheduler": sched.state_dict(), "step": step + 1}
+            state = {
+                "model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, opt),
+                "lr_scheduler": sched.state_dict(),
+                "step": step + 1,
+            }
             dcp.save(state, checkpoint_id=save[1])
             if dist.get_rank() == 0:
                 print(f"  saved checkpoint after {step + 1} steps to {save[1]}", flush=True)
@@ -119,8 +150,12 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, start:
 def resume(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, ckpt: str) -> int:
     """Load a checkpoint into a fresh model, optimizer and scheduler; return the next step.
     ``dcp.load`` fills the given state dicts in place, each rank reading only its pieces."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt),
-             "lr_scheduler": sched.state_dict(), "step": 0}
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, opt),
+        "lr_scheduler": sched.state_dict(),
+        "step": 0,
+    }
     dcp.load(state, checkpoint_id=ckpt)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])

@@ -9,7 +9,8 @@ is the same ``OwnerRoutedOptimizer`` in one process on the unsharded model over 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,13 +19,24 @@ VOCAB, SEQ = 64, 8
 GLOBAL_BATCH = 6  # divisible by 2 and 3: rank r of W takes rows [r*6/W, (r+1)*6/W)
 STEPS = 3
 # float32 Newton-Schulz: the parity tolerance is then round-off of the summation orders
-OPTIM = dict(matrix="muon", matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
-             tail="adamw", tail_options={"lr": 3e-3, "weight_decay": 0.01, "eps": 1e-6})
+OPTIM = dict(
+    matrix="muon",
+    matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
+    tail="adamw",
+    tail_options={"lr": 3e-3, "weight_decay": 0.01, "eps": 1e-6},
+)
 
 
 def _common() -> dict[str, Any]:
-    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def build_hf(kind: str, seed: int = 0) -> nn.Module:
@@ -44,8 +56,14 @@ def build_hf(kind: str, seed: int = 0) -> nn.Module:
         cfg = tf.MixtralConfig(**_common(), num_local_experts=4, num_experts_per_tok=2)
         model = tf.MixtralForCausalLM(cfg)
     elif kind == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**_common(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                decoder_sparse_step=1, mlp_only_layers=[])
+        cfg = tf.Qwen3MoeConfig(
+            **_common(),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
         model = tf.Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(kind)
@@ -62,15 +80,20 @@ def global_tokens(step: int) -> torch.Tensor:
 
 def local_tokens(step: int, rank: int, world_size: int) -> torch.Tensor:
     per = GLOBAL_BATCH // world_size
-    return global_tokens(step)[rank * per:(rank + 1) * per]
+    return global_tokens(step)[rank * per : (rank + 1) * per]
 
 
 def hf_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, batch: Callable[[int], torch.Tensor],
-          steps: int = STEPS, start: int = 0) -> list[float]:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Callable[[int], torch.Tensor],
+    steps: int = STEPS,
+    start: int = 0,
+) -> list[float]:
     losses = []
     for step in range(start, start + steps):
         loss = hf_loss(model, batch(step))

@@ -39,8 +39,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         # attention-shaped projections (mixed, not attention: the block only needs their shapes)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
         self.gate = Router(experts, hidden)
         self.experts = FusedExperts(experts, hidden, inter)
 
@@ -53,12 +52,10 @@ class MoEBlock(nn.Module):
 class TinyMoE(nn.Module):
     """``layers.{i}.mlp`` MoE blocks between an embedding and a head (Mixtral's names)."""
 
-    def __init__(self, layers: int = 2, experts: int = 4, hidden: int = 32, inter: int = 16,
-                 vocab: int = 64) -> None:
+    def __init__(self, layers: int = 2, experts: int = 4, hidden: int = 32, inter: int = 16, vocab: int = 64) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(nn.ModuleDict({"mlp": MoEBlock(experts, hidden, inter)})
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(nn.ModuleDict({"mlp": MoEBlock(experts, hidden, inter)}) for _ in range(layers))
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 MICRO = 2  # sequences per rank per step
@@ -37,8 +37,9 @@ def make_models(seed: int = 0, cfg: GPTConfig = CFG) -> tuple[GPT, GPT]:
     return model, copy.deepcopy(model)
 
 
-def global_batch(step: int, world_size: int, micro: int = MICRO,
-                 cfg: GPTConfig = CFG) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, world_size: int, micro: int = MICRO, cfg: GPTConfig = CFG
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
@@ -47,7 +48,7 @@ def global_batch(step: int, world_size: int, micro: int = MICRO,
 
 def local_batch(step: int, rank: int, world_size: int, micro: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
     idx, tgt = global_batch(step, world_size, micro)
-    return idx[rank * micro:(rank + 1) * micro], tgt[rank * micro:(rank + 1) * micro]
+    return idx[rank * micro : (rank + 1) * micro], tgt[rank * micro : (rank + 1) * micro]
 
 
 def roles_by_fqn(sharded_model: torch.nn.Module) -> dict[str, Role]:
@@ -93,11 +94,13 @@ def routed_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer
     from matrix_owner_optim.optim import OwnerRoutedOptimizer
 
     if kind == "adamw":
-        return OwnerRoutedOptimizer(model.parameters(), matrix="adamw", matrix_options=ADAMW_OPTS,
-                                    tail="adamw", tail_options=ADAMW_OPTS)
+        return OwnerRoutedOptimizer(
+            model.parameters(), matrix="adamw", matrix_options=ADAMW_OPTS, tail="adamw", tail_options=ADAMW_OPTS
+        )
     _, opts = _matrix_class(kind)
-    return OwnerRoutedOptimizer(model.parameters(), matrix=kind, matrix_options=opts,
-                                tail="adamw", tail_options=ADAMW_OPTS)
+    return OwnerRoutedOptimizer(
+        model.parameters(), matrix=kind, matrix_options=opts, tail="adamw", tail_options=ADAMW_OPTS
+    )
 
 
 def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:

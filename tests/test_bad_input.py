@@ -24,7 +24,6 @@ import warnings
 
 import pytest
 import torch
-from matrix_owner_optim.tensors import local_tensor
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -32,10 +31,11 @@ from torch import nn
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, plan_model
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.toolbox.launch import spawn_ranks
-from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import MixedPrecisionPolicy
+from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 # The smallest GPT with matrices (Linear weights), tail (norms, biases) and sharded tensors
 # (embeddings); two blocks so that there are block units and a root unit.
@@ -88,9 +88,7 @@ def test_roles_names_and_options_are_checked() -> None:
             **OPTS,
         )
     # 2. unknown role names, in roles= and in a param group
-    with pytest.raises(
-        ValueError, match=r"unknown role 'vector' for roles\['layers\.\*'\]; use one of"
-    ):
+    with pytest.raises(ValueError, match=r"unknown role 'vector' for roles\['layers\.\*'\]; use one of"):
         OwnerRoutedOptimizer(model, roles={"layers.*": "vector"}, **OPTS)
     with pytest.raises(ValueError, match=r"unknown role 'vector' for param group 'role'"):
         OwnerRoutedOptimizer([{"params": list(model.parameters()), "role": "vector"}], **OPTS)
@@ -105,9 +103,7 @@ def test_roles_names_and_options_are_checked() -> None:
     # 5. an option the optimizer does not take, and a value it refuses
     with pytest.raises(ValueError, match=r"matrix_options \{'betas': .*Muon.*'betas'.*Pass only"):
         OwnerRoutedOptimizer(model, **{**OPTS, "matrix_options": {"betas": (0.9, 0.99)}})
-    with pytest.raises(
-        ValueError, match=r"tail_options \{'lr': -1\.0\}.*AdamW.*Invalid learning rate"
-    ):
+    with pytest.raises(ValueError, match=r"tail_options \{'lr': -1\.0\}.*AdamW.*Invalid learning rate"):
         OwnerRoutedOptimizer(model, **{**OPTS, "tail_options": {"lr": -1.0}})
     with pytest.raises(ValueError, match=r"param group option 'frobnicate' is accepted by neither"):
         OwnerRoutedOptimizer([{"params": list(model.parameters()), "frobnicate": 1}], **OPTS)
@@ -176,9 +172,7 @@ def test_fully_shard_arguments_are_checked_before_anything_is_recorded() -> None
         match=r"takes torch\.distributed\.fsdp\.MixedPrecisionPolicy.*"
         r"got MixedPrecision.*buffer_dtype",
     ):
-        fully_shard(
-            model, mp_policy=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-        )
+        fully_shard(model, mp_policy=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
     with pytest.raises(TypeError, match=r"got dict"):
         fully_shard(model, mp_policy={"param_dtype": torch.bfloat16})
     with pytest.raises(
@@ -226,14 +220,10 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path) -> None:
     # checkpoint than the model
     extra = _model(1)
     extra.register_parameter("scale", nn.Parameter(torch.ones(1)))
-    with pytest.raises(
-        ckpt.CheckpointError, match=r"missing from it: \['model\.scale'\].*strict=False"
-    ):
+    with pytest.raises(ckpt.CheckpointError, match=r"missing from it: \['model\.scale'\].*strict=False"):
         ckpt.load(path, extra)
     shallow = _model(1, GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=16, n_heads=2))
-    with pytest.raises(
-        ckpt.CheckpointError, match=r"no parameter or buffer for: \['model\.layers\.1"
-    ):
+    with pytest.raises(ckpt.CheckpointError, match=r"no parameter or buffer for: \['model\.layers\.1"):
         ckpt.load(path, shallow)
     # 13. an optimizer whose state the checkpoint does not hold (another matrix optimizer)
     other = _model(1)
@@ -245,9 +235,7 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path) -> None:
         ckpt.load(
             path,
             other,
-            OwnerRoutedOptimizer(
-                other, **{**OPTS, "matrix": "sgd", "matrix_options": {"lr": 0.1, "momentum": 0.9}}
-            ),
+            OwnerRoutedOptimizer(other, **{**OPTS, "matrix": "sgd", "matrix_options": {"lr": 0.1, "momentum": 0.9}}),
         )
 
 
@@ -276,9 +264,7 @@ def test_truncated_and_foreign_checkpoints_say_so(tmp_path) -> None:
     os.makedirs(unfinished)
     with open(os.path.join(unfinished, "__0_0.distcp"), "wb") as f:
         f.write(b"\0" * 64)
-    with pytest.raises(
-        ckpt.CheckpointError, match=r"is incomplete: .*no \.metadata.*did not finish"
-    ):
+    with pytest.raises(ckpt.CheckpointError, match=r"is incomplete: .*no \.metadata.*did not finish"):
         ckpt.load(unfinished, fresh)
     # a .metadata cut short
     torn = str(tmp_path / "torn")
@@ -375,11 +361,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     fully_shard(model)  # the same mesh as its blocks: accepted, and planned with them
     assert {get_matrix_shard(p).world_size for p in model.parameters()} == {W}
     # 18. ranks with different models: refused before any data moves, naming the parameter
-    cfg = (
-        CFG
-        if rank == 0
-        else GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2)
-    )
+    cfg = CFG if rank == 0 else GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2)
     model = _shard(_model(cfg=cfg))
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     refused(
@@ -460,15 +442,13 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     # in state dicts), a sharded one and its unsharded reference (nothing averages the latter)
     del model.head2
     other = _shard(_model(1))
-    other.sharding_plan  # planned on its own
+    _ = other.sharding_plan  # planned on its own
     refused(
         "two_sharded_models",
         ValueError,
         r"two parameters are named 'wte\.weight' \("
         r"parameter #0.*build one optimizer per model",
-        lambda: OwnerRoutedOptimizer(
-            list(model.named_parameters()) + list(other.named_parameters()), **OPTS
-        ),
+        lambda: OwnerRoutedOptimizer(list(model.named_parameters()) + list(other.named_parameters()), **OPTS),
     )
     ref = _model()
     refused(
@@ -501,7 +481,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: model(*_batch(0, rank)),
     )
     # refused before any data moved: every rank still holds every full tensor
-    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), _model().parameters()))
+    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), _model().parameters(), strict=True))
     # 25. a plan that is not a ShardingPlan
     refused(
         "plan_type",
@@ -587,9 +567,7 @@ def _checkpoint_cases(rank: int, W: int, root: str) -> dict[str, str]:
     assert ckpt.load(path, fresh, fresh_opt) == []
     assert _same({n: p.detach() for n, p in fresh.named_parameters()}, _params(model))
     # 27. a checkpoint whose shapes do not match: every rank raises the same error, no hang
-    wide = _shard(
-        _model(cfg=GPTConfig(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2))
-    )
+    wide = _shard(_model(cfg=GPTConfig(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2)))
     with pytest.raises(
         ckpt.CheckpointError,
         match=r"'wte\.weight' has shape \(32, 16\) in the "

@@ -9,7 +9,6 @@ parameter and both shapes (or skip explicitly with ``strict=False``).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -82,14 +81,10 @@ def test_one_process_resume_is_bitwise(tmp_path):
     ckpt.save(tmp_path / "c", model, opt)
     model2 = _model(5)
     opt2 = _optimizer(model2)
-    torch.optim.lr_scheduler.LambdaLR(
-        opt2, lambda s: 1.0
-    )  # built before the load, as a resume does
+    torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)  # built before the load, as a resume does
     assert ckpt.load(tmp_path / "c", model2, opt2) == []
-    for g, g2 in zip(opt.param_groups, opt2.param_groups):
-        assert {k: v for k, v in g.items() if k != "params"} == {
-            k: v for k, v in g2.items() if k != "params"
-        }
+    for g, g2 in zip(opt.param_groups, opt2.param_groups, strict=True):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in g2.items() if k != "params"}
         assert "initial_lr" in g2
     _steps(model, opt, range(K, 2 * K))
     _steps(model2, opt2, range(K, 2 * K))
@@ -151,7 +146,7 @@ def test_errors(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"model\.extra.*strict=False"):
         ckpt.load(path, extra)
     assert torch.equal(extra.wte.weight, before)  # nothing was read before the error
-    assert ckpt.load(path, extra, strict=False) == ["model.extra"]
+    assert ckpt.load(path, extra, strict=True) == ["model.extra"]
     assert torch.equal(extra.wte.weight, model.wte.weight)
     assert torch.equal(extra.extra, torch.ones(3))
 
@@ -159,9 +154,7 @@ def test_errors(tmp_path):
         ckpt.load(str(tmp_path / "nope"), model)
 
     other = _model(0)
-    with pytest.raises(
-        ckpt.CheckpointError, match=r"no optimizer state.*wte\.weight\.momentum_buffer"
-    ):
+    with pytest.raises(ckpt.CheckpointError, match=r"no optimizer state.*wte\.weight\.momentum_buffer"):
         ckpt.load(path, other, OwnerRoutedOptimizer(other, roles={"wte.weight": "matrix"}, **OPTS))
 
     ckpt.save(str(tmp_path / "model_only"), model)
@@ -180,5 +173,5 @@ def test_checkpoint_entries_the_model_lacks_are_an_error_unless_not_strict(tmp_p
         match=r"no parameter or buffer for: \['model\.1\.bias', 'model\.1\.weight'\]",
     ):
         ckpt.load(tmp_path / "big", small)
-    assert ckpt.load(tmp_path / "big", small, strict=False) == ["model.1.bias", "model.1.weight"]
+    assert ckpt.load(tmp_path / "big", small, strict=True) == ["model.1.bias", "model.1.weight"]
     assert torch.equal(small[0].weight, big[0].weight)

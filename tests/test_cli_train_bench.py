@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from matrix_owner_optim import plan_model
-from matrix_owner_optim.toolbox.models import GPT
 from matrix_owner_optim.toolbox.data import VOCAB, BatchSampler, arithmetic_corpus, decode
+from matrix_owner_optim.toolbox.models import GPT
 from matrix_owner_optim.toolbox.training import TrainConfig
 
 CLI = [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main"]
@@ -55,8 +55,24 @@ def test_config_validation() -> None:
 
 @pytest.mark.parametrize("layout,optimizer,world", [("single", "muon", 1), ("fsdp2", "torch_muon", 2)])
 def test_train_writes_json_and_plot(tmp_path: Path, layout: str, optimizer: str, world: int) -> None:
-    out = run_cli(["train", "--layout", layout, "--optimizer", optimizer, "--steps", "2", "-w", str(world),
-                   "--no-progress", "--out", str(tmp_path / "run"), *TINY], tmp_path)
+    out = run_cli(
+        [
+            "train",
+            "--layout",
+            layout,
+            "--optimizer",
+            optimizer,
+            "--steps",
+            "2",
+            "-w",
+            str(world),
+            "--no-progress",
+            "--out",
+            str(tmp_path / "run"),
+            *TINY,
+        ],
+        tmp_path,
+    )
     assert "loss" in out.stdout and "optimizer step" in out.stdout
     # the profiled step prints none of kineto's USDT markers, and no deprecated torch call warns
     assert "USDT" not in out.stdout + out.stderr, out.stderr[-2000:]
@@ -76,15 +92,40 @@ def test_train_writes_json_and_plot(tmp_path: Path, layout: str, optimizer: str,
 
 
 def test_bench_rows_and_schema(tmp_path: Path) -> None:
-    run_cli(["bench", "--world-sizes", "2", "--rows", "b,c", "--steps", "3", "--rounds", "1",
-             "--out", str(tmp_path), *TINY[:6], "--batch", "4", "--seq-len", "16"], tmp_path)
+    run_cli(
+        [
+            "bench",
+            "--world-sizes",
+            "2",
+            "--rows",
+            "b,c",
+            "--steps",
+            "3",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+            *TINY[:6],
+            "--batch",
+            "4",
+            "--seq-len",
+            "16",
+        ],
+        tmp_path,
+    )
     results = json.loads((tmp_path / "bench.json").read_text())
     rows = results["runs"]["2"]
     assert set(rows) == {"b", "c"}
     for row in rows.values():
-        assert set(row) >= {"median_optimizer_time_s", "optimizer_time_ratio_vs_base", "median_step_time_s",
-                            "bytes_sent_per_rank_profiled", "bytes_sent_per_rank_counted",
-                            "resident_bytes_per_rank_max", "final_loss"}
+        assert set(row) >= {
+            "median_optimizer_time_s",
+            "optimizer_time_ratio_vs_base",
+            "median_step_time_s",
+            "bytes_sent_per_rank_profiled",
+            "bytes_sent_per_rank_counted",
+            "resident_bytes_per_rank_max",
+            "final_loss",
+        }
     assert rows["b"]["optimizer_time_ratio_vs_base"] == 1.0 and rows["c"]["base_row"] == "b"
     # reconstruction all-gathers every matrix: (W-1) x its padded row shard, float32. The 1-layer
     # d=32 GPT has qkv 96x32, proj 32x32, fc 128x32, mlp.proj 32x128; at W=2 the shards are
@@ -98,8 +139,7 @@ def test_bench_rows_and_schema(tmp_path: Path) -> None:
 
 def test_bench_one_rank_rows(tmp_path: Path) -> None:
     """W=1: the owner layout (a) against the plain model (p); no collective at all in (a)."""
-    run_cli(["bench", "--world-sizes", "1", "--steps", "3", "--rounds", "1",
-             "--out", str(tmp_path), *TINY], tmp_path)
+    run_cli(["bench", "--world-sizes", "1", "--steps", "3", "--rounds", "1", "--out", str(tmp_path), *TINY], tmp_path)
     rows = json.loads((tmp_path / "bench.json").read_text())["runs"]["1"]
     assert set(rows) == {"a", "p"}  # the multi-rank rows are skipped at W=1
     assert rows["a"]["base_row"] == "p" and rows["p"]["step_time_ratio_vs_base"] == 1.0
@@ -112,8 +152,7 @@ def test_bench_one_rank_rows(tmp_path: Path) -> None:
 
 def test_train_owner_layout_main_job(tmp_path: Path) -> None:
     """The README's main job with tiny settings: owner layout, 4 ranks, Muon."""
-    run_cli(["train", "--steps", "2", "-w", "4", "--no-progress", "--out", str(tmp_path / "run"), *TINY],
-            tmp_path)
+    run_cli(["train", "--steps", "2", "-w", "4", "--no-progress", "--out", str(tmp_path / "run"), *TINY], tmp_path)
     record = json.loads((tmp_path / "run" / "train.json").read_text())
     assert record["config"]["layout"] == "owner" and record["config"]["optimizer"] == "muon"
     for rank_steps in record["per_rank_steps"]:
@@ -123,8 +162,23 @@ def test_train_owner_layout_main_job(tmp_path: Path) -> None:
 
 
 def test_bench_owner_row_reports_zero_optimizer_bytes(tmp_path: Path) -> None:
-    run_cli(["bench", "--world-sizes", "2", "--rows", "a,d", "--steps", "3", "--rounds", "1",
-             "--out", str(tmp_path), *TINY], tmp_path)
+    run_cli(
+        [
+            "bench",
+            "--world-sizes",
+            "2",
+            "--rows",
+            "a,d",
+            "--steps",
+            "3",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+            *TINY,
+        ],
+        tmp_path,
+    )
     rows = json.loads((tmp_path / "bench.json").read_text())["runs"]["2"]
     a, d = rows["a"], rows["d"]
     assert a["bytes_sent_per_rank_counted"]["optimizer"] == 0

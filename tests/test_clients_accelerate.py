@@ -16,18 +16,18 @@ from typing import Any
 
 import pytest
 
+from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
-
 
 TOL = 1e-5  # as tests/test_clients_transformers.py: measured worst ~4e-7
 
 
 def _launcher_env(rank: int, W: int) -> None:
     """What ``accelerate launch`` / torchrun set for each process (the process group exists)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(W), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(W),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(W), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(W), OMP_NUM_THREADS="1"
+    )
 
 
 def accelerate_job(rank: int, W: int) -> dict[str, Any]:

@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from _clients import OPTIM, build_hf, full_params, local_tokens, max_abs_diff, reference_params, train
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from _clients import OPTIM, build_hf, full_params, local_tokens, max_abs_diff, reference_params, train
-
 
 TOL = 1e-5  # as tests/test_clients_transformers.py
 
@@ -39,7 +38,8 @@ def container(model: torch.nn.Module) -> Any:
             return OptimizersContainer._resolve_optimizer_factory(name)
 
     cfg = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="OwnerRouted")], implementation="for-loop")
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="OwnerRouted")], implementation="for-loop"
+    )
     return OwnerRoutedContainer(cfg, model_parts=[model])
 
 

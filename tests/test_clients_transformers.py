@@ -29,10 +29,20 @@ from typing import Any
 import pytest
 import torch
 
+from _clients import (
+    HF_KINDS,
+    OPTIM,
+    build_hf,
+    changed,
+    full_params,
+    global_tokens,
+    local_tokens,
+    max_abs_diff,
+    reference_params,
+    train,
+)
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from _clients import (HF_KINDS, OPTIM, build_hf, changed, full_params, global_tokens, local_tokens,
-                      max_abs_diff, reference_params, train)
 
 pytestmark = pytest.mark.xdist_group("clients_transformers")
 
@@ -67,9 +77,14 @@ def _state_diff(a: dict, b: dict) -> tuple[float, int, bool]:
                 x, y = _piece_local(v), _piece_local(other[name])
                 worst = max(worst, float((x.float() - y.float()).abs().max()) if x.numel() else 0.0)
                 count += 1
+
     # torch's full state dict turns tuples (betas) into lists on the way through; either is a value
-    groups = lambda sd: [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}  # noqa: E731
-                         for g in sd.get("param_groups", [])]
+    def groups(sd):
+        return [
+            {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
+            for g in sd.get("param_groups", [])
+        ]
+
     return worst, count, same and groups(a) == groups(b)
 
 
@@ -80,18 +95,25 @@ ALL_FORMS = ("full", "cpu_offload", "full_cpu_offload")
 OWNER_FORMS = ALL_FORMS
 
 
-def dsd_roundtrips(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                   names: tuple[str, ...] = ALL_FORMS) -> dict[str, tuple[float, int, bool]]:
+def dsd_roundtrips(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, names: tuple[str, ...] = ALL_FORMS
+) -> dict[str, tuple[float, int, bool]]:
     """Each state-dict option: get from ``opt``, set into a fresh optimizer, get again, compare."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    forms = {"full": (StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True)),
-             "cpu_offload": (StateDictOptions(cpu_offload=True), StateDictOptions(cpu_offload=True)),
-             # rank 0 only holds it: what Accelerate's FSDP2 save_state writes, loaded by broadcast
-             "full_cpu_offload": (StateDictOptions(full_state_dict=True, cpu_offload=True),
-                                  StateDictOptions(full_state_dict=True,
-                                                   broadcast_from_rank0=torch.distributed.is_initialized()))}
+    forms = {
+        "full": (StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True)),
+        "cpu_offload": (StateDictOptions(cpu_offload=True), StateDictOptions(cpu_offload=True)),
+        # rank 0 only holds it: what Accelerate's FSDP2 save_state writes, loaded by broadcast
+        "full_cpu_offload": (
+            StateDictOptions(full_state_dict=True, cpu_offload=True),
+            StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized()),
+        ),
+    }
     out = {}
     for name in names:
         get_opts, set_opts = forms[name]
@@ -131,12 +153,12 @@ def transformers_job(rank: int, W: int) -> dict[str, Any]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(W: int) -> list[dict[str, Any]]:
     return spawn_ranks(transformers_job, W, threads_per_rank=1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind: str) -> dict[str, torch.Tensor]:
     return reference_params(kind)
 
@@ -216,10 +238,20 @@ def test_hf_trainer_saves_and_resumes(tmp_path: Path) -> None:
 
     def run(out: Path, max_steps: int, resume: str | None = None) -> dict[str, torch.Tensor]:
         model = build_hf("llama")
-        args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2,
-                                 save_steps=2, save_strategy="steps", use_cpu=True, report_to=[],
-                                 logging_strategy="no", dataloader_num_workers=0, seed=0,
-                                 lr_scheduler_type="constant", disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=max_steps,
+            per_device_train_batch_size=2,
+            save_steps=2,
+            save_strategy="steps",
+            use_cpu=True,
+            report_to=[],
+            logging_strategy="no",
+            dataloader_num_workers=0,
+            seed=0,
+            lr_scheduler_type="constant",
+            disable_tqdm=True,
+        )
         opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
         Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None)).train(resume_from_checkpoint=resume)
         return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -68,10 +68,19 @@ def test_others_first_offsets(world_size: int) -> None:
             cursor += sizes[r]
 
 
-@pytest.mark.parametrize(("world_size", "pre", "post"), [
-    (1, 1, 1), (2, 2, 1), (3, 2, 1.5), (4, 2, 2), (6, 4, 1.5), (8, 4, 2), (16, 4, 4),
-    (1024, 32, 32),
-])
+@pytest.mark.parametrize(
+    ("world_size", "pre", "post"),
+    [
+        (1, 1, 1),
+        (2, 2, 1),
+        (3, 2, 1.5),
+        (4, 2, 2),
+        (6, 4, 1.5),
+        (8, 4, 2),
+        (16, 4, 4),
+        (1024, 32, 32),
+    ],
+)
 def test_float16_divides_around_the_sum(world_size: int, pre: float, post: float) -> None:
     assert gradient_divide_factors(torch.float16, world_size) == (pre, post)
 

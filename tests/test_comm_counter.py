@@ -10,16 +10,17 @@ All checks share one two-rank spawn.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from matrix_owner_optim import comm
 from matrix_owner_optim.comm import CommCounter, comm_phase, current_phase
+from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
-from matrix_owner_optim.sharding import fully_shard
 
 N = 1000  # float32 elements per test all-reduce
 
@@ -54,8 +55,7 @@ def _raw_collectives(rank: int, W: int) -> dict[str, Any]:
         _on_thread(lambda: comm.all_reduce(torch.ones(N), name="no_phase"), "worker-plain")
         comm.all_reduce(torch.ones(N), name="from_main")
         out["main_phase_after"] = current_phase()
-    out["records"] = [(r.phase, r.op, r.bytes_sent, r.bytes_received, r.thread)
-                      for r in cc.records]
+    out["records"] = [(r.phase, r.op, r.bytes_sent, r.bytes_received, r.thread) for r in cc.records]
     with CommCounter() as cc2:
         pass
     _on_thread(lambda: comm.all_reduce(torch.ones(N), name="after_exit"), "worker-late")

@@ -19,17 +19,21 @@ import functools
 import pytest
 import torch
 
+from _ref import roundtrip
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
-from _ref import roundtrip
 
 W = 2
 STEPS = 20
 BATCH = 8
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4, bias=False)
-OPTS = dict(matrix="muon", matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
-            tail="adamw", tail_options={"lr": 3e-3, "weight_decay": 0.05})
+OPTS = dict(
+    matrix="muon",
+    matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
+    tail="adamw",
+    tail_options={"lr": 3e-3, "weight_decay": 0.05},
+)
 TOL = 1e-5
 
 
@@ -40,8 +44,10 @@ def build() -> GPT:
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def make(model, replicated: str):
@@ -49,7 +55,7 @@ def make(model, replicated: str):
     return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build()
     opt, sched = make(model, "owner")  # one process: plain local updates
@@ -94,16 +100,26 @@ def ddp_job(rank: int, world_size: int) -> dict:
                 sched.load_state_dict(sched_sd)
         routes = opt.routes()
         params = {n.removeprefix("module."): p.detach().clone() for n, p in ddp.named_parameters()}
-        p_own = sum(params[r["name"].removeprefix("module.")].numel() * 4
-                    for r in routes if r["role"] == "matrix" and r["owner"] == rank)
-        p_all = sum(params[r["name"].removeprefix("module.")].numel() * 4
-                    for r in routes if r["role"] == "matrix")
-        out[mode] = {"losses": losses, "params": params, "sent": sent, "received": received,
-                     "calls": calls, "ops": ops, "P_own": p_own, "P": p_all,
-                     "state_keys": sum(1 for st in opt.state.values() if st),  # state held here
-                     "lr": [g["lr"] for g in opt.param_groups],
-                     "placement_bytes": sum(pl.bytes_per_step() for pl in opt._placements.values()),
-                     "layouts": sorted({r["layout"] for r in routes})}
+        p_own = sum(
+            params[r["name"].removeprefix("module.")].numel() * 4
+            for r in routes
+            if r["role"] == "matrix" and r["owner"] == rank
+        )
+        p_all = sum(params[r["name"].removeprefix("module.")].numel() * 4 for r in routes if r["role"] == "matrix")
+        out[mode] = {
+            "losses": losses,
+            "params": params,
+            "sent": sent,
+            "received": received,
+            "calls": calls,
+            "ops": ops,
+            "P_own": p_own,
+            "P": p_all,
+            "state_keys": sum(1 for st in opt.state.values() if st),  # state held here
+            "lr": [g["lr"] for g in opt.param_groups],
+            "placement_bytes": sum(pl.bytes_per_step() for pl in opt._placements.values()),
+            "layouts": sorted({r["layout"] for r in routes}),
+        }
     # ranks that disagree on the parameters get a clear error naming the first difference
     w = torch.nn.Parameter(torch.zeros(4, 3 + rank))
     try:
@@ -114,7 +130,7 @@ def ddp_job(rank: int, world_size: int) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results() -> list[dict]:
     return spawn_ranks(ddp_job, W, threads_per_rank=1)
 
@@ -159,5 +175,7 @@ def test_ddp_bytes_per_step() -> None:
         assert own["state_keys"] < red["state_keys"]
         # redundant mode moves nothing in the step
         assert red["calls"] == [0] * STEPS and red["sent"] == [0] * STEPS and red["placement_bytes"] == 0
-        print(f"   rank {rank}: P={own['P']} P/W={own['P'] / W:.0f} owner: sent {own['sent'][0]} "
-              f"received {own['received'][0]}; redundant: 0")
+        print(
+            f"   rank {rank}: P={own['P']} P/W={own['P'] / W:.0f} owner: sent {own['sent'][0]} "
+            f"received {own['received'][0]}; redundant: 0"
+        )

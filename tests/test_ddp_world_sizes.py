@@ -26,14 +26,14 @@ from typing import Any
 
 import pytest
 import torch
-from _ref import ADAMW_OPTS, MUON_OPTS, global_batch, local_batch, make_models, rel_err
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
+from _ref import ADAMW_OPTS, MUON_OPTS, global_batch, local_batch, make_models, rel_err
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon, Shampoo
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 W = 3
@@ -62,8 +62,9 @@ def _run(rank: int, world_size: int, kind: str, mode: str) -> dict[str, Any]:
     lockstep = copy.deepcopy(model)
     ddp = DDP(model)
     _, opts = KINDS[kind]
-    opt = OwnerRoutedOptimizer(ddp, matrix=kind, matrix_options=opts, tail="adamw",
-                               tail_options=ADAMW_OPTS, replicated=mode)
+    opt = OwnerRoutedOptimizer(
+        ddp, matrix=kind, matrix_options=opts, tail="adamw", tail_options=ADAMW_OPTS, replicated=mode
+    )
     roles = {r["name"].removeprefix("module."): r["role"] for r in opt.routes()}
     assert sorted(roles) == sorted(n for n, _ in lockstep.named_parameters())
     assert {r["layout"] for r in opt.routes()} == {"replicated"}
@@ -105,16 +106,14 @@ def _run(rank: int, world_size: int, kind: str, mode: str) -> dict[str, Any]:
         err = rel_err(params[name], p)
         errs["param_whole"] = max(errs["param_whole"], err)
         assert err <= PARAM_RTOL, (kind, mode, name, err)
-    return {"errors": errs, "ops": ops_per_step,
-            "params": {n: p.detach().clone() for n, p in params.items()}}
+    return {"errors": errs, "ops": ops_per_step, "params": {n: p.detach().clone() for n, p in params.items()}}
 
 
 def _job(rank: int, world_size: int) -> dict[str, Any]:
-    return {(kind, mode): _run(rank, world_size, kind, mode)
-            for kind in KINDS for mode in ("owner", "redundant")}
+    return {(kind, mode): _run(rank, world_size, kind, mode) for kind in KINDS for mode in ("owner", "redundant")}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results() -> list[dict[str, Any]]:
     return spawn_ranks(_job, W, threads_per_rank=1)
 
@@ -130,5 +129,4 @@ def test_ddp_w3_matches_reference(kind: str, mode: str) -> None:
         want = ["gloo:all_to_all"] if mode == "owner" else []
         assert res["ops"] == [want] * STEPS, (kind, mode, rank, res["ops"])
     worst = {k: max(r["errors"][k] for r in results) for k in results[0]["errors"]}
-    print(f"\nDDP W={W} {kind} {mode}: worst relative errors over ranks",
-          {k: f"{v:.3g}" for k, v in worst.items()})
+    print(f"\nDDP W={W} {kind} {mode}: worst relative errors over ranks", {k: f"{v:.3g}" for k, v in worst.items()})

@@ -24,9 +24,10 @@ def test_tensors_on_meta_or_already_there_stay() -> None:
     params = list(model.parameters())
     ptrs = [t.data_ptr() for t in [*model[0].parameters(), *model[1].parameters(), *model[1].buffers()]]
     move_states_to_device(model, torch.device("cpu"))
-    assert all(a is b for a, b in zip(model.parameters(), params))  # the same objects
-    assert [t.data_ptr() for t in [*model[0].parameters(), *model[1].parameters(),
-                                   *model[1].buffers()]] == ptrs  # nothing copied
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))  # the same objects
+    assert [
+        t.data_ptr() for t in [*model[0].parameters(), *model[1].parameters(), *model[1].buffers()]
+    ] == ptrs  # nothing copied
     assert all(p.device.type == "meta" for p in model[2].parameters())
 
 
@@ -35,8 +36,11 @@ def _devices(rank: int, world_size: int) -> list[str]:
 
     group = dist.new_group(list(range(world_size)))
     mesh = init_device_mesh("cpu", (world_size,))
-    return [str(mesh_device(None, dist.group.WORLD)), str(mesh_device(group, group)),
-            str(mesh_device(mesh, mesh.get_group()))]
+    return [
+        str(mesh_device(None, dist.group.WORLD)),
+        str(mesh_device(group, group)),
+        str(mesh_device(mesh, mesh.get_group())),
+    ]
 
 
 def test_gloo_meshes_keep_tensors_on_the_cpu() -> None:

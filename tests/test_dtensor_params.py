@@ -30,10 +30,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _ref import ADAMW_OPTS, CFG, MUON_OPTS, global_batch, local_batch, mean_over_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 
+from _ref import ADAMW_OPTS, CFG, MUON_OPTS, global_batch, local_batch, mean_over_ranks
 from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.sharding import fully_shard
@@ -83,7 +83,7 @@ def _ref_backward(ref: torch.nn.Module, step: int, W: int) -> float:
 
 def _max_rel(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     worst = 0.0
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         full = p.full_tensor()
         worst = max(worst, float((full - q).norm() / q.norm().clamp_min(1e-30)))
     return worst
@@ -100,7 +100,7 @@ def _clip_norms(rank: int, W: int) -> dict:
     errs = {}
     for norm_type in (2.0, 1.0, math.inf):
         for foreach in (False, True):
-            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
                 local_tensor(p.grad).copy_(saved[n])
                 q.grad.copy_(ref_saved[n])
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type, foreach=foreach)
@@ -109,10 +109,10 @@ def _clip_norms(rank: int, W: int) -> dict:
             value = got.full_tensor()
             errs[f"{norm_type}/{foreach}"] = float(abs(value - want) / want)
             # every gradient scaled by the same factor as the reference's
-            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
                 full = p.grad.full_tensor()
                 errs[f"{norm_type}/{foreach}/{n}"] = float((full - q.grad).norm() / q.grad.norm().clamp_min(1e-30))
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         local_tensor(p.grad).copy_(saved[n])
         q.grad.copy_(ref_saved[n])
     ours = clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -146,8 +146,10 @@ def _clipped_run(rank: int, W: int) -> dict:
 
 def _torch_optimizers(rank: int, W: int) -> dict:
     out = {}
-    for name, cls, kw in (("adamw", torch.optim.AdamW, ADAMW_OPTS),  # eps 1e-5: see tests/_ref.py
-                          ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+    for name, cls, kw in (
+        ("adamw", torch.optim.AdamW, ADAMW_OPTS),  # eps 1e-5: see tests/_ref.py
+        ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ):
         model, ref = _models()
         _shard(model)
         opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
@@ -172,8 +174,9 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
     out: dict = {}
     p = model.layers[0].attn.qkv.weight
     out["full_tensor"] = bool(torch.equal(p.full_tensor(), ref.layers[0].attn.qkv.weight))
-    out["redistribute"] = bool(torch.equal(p.redistribute(p.device_mesh, [Replicate()]).to_local(),
-                                           ref.layers[0].attn.qkv.weight))
+    out["redistribute"] = bool(
+        torch.equal(p.redistribute(p.device_mesh, [Replicate()]).to_local(), ref.layers[0].attn.qkv.weight)
+    )
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     out["full_sd"] = all(torch.equal(full[n], q) for n, q in ref.state_dict().items())
     # load a different model's full tensors, then DCP-save, perturb, DCP-load
@@ -194,8 +197,10 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
     torch.save(model.state_dict(), buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    out["weights_only"] = all(isinstance(v, DTensor) and torch.equal(local_tensor(v), local_tensor(q))
-                              for (n, v), (_, q) in zip(loaded.items(), model.state_dict().items()))
+    out["weights_only"] = all(
+        isinstance(v, DTensor) and torch.equal(local_tensor(v), local_tensor(q))
+        for (n, v), (_, q) in zip(loaded.items(), model.state_dict().items(), strict=True)
+    )
     model.load_state_dict(loaded)
     out["weights_only_load"] = _max_rel(model, ref) == 0.0
     return out
@@ -220,8 +225,13 @@ def _list_unit(rank: int, W: int) -> dict:
 
 def _job(rank: int, W: int, ckpt_root: str) -> dict:
     torch.set_num_threads(1)
-    return {"clip": _clip_norms(rank, W), "run": _clipped_run(rank, W), "torch": _torch_optimizers(rank, W),
-            "sd": _state_dicts(rank, W, os.path.join(ckpt_root, f"w{W}")), "list": _list_unit(rank, W)}
+    return {
+        "clip": _clip_norms(rank, W),
+        "run": _clipped_run(rank, W),
+        "torch": _torch_optimizers(rank, W),
+        "sd": _state_dicts(rank, W, os.path.join(ckpt_root, f"w{W}")),
+        "list": _list_unit(rank, W),
+    }
 
 
 @pytest.fixture(scope="module", params=[2, 3])

@@ -34,8 +34,15 @@ def _run(cmd: list[str]) -> str:
     """Run ``cmd`` in its own session; its stdout. On a timeout the whole session is killed
     (torchrun's ranks too, not only torchrun) and the test fails with what it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=EXAMPLES.parent, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=EXAMPLES.parent,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -48,8 +55,16 @@ def _run(cmd: list[str]) -> str:
 
 
 def _torchrun(script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", str(EXAMPLES / script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(EXAMPLES / script),
+        *args,
+    ]
 
 
 def _check_resume(out: str, resumed_from: int) -> None:
@@ -71,8 +86,9 @@ def _check_resume(out: str, resumed_from: int) -> None:
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["owner", "fsdp2"])
 def test_torchtitan_style_resumes_to_the_uninterrupted_run(tmp_path: Path, layout: str) -> None:
-    out = _run(_torchrun("torchtitan_style.py", "--steps", str(STEPS), "--ckpt", str(tmp_path / "ckpt"),
-                         "--layout", layout))
+    out = _run(
+        _torchrun("torchtitan_style.py", "--steps", str(STEPS), "--ckpt", str(tmp_path / "ckpt"), "--layout", layout)
+    )
     assert f"uninterrupted run ({layout} layout, 2 ranks" in out, out
     assert f"saved checkpoint after {STEPS // 2} steps" in out, out
     _check_resume(out, STEPS // 2)

@@ -34,8 +34,18 @@ SMALL_MODEL = ["--layers", "1", "--width", "32", "--heads", "2", "--batch", "4",
 
 def _tiny(layout: str) -> TrainConfig:
     # profile_step=1: the profiled step is part of every train run (and was in the aborts)
-    return TrainConfig(layout=layout, optimizer="muon", steps=2, n_layers=1, d_model=16,
-                       n_heads=2, global_batch=2, seq_len=8, corpus_lines=50, profile_step=1)
+    return TrainConfig(
+        layout=layout,
+        optimizer="muon",
+        steps=2,
+        n_layers=1,
+        d_model=16,
+        n_heads=2,
+        global_batch=2,
+        seq_len=8,
+        corpus_lines=50,
+        profile_step=1,
+    )
 
 
 @pytest.mark.parametrize("layout", ["owner", "fsdp2"])
@@ -51,10 +61,23 @@ def test_torchrun_train_runs_exit_with_code_zero(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for run in range(TORCHRUN_RUNS):
         out = tmp_path / f"run{run}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "matrix_owner_optim", "train", "--steps", "20", *SMALL_MODEL,
-               "--no-progress", "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            "-m",
+            "matrix_owner_optim",
+            "train",
+            "--steps",
+            "20",
+            *SMALL_MODEL,
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"run {run}: exit code {proc.returncode}\n{proc.stderr[-3000:]}"
         assert "terminate called" not in proc.stderr, f"run {run}\n{proc.stderr[-3000:]}"
@@ -76,8 +99,11 @@ def _pin_group(rank: int, world_size: int) -> int:
 
 
 def test_launcher_reports_an_abnormal_exit_after_the_result() -> None:
-    with pytest.raises(RankError, match=r"rank 0 exited abnormally \(signal SIGABRT\) after "
-                                        r"writing its result"):
+    with pytest.raises(
+        RankError,
+        match=r"rank 0 exited abnormally \(signal SIGABRT\) after "
+        r"writing its result",
+    ):
         spawn_ranks(_abort_at_exit, 2)
 
 

@@ -27,22 +27,23 @@ whose reference sums the same bf16 micro-batch gradients in fp32 in the same ord
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-from _ref import no_gradient_here, ADAMW_OPTS, assert_close, global_batch, local_batch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.toolbox.launch import spawn_ranks
-from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
-from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+from _ref import ADAMW_OPTS, assert_close, global_batch, local_batch, no_gradient_here
 from matrix_owner_optim import register_fsdp_forward_method
+from matrix_owner_optim.comm import CommCounter
+from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
 from matrix_owner_optim.sharding.unit import ShardedState
 from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 RTOL = 1e-5
@@ -121,11 +122,19 @@ def _compare_params(model: nn.Module, ref: nn.Module, what: str, rtol: float = R
         model.reshard()
 
 
-def _train(rank: int, W: int, model: nn.Module, ref: nn.Module, *, steps: int = STEPS,
-           forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-           between: Callable[[int, nn.Module], None] | None = None,
-           fail: Callable[[int], str] | None = None, trap: Trap | None = None,
-           opt: torch.optim.Optimizer | None = None) -> list[float]:
+def _train(
+    rank: int,
+    W: int,
+    model: nn.Module,
+    ref: nn.Module,
+    *,
+    steps: int = STEPS,
+    forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    between: Callable[[int, nn.Module], None] | None = None,
+    fail: Callable[[int], str] | None = None,
+    trap: Trap | None = None,
+    opt: torch.optim.Optimizer | None = None,
+) -> list[float]:
     """``steps`` AdamW steps of both; a step where ``fail(step)`` names a place raises there,
     is caught, and is skipped by both (the reference never runs it)."""
     fwd = forward or (lambda m, batch: m(*batch))
@@ -170,6 +179,7 @@ def _parent_held(rank: int, W: int) -> None:
 def _exception_in_backward(rank: int, W: int) -> None:
     model, ref = _pair(seed=2)
     trap = Trap()
+
     def arm(module: nn.Module, args: Any, out: torch.Tensor) -> None:
         out.register_hook(trap.backward_hook)  # between the two blocks' backward
 
@@ -189,7 +199,8 @@ def _exception_in_forward(rank: int, W: int) -> None:
     _shard(model)
     issued = []
     model.layers[1].register_forward_pre_hook(
-        lambda m, a: issued.append(list(model._moo_units()[0].ctx.prefetch_log)), prepend=True)
+        lambda m, a: issued.append(list(model._moo_units()[0].ctx.prefetch_log)), prepend=True
+    )
     _train(rank, W, model, ref, steps=5, fail=lambda s: "forward" if s == 2 else "", trap=trap)
     assert ("forward", 0, 1) in issued[-1]  # the automatic prefetch was on
     for unit in model._moo_units():  # nothing left swapped in or gathered between steps
@@ -316,7 +327,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
     assert any(u.state is ShardedState.GATHERING for u in model._moo_units())
     handle.wait()
     assert all(u.state is ShardedState.UNSHARDED for u in model._moo_units())
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
     model.reshard()
 
@@ -324,7 +335,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
         def generate(self, idx: torch.Tensor, steps: int) -> torch.Tensor:
             for _ in range(steps):
                 nxt = self(idx)[:, -1].argmax(-1, keepdim=True)
-                idx = torch.cat([idx, nxt], dim=1)[:, -CFG.seq_len:]
+                idx = torch.cat([idx, nxt], dim=1)[:, -CFG.seq_len :]
             return idx
 
     model, ref = _pair(seed=9, cls=Gen)
@@ -432,7 +443,7 @@ def _one_rank(rank: int, W: int) -> dict:
     x, y = local_batch(0, rank, W)
     mp_model(x, y).backward()
     mp_ref(x, y).backward()
-    for (n, p), q in zip(mp_model.named_parameters(), mp_ref.parameters()):
+    for (n, p), q in zip(mp_model.named_parameters(), mp_ref.parameters(), strict=True):
         assert p.grad is not None and p.grad.dtype == torch.float32, n
         assert torch.equal(p.grad, q.grad.float()), n  # bf16 gradient, kept in fp32
     return {"calls": cc.calls(), "bytes": cc.bytes()}

@@ -20,9 +20,9 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _moe import TinyMoE
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from _moe import TinyMoE
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import fully_shard
@@ -67,13 +67,16 @@ def _job(rank: int, W: int, ckpt: str) -> dict:
     _shard(model)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
-    split = {n: [get_matrix_shard(p).row_range(r) for r in range(W)]
-             for n, p in model.named_parameters() if get_matrix_shard(p).is_split}
+    split = {
+        n: [get_matrix_shard(p).row_range(r) for r in range(W)]
+        for n, p in model.named_parameters()
+        if get_matrix_shard(p).is_split
+    }
     loss_err, ops = 0.0, []
     for step in range(STEPS):
         idx, tgt = _batch(step, W)
         rows = slice(rank * MICRO * SEQ, (rank + 1) * MICRO * SEQ)
-        loss = _loss(model, idx[rank * MICRO:(rank + 1) * MICRO], tgt[rows])
+        loss = _loss(model, idx[rank * MICRO : (rank + 1) * MICRO], tgt[rows])
         loss.backward()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             opt.step()
@@ -86,8 +89,10 @@ def _job(rank: int, W: int, ckpt: str) -> dict:
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         loss_err = max(loss_err, abs(float(mean) / W - float(ref_loss)) / abs(float(ref_loss)))
-    errs = {n: float((p.full_tensor() - q).norm() / q.norm())
-            for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+    errs = {
+        n: float((p.full_tensor() - q).norm() / q.norm())
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    }
     param_err = max(errs.values())
     dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
     fresh = TinyMoE(layers=2, experts=EXPERTS, hidden=HIDDEN, inter=INTER, vocab=VOCAB)
@@ -96,18 +101,28 @@ def _job(rank: int, W: int, ckpt: str) -> dict:
     sd = get_model_state_dict(fresh)
     dcp.load(sd, checkpoint_id=ckpt)
     set_model_state_dict(fresh, sd)
-    reloaded = all(torch.equal(local_tensor(p), local_tensor(q))
-                   for p, q in zip(model.parameters(), fresh.parameters()))
-    return {"split": split, "loss_err": loss_err, "param_err": param_err, "step_ops": ops, "reloaded": reloaded,
-            "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3]}
+    reloaded = all(
+        torch.equal(local_tensor(p), local_tensor(q))
+        for p, q in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+    return {
+        "split": split,
+        "loss_err": loss_err,
+        "param_err": param_err,
+        "step_ops": ops,
+        "reloaded": reloaded,
+        "worst": sorted(errs.items(), key=lambda kv: -kv[1])[:3],
+    }
 
 
 @pytest.mark.parametrize("W", [2, 3])
 def test_split_experts_train_as_one_process(W: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         res = spawn_ranks(_job, W, os.path.join(root, "ckpt"))
-    print(f"W={W}: split {res[0]['split']}, loss err {max(r['loss_err'] for r in res):.2e}, "
-          f"param err {max(r['param_err'] for r in res):.2e}, worst {res[0]['worst']}")
+    print(
+        f"W={W}: split {res[0]['split']}, loss err {max(r['loss_err'] for r in res):.2e}, "
+        f"param err {max(r['param_err'] for r in res):.2e}, worst {res[0]['worst']}"
+    )
     for r in res:
         assert r["split"], "the heavy expert stacks must be split over owners"
         for name, ranges in r["split"].items():
@@ -121,18 +136,24 @@ def test_split_experts_train_as_one_process(W: int) -> None:
 def _full_state_job(rank: int, W: int) -> dict:
     """Two heavy experts over three ranks: one rank holds none of a split stack, yet every
     rank's optimizer state dict lists the same keys, so torch's full_state_dict round-trips."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyMoE(layers=1, experts=2, hidden=HIDDEN, inter=128, vocab=VOCAB)
     _shard(model)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
-    holders = {n: [r for r in range(W) if get_matrix_shard(p).row_range(r)[1] > get_matrix_shard(p).row_range(r)[0]]
-               for n, p in model.named_parameters() if get_matrix_shard(p).is_split}
+    holders = {
+        n: [r for r in range(W) if get_matrix_shard(p).row_range(r)[1] > get_matrix_shard(p).row_range(r)[0]]
+        for n, p in model.named_parameters()
+        if get_matrix_shard(p).is_split
+    }
     idx, tgt = _batch(0, W)
-    _loss(model, idx[rank * MICRO:(rank + 1) * MICRO], tgt[rank * MICRO * SEQ:(rank + 1) * MICRO * SEQ]).backward()
+    _loss(model, idx[rank * MICRO : (rank + 1) * MICRO], tgt[rank * MICRO * SEQ : (rank + 1) * MICRO * SEQ]).backward()
     opt.step()
     opt.zero_grad()  # torch initialises a fresh optimizer's state only where no gradient is set
     opts = StateDictOptions(full_state_dict=True)
@@ -141,8 +162,11 @@ def _full_state_job(rank: int, W: int) -> dict:
     set_optimizer_state_dict(model, fresh, full, options=opts)
     again = get_optimizer_state_dict(model, fresh, options=opts)
     same = full["state"].keys() == again["state"].keys() and all(
-        torch.equal(v, again["state"][n][k]) for n, st in full["state"].items() for k, v in st.items()
-        if isinstance(v, torch.Tensor))
+        torch.equal(v, again["state"][n][k])
+        for n, st in full["state"].items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    )
     return {"holders": holders, "same": same, "entries": len(full["state"])}
 
 

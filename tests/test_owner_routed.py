@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from _ref import roundtrip
 from matrix_owner_optim import OwnerRoutedOptimizer, plan_model, register_preconditioner
-from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.optim import available_preconditioners, simulated_parameters
 from matrix_owner_optim.planning import Role
 from matrix_owner_optim.planning.roles import module_roles
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
-from _ref import roundtrip
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
 
@@ -31,26 +31,30 @@ def twin_models(untied: bool = False) -> tuple[GPT, GPT]:
 
 def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
-            for _ in range(n)]
+    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(n)]
 
 
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(((x - y).norm() / y.norm().clamp_min(1e-12)).item()
-               for x, y in zip(a.parameters(), b.parameters()))
+    return max(
+        ((x - y).norm() / y.norm().clamp_min(1e-12)).item() for x, y in zip(a.parameters(), b.parameters(), strict=True)
+    )
 
 
 def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> None:
     model, ref = twin_models()
-    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options={"lr": 0.02, "weight_decay": 0.01},
-                               tail="adamw", tail_options={"lr": 3e-3, "weight_decay": 0.05})
+    opt = OwnerRoutedOptimizer(
+        model,
+        matrix="muon",
+        matrix_options={"lr": 0.02, "weight_decay": 0.01},
+        tail="adamw",
+        tail_options={"lr": 3e-3, "weight_decay": 0.05},
+    )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
     roles = module_roles(ref)
     mats = [p for p in ref.parameters() if roles[id(p)] is Role.MATRIX]
     rest = [p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX]
     assert len(mats) == 8 and len(rest) == 20
-    ref_opts = [torch.optim.Muon(mats, lr=0.02, weight_decay=0.01),
-                torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.05)]
+    ref_opts = [torch.optim.Muon(mats, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.05)]
     ref_scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20) for o in ref_opts]
     losses = []
     for step, (x, y) in enumerate(batches(20)):
@@ -69,8 +73,13 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
         losses.append((loss.item(), ref_loss.item()))
         if step == 9:  # resume into a brand-new optimizer and scheduler from serialized state
             opt_sd, sched_sd = roundtrip(opt.state_dict()), roundtrip(sched.state_dict())
-            opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options={"lr": 0.02, "weight_decay": 0.01},
-                                       tail="adamw", tail_options={"lr": 3e-3, "weight_decay": 0.05})
+            opt = OwnerRoutedOptimizer(
+                model,
+                matrix="muon",
+                matrix_options={"lr": 0.02, "weight_decay": 0.01},
+                tail="adamw",
+                tail_options={"lr": 3e-3, "weight_decay": 0.05},
+            )
             opt.load_state_dict(opt_sd)
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
             sched.load_state_dict(sched_sd)
@@ -103,9 +112,11 @@ def test_param_forms_route_linear_weights_to_matrix(form: str) -> None:
     elif form == "plain":
         params = model.parameters()
     else:
-        params = [{"params": list(model.layers.parameters()), "lr": 0.5},
-                  {"params": [model.wte.weight, model.wpe.weight, model.lm_head.weight], "role": "tail"},
-                  {"params": list(model.ln_f.parameters())}]
+        params = [
+            {"params": list(model.layers.parameters()), "lr": 0.5},
+            {"params": [model.wte.weight, model.wpe.weight, model.lm_head.weight], "role": "tail"},
+            {"params": list(model.ln_f.parameters())},
+        ]
     opt = OwnerRoutedOptimizer(params)
     routes = {r["name"]: r["role"] for r in opt.routes()}
     matrix_count = sum(1 for r in routes.values() if r == "matrix")
@@ -140,9 +151,13 @@ def test_roles_override_and_errors() -> None:
         OwnerRoutedOptimizer([])
 
 
-
-def _train_alongside(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module,
-                     ref_opts: list[torch.optim.Optimizer], steps: int) -> None:
+def _train_alongside(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    ref: torch.nn.Module,
+    ref_opts: list[torch.optim.Optimizer],
+    steps: int,
+) -> None:
     """``steps`` batches through the model with ``opt`` and the reference with ``ref_opts``."""
     for x, y in batches(steps):
         model(x, y).backward()
@@ -156,8 +171,13 @@ def _train_alongside(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: to
 
 def test_any_optimizer_class_becomes_a_matrix_optimizer() -> None:
     model, ref = twin_models()
-    opt = OwnerRoutedOptimizer(model, matrix=torch.optim.SGD, matrix_options={"lr": 0.1, "momentum": 0.9},
-                               tail=torch.optim.Adam, tail_options={"lr": 1e-3})
+    opt = OwnerRoutedOptimizer(
+        model,
+        matrix=torch.optim.SGD,
+        matrix_options={"lr": 0.1, "momentum": 0.9},
+        tail=torch.optim.Adam,
+        tail_options={"lr": 1e-3},
+    )
     roles = module_roles(ref)
     r1 = torch.optim.SGD([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.1, momentum=0.9)
     r2 = torch.optim.Adam([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX], lr=1e-3)
@@ -179,6 +199,7 @@ def test_builtin_preconditioners_by_name(name: str, cls: type, opts: dict) -> No
 
 def test_torch_optimizer_shampoo_by_name() -> None:
     import torch_optimizer  # in the test extra: a missing install must fail, not skip
+
     model, ref = twin_models()
     opt = OwnerRoutedOptimizer(model, matrix="torch_optimizer_shampoo", matrix_options={"lr": 0.01})
     assert isinstance(opt.matrix_optimizer, torch_optimizer.Shampoo)
@@ -192,8 +213,7 @@ def test_torch_optimizer_shampoo_by_name() -> None:
 def test_conv_kernel_as_matrix_gets_a_2d_view() -> None:
     conv = nn.Conv2d(3, 8, 3, bias=False)
     ref_w = nn.Parameter(conv.weight.detach().reshape(8, -1).clone())
-    opt = OwnerRoutedOptimizer([("conv.weight", conv.weight)], roles={"conv.*": "matrix"},
-                               matrix_options={"lr": 0.05})
+    opt = OwnerRoutedOptimizer([("conv.weight", conv.weight)], roles={"conv.*": "matrix"}, matrix_options={"lr": 0.05})
     ref = torch.optim.Muon([ref_w], lr=0.05)
     for _ in range(3):
         g = torch.randn(8, 3, 3, 3)
@@ -262,8 +282,7 @@ def test_register_preconditioner_and_cost() -> None:
 
     register_preconditioner("half_sgd_test", Half, overwrite=True)
     assert "half_sgd_test" in available_preconditioners()
-    opt = OwnerRoutedOptimizer(nn.Linear(4, 4).named_parameters(), matrix="HALF_SGD_TEST",
-                               matrix_options={"lr": 0.1})
+    opt = OwnerRoutedOptimizer(nn.Linear(4, 4).named_parameters(), matrix="HALF_SGD_TEST", matrix_options={"lr": 0.1})
     assert isinstance(opt.matrix_optimizer, Half)
     with pytest.raises(ValueError, match="already registered"):
         register_preconditioner("half_sgd_test", torch.optim.SGD)
@@ -272,7 +291,8 @@ def test_register_preconditioner_and_cost() -> None:
 def test_entry_point_from_an_installed_package(tmp_path) -> None:
     pkg = tmp_path / "site"
     (pkg / "myopt").mkdir(parents=True)
-    (pkg / "myopt" / "__init__.py").write_text(textwrap.dedent("""
+    (pkg / "myopt" / "__init__.py").write_text(
+        textwrap.dedent("""
         import torch
         class Signum(torch.optim.Optimizer):
             def __init__(self, params, lr=0.01):
@@ -283,12 +303,12 @@ def test_entry_point_from_an_installed_package(tmp_path) -> None:
                     for p in g["params"]:
                         if p.grad is not None:
                             p.add_(p.grad.sign(), alpha=-g["lr"])
-    """))
+    """)
+    )
     dist_info = pkg / "myopt-1.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: myopt\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text(
-        "[matrix_owner_optim.preconditioners]\nsignum = myopt:Signum\n")
+    (dist_info / "entry_points.txt").write_text("[matrix_owner_optim.preconditioners]\nsignum = myopt:Signum\n")
     code = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, sys.argv[1])

@@ -16,21 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import matrix_owner_optim as moo
 from _ref import (
-    no_gradient_here,
     CFG,
     assert_close,
     full_grad_rows,
     global_batch,
     local_batch,
     make_models,
+    no_gradient_here,
     owner_optimizers,
     reference_optimizers,
     rel_err,
     roles_by_fqn,
 )
-
-import matrix_owner_optim as moo
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank, plan_model, specs_from_module
 from matrix_owner_optim.planning.mesh_advice import divisors_descending
@@ -48,8 +48,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 @pytest.fixture(scope="module")
 def gpt() -> GPT:
     """The 32-layer d=1024 GPT the ``plan`` command plans by default (128 matrices)."""
-    return GPT(GPTConfig(vocab_size=50304, seq_len=1024, n_layers=32, d_model=1024, n_heads=16),
-               device="meta")
+    return GPT(GPTConfig(vocab_size=50304, seq_len=1024, n_layers=32, d_model=1024, n_heads=16), device="meta")
 
 
 def _worst(plan) -> float:
@@ -63,8 +62,10 @@ def test_advice_is_balanced_and_not_conservative(gpt: GPT, world_size: int) -> N
     t0 = time.perf_counter()
     advice = moo.plan_mesh(gpt, world_size, unit_prefixes=prefixes)
     elapsed = time.perf_counter() - t0
-    print(f"W={world_size}: mesh {advice.mesh_shape}, bytes {advice.bytes_max_over_mean:.4f}, "
-          f"FLOPs {advice.flops_max_over_mean:.4f}, {len(advice.candidates)} plans in {elapsed:.3f} s")
+    print(
+        f"W={world_size}: mesh {advice.mesh_shape}, bytes {advice.bytes_max_over_mean:.4f}, "
+        f"FLOPs {advice.flops_max_over_mean:.4f}, {len(advice.candidates)} plans in {elapsed:.3f} s"
+    )
     assert elapsed < 20.0  # measured 0.15 s at W=4096 on a shared 2-core CPU
     assert advice.replicate * advice.shard == world_size
     assert advice.mesh_dim_names == ("replicate", "shard")
@@ -120,8 +121,7 @@ def test_memory_per_rank_is_respected_and_the_error_says_what_to_change(gpt: GPT
     assert need_bytes == free.max_resident_bytes
     # following either suggestion works, and every advice keeps the budget it was given
     assert moo.plan_mesh(gpt, 64, unit_prefixes=prefixes, memory_per_rank=need_bytes).mesh_shape == (2, 32)
-    looser = moo.plan_mesh(gpt, 64, unit_prefixes=prefixes, memory_per_rank=tight,
-                           max_imbalance=need_imb + 1e-3)
+    looser = moo.plan_mesh(gpt, 64, unit_prefixes=prefixes, memory_per_rank=tight, max_imbalance=need_imb + 1e-3)
     assert looser.max_resident_bytes <= tight and looser.shard == 64
     assert max(looser.bytes_max_over_mean, looser.flops_max_over_mean) <= need_imb + 1e-3
     with pytest.raises(ValueError, match="does not fit either"):
@@ -176,8 +176,7 @@ def test_projection_formulas_reduce_to_the_flat_ones() -> None:
     hw = S.A100
     n = 3e8
     for N, G in ((1, 8), (4, 8), (64, 8)):
-        assert S.group_all_gather_time(n, N * G, 1, G, hw) == pytest.approx(
-            S.hierarchical_all_gather_time(n, N, G, hw))
+        assert S.group_all_gather_time(n, N * G, 1, G, hw) == pytest.approx(S.hierarchical_all_gather_time(n, N, G, hw))
     for R, shard in ((2, 32), (16, 4), (128, 32)):
         uniform = S.replica_all_reduce_time([n] * shard, R, 8, hw)
         assert uniform == pytest.approx(2 * S.group_all_gather_time(n, R, shard, 8, hw))
@@ -228,8 +227,24 @@ def test_cli_plan_advise() -> None:
     assert rc == 2 and "--world-sizes needs --advise" in err
     rc, _, err = _cli(["plan", "-w", "64", "--advise", "--memory-per-rank", "0.01"])
     assert rc == 2 and "memory_per_rank" in err and "max_imbalance" in err
-    rc, out, _ = _cli(["plan", "-w", "12", "--advise", "--layers", "2", "--width", "64", "--heads", "4",
-                       "--vocab", "128", "--seq-len", "16"])
+    rc, out, _ = _cli(
+        [
+            "plan",
+            "-w",
+            "12",
+            "--advise",
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--heads",
+            "4",
+            "--vocab",
+            "128",
+            "--seq-len",
+            "16",
+        ]
+    )
     assert rc == 0 and "W=12: no projection" in out  # 12 GPUs do not fill nodes of 8
 
 
@@ -245,8 +260,24 @@ def test_simulate_mesh_json_is_what_the_command_prints() -> None:
         lay = r["layouts"]
         assert lay["owner_hsdp"]["optimizer_step_ms"] < lay["stock_fsdp2_muon"]["optimizer_step_ms"]
         assert lay["owner_hsdp"]["bytes_max_over_mean"] <= LIMIT
-    rc, out, _ = _cli(["simulate", "--mesh", "--world-sizes", "16", "--mesh-presets", "a100",
-                       "--layers", "2", "--width", "64", "--vocab", "128", "--seq-len", "16"])
+    rc, out, _ = _cli(
+        [
+            "simulate",
+            "--mesh",
+            "--world-sizes",
+            "16",
+            "--mesh-presets",
+            "a100",
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--vocab",
+            "128",
+            "--seq-len",
+            "16",
+        ]
+    )
     assert rc == 0 and "owner_hsdp" in out
     rc, _, err = _cli(["simulate", "--mesh", "--mesh-presets", "tpu"])
     assert rc == 2 and "tpu" in err
@@ -299,8 +330,7 @@ def _advised_run(rank: int, W: int) -> dict:
             want = full_grad_rows(shard, shard_rank, ref_params[name].grad)
             assert_close(p.grad, want, GRAD_RTOL, f"step {step} rank {rank} grad {name}")
             worst["grad"] = max(worst["grad"], rel_err(p.grad, want))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
-                comm_phase("optimizer"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, comm_phase("optimizer"):
             for o in opts:
                 o.step()
         assert [op.name for op in backend_ops(prof)] == [], "the optimizer step issued a collective"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ref import CFG
 
+from _ref import CFG
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import plan_model
 from matrix_owner_optim.sharding import fully_shard
@@ -37,8 +37,10 @@ def _owners(plan) -> dict[str, int | None]:
 
 
 def _job(rank: int, W: int) -> dict:
-    expect = {kind: _owners(plan_model(GPT(CFG), W, preconditioner=kind, unit_prefixes=GPT(CFG).unit_prefixes()))
-              for kind in ("muon", "shampoo", "soap")}
+    expect = {
+        kind: _owners(plan_model(GPT(CFG), W, preconditioner=kind, unit_prefixes=GPT(CFG).unit_prefixes()))
+        for kind in ("muon", "shampoo", "soap")
+    }
     out: dict = {"differ": expect["muon"] != expect["shampoo"]}
     model = _sharded()
     OwnerRoutedOptimizer(model, matrix="shampoo", tail="adamw")  # fixes the plan

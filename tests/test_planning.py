@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
 from torch import nn
 
 from matrix_owner_optim import MatrixShard, Role, ShardingPlan, plan_model
-from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.planning import TensorSpec, plan_tensors
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 WORLD_SIZES = [1, 2, 3, 7, 8, 64, 1024]
 
@@ -27,8 +28,7 @@ def small_gpt(device: str = "meta", **kw) -> GPT:
 
 
 def big_gpt() -> GPT:
-    return GPT(GPTConfig(vocab_size=50304, seq_len=1024, n_layers=32, d_model=1024, n_heads=16),
-               device="meta")
+    return GPT(GPTConfig(vocab_size=50304, seq_len=1024, n_layers=32, d_model=1024, n_heads=16), device="meta")
 
 
 def check_placement(plan: ShardingPlan, model: nn.Module) -> None:
@@ -41,7 +41,7 @@ def check_placement(plan: ShardingPlan, model: nn.Module) -> None:
             rows = [shard.row_range(r) for r in range(W)]
             # rows cover [0, n) exactly once, in rank order, as torch.chunk splits them
             assert rows[0][0] == 0 and rows[-1][1] == shard.shape[0]
-            for (a0, a1), (b0, b1) in zip(rows, rows[1:]):
+            for (a0, a1), (b0, _) in pairwise(rows):
                 assert a1 == b0 and a0 <= a1
             sizes = [b - a for a, b in rows]
             assert max(sizes) - min(s for s in sizes if s) <= 1 or max(sizes) == -(-shard.shape[0] // W)
@@ -121,8 +121,7 @@ def test_big_gpt_balance_at_w8() -> None:
 
 @pytest.mark.parametrize("preconditioner", ["muon", "shampoo", "soap", "adamw"])
 def test_balance_holds_for_every_preconditioner(preconditioner: str) -> None:
-    model = GPT(GPTConfig(vocab_size=8192, seq_len=256, n_layers=16, d_model=512, n_heads=8),
-                device="meta")
+    model = GPT(GPTConfig(vocab_size=8192, seq_len=256, n_layers=16, d_model=512, n_heads=8), device="meta")
     plan = plan_model(model, 8, preconditioner=preconditioner, unit_prefixes=model.unit_prefixes())
     imb = plan.imbalance()
     assert imb["bytes_max_over_mean"] <= 1.05 and imb["flops_max_over_mean"] <= 1.05, imb
@@ -225,9 +224,23 @@ def test_plan_tensors_rejects_duplicate_names() -> None:
 
 def test_cli_plan_json_at_w1024() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "--world-size", "1024",
-         "--layers", "32", "--width", "1024", "--json"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "matrix_owner_optim.toolbox.cli.main",
+            "plan",
+            "--world-size",
+            "1024",
+            "--layers",
+            "32",
+            "--width",
+            "1024",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     summary = json.loads(out.stdout)
     assert summary["world_size"] == 1024 and len(summary["ranks"]) == 1024
@@ -237,14 +250,33 @@ def test_cli_plan_json_at_w1024() -> None:
 
 def test_cli_plan_table_and_bad_role() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "-w", "4", "--layers", "2",
-         "--width", "64", "--heads", "4", "--vocab", "128", "--seq-len", "16"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "matrix_owner_optim.toolbox.cli.main",
+            "plan",
+            "-w",
+            "4",
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--heads",
+            "4",
+            "--vocab",
+            "128",
+            "--seq-len",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "imbalance (max/mean)" in out.stdout and "digest" in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "--role", "layers.*=nope"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode != 0 and "layers.*" in bad.stderr and "nope" in bad.stderr
 
@@ -255,9 +287,21 @@ def test_cli_plan_user_factory(tmp_path, monkeypatch) -> None:
         "def build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "plan", "-w", "2", "--json",
-         "--model", "usermodel:build"],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "matrix_owner_optim.toolbox.cli.main",
+            "plan",
+            "-w",
+            "2",
+            "--json",
+            "--model",
+            "usermodel:build",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
     )
     summary = json.loads(out.stdout)
@@ -292,18 +336,23 @@ def test_mixtral_64_experts_at_w256_priced_per_expert() -> None:
     imb = plan.summary()["imbalance"]
     mean_bytes = sum(x.resident_bytes for x in plan.loads) / W
     whole_bound = max(tensor_resident_bytes(s, MUON_COST) for s in experts) / mean_bytes
-    print(f"W={W}: bytes {imb['bytes_max_over_mean']:.3f}, FLOPs {imb['flops_max_over_mean']:.3f} "
-          f"(whole tensors could not go below {whole_bound:.2f})")
+    print(
+        f"W={W}: bytes {imb['bytes_max_over_mean']:.3f}, FLOPs {imb['flops_max_over_mean']:.3f} "
+        f"(whole tensors could not go below {whole_bound:.2f})"
+    )
     assert imb["bytes_max_over_mean"] <= 1.1 and imb["flops_max_over_mean"] <= 1.1
     for s in experts:  # whole experts: contiguous ranges that tile [0, E), one per rank
         shard = plan[s.fqn]
         assert shard.is_split and shard.owner is None
         ranges = sorted((a, b) for a, b, _ in shard.row_owners)
         assert ranges[0][0] == 0 and ranges[-1][1] == 64
-        assert all(p[1] == q[0] for p, q in zip(ranges, ranges[1:]))
+        assert all(p[1] == q[0] for p, q in pairwise(ranges))
         assert sorted(r for _, _, r in shard.row_owners) == list(range(W))
-    split = [dataclasses.replace(s, fqn=f"{s.fqn}[{e}]", shape=s.shape[1:], view=None)
-             for s in experts for e in range(s.shape[0])]
+    split = [
+        dataclasses.replace(s, fqn=f"{s.fqn}[{e}]", shape=s.shape[1:], view=None)
+        for s in experts
+        for e in range(s.shape[0])
+    ]
     per_expert = plan_tensors([s for s in specs if s not in experts] + split, W).summary()["imbalance"]
     assert imb["bytes_max_over_mean"] <= per_expert["bytes_max_over_mean"] + 0.02
     assert imb["flops_max_over_mean"] <= per_expert["flops_max_over_mean"] + 0.02

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import io
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -140,14 +141,14 @@ def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) 
         ps = [p.clone().requires_grad_() for p in p0]
         opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, batched=batched)
         for step_grads in grads:
-            for p, g in zip(ps, step_grads):
+            for p, g in zip(ps, step_grads, strict=True):
                 p.grad = g.clone()
             opt.step()
         out[batched] = [p.detach() for p in ps]
     # Measured max relative difference of the accumulated update: 1.9e-6 (float32; NS
     # amplifies round-off a little) and 0 (bfloat16, here); bounds: 1e-5 and bf16's 2^-8 scale.
     bound = 1e-5 if ns_dtype == torch.float32 else 4e-3
-    for a, b, p in zip(out[True], out[False], p0):
+    for a, b, p in zip(out[True], out[False], p0, strict=True):
         assert _rel(a - p, b - p) <= bound
     assert torch.equal(out[True][-1], out[False][-1])  # the lone shape: per-matrix path
     # Per-matrix is bitwise torch.optim.Muon for several matrices at once.
@@ -156,11 +157,11 @@ def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) 
     ours = [p.clone().requires_grad_() for p in p0]
     opt = Muon(ours, lr=0.02, batched=False)
     for step_grads in grads:
-        for p, q, g in zip(ps, ours, step_grads):
+        for p, q, g in zip(ps, ours, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         ref.step()
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(ps, ours))
+    assert all(torch.equal(p, q) for p, q in zip(ps, ours, strict=True))
 
 
 def test_muon_does_not_modify_momentum_buffer_in_fp32_ns() -> None:
@@ -352,9 +353,7 @@ def test_soap_matches_reference(shape: tuple[int, int], kw: dict[str, Any]) -> N
         ((5, 6), {"normalize_grads": True, "precondition_frequency": 2}),
     ],
 )
-def test_soap_cap_merge_normalize_match_reference(
-    shape: tuple[int, int], kw: dict[str, Any]
-) -> None:
+def test_soap_cap_merge_normalize_match_reference(shape: tuple[int, int], kw: dict[str, Any]) -> None:
     p0 = torch.randn(shape, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
     grads = _grads(shape, 12, seed=20, dtype=torch.float64)
     p = p0.clone().requires_grad_()
@@ -403,8 +402,7 @@ def test_soap_vocabulary_side_gets_no_factor() -> None:
         opt.step()
     assert "L" not in opt.state[w] and "QL" not in opt.state[w]
     assert opt.state[w]["R"].shape == (8, 8)
-    assert SOAP.cost_model.state_bytes((50, 8), torch.float32) > opt.cost_model.state_bytes(
-        (50, 8), torch.float32)
+    assert SOAP.cost_model.state_bytes((50, 8), torch.float32) > opt.cost_model.state_bytes((50, 8), torch.float32)
 
 
 def test_soap_precondition_1d_accepts_vectors() -> None:
@@ -459,10 +457,12 @@ def test_soap_first_step_only_builds_bases() -> None:
         # float64 roots: the default float32 roots leave ~6e-7 of round-off in this check.
         (Shampoo, {"root_dtype": torch.float64}, (5, 5)),
         (Shampoo, {"root_dtype": torch.float64}, (6, 3)),
-        (Shampoo, {"momentum": 0.9, "weight_decay": 0.1, "beta2": 0.95,
-                   "root_dtype": torch.float64}, (3, 7)),
-        (Shampoo, {"precondition_frequency": 2, "root_dtype": torch.float64,
-                   "grafting": "sgd", "betas": (0.5, 0.99)}, (4, 6)),
+        (Shampoo, {"momentum": 0.9, "weight_decay": 0.1, "beta2": 0.95, "root_dtype": torch.float64}, (3, 7)),
+        (
+            Shampoo,
+            {"precondition_frequency": 2, "root_dtype": torch.float64, "grafting": "sgd", "betas": (0.5, 0.99)},
+            (4, 6),
+        ),
         (SOAP, {"precondition_frequency": 2}, (5, 5)),
         (SOAP, {"precondition_frequency": 2}, (6, 5)),
         (SOAP, {"precondition_frequency": 3, "betas": (0.9, 0.99)}, (4, 5)),
@@ -543,13 +543,11 @@ OPT_KW: list[tuple[type, dict[str, Any]]] = [
 def test_state_dict_round_trip_continues_trajectory(opt_cls: type, kw: dict[str, Any]) -> None:
     shapes = [(5, 3), (4, 4)]
     gen = torch.Generator().manual_seed(13)
-    params = [
-        torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in shapes
-    ]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in shapes]
     grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(9)]
     opt = opt_cls(params, **kw)
     for step_grads in grads[:4]:
-        for p, g in zip(params, step_grads):
+        for p, g in zip(params, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
     buffer = io.BytesIO()
@@ -560,11 +558,11 @@ def test_state_dict_round_trip_continues_trajectory(opt_cls: type, kw: dict[str,
     opt2.load_state_dict(torch.load(buffer, weights_only=True))
     assert opt2.param_groups[0]["lr"] == kw["lr"]
     for step_grads in grads[4:]:
-        for p, q, g in zip(params, clones, step_grads):
+        for p, q, g in zip(params, clones, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         opt2.step()
-    for p, q in zip(params, clones):
+    for p, q in zip(params, clones, strict=True):
         assert torch.equal(p, q)
 
 
@@ -646,9 +644,7 @@ def test_cost_model_matches_state_bytes(opt_cls: type, cost: Any, kw: dict[str, 
     p.grad = torch.randn(6, 4)
     opt.step()
     state_bytes = sum(
-        t.numel() * t.element_size()
-        for k, t in opt.state[p].items()
-        if isinstance(t, torch.Tensor) and k != "step"
+        t.numel() * t.element_size() for k, t in opt.state[p].items() if isinstance(t, torch.Tensor) and k != "step"
     )
     assert state_bytes == cost.state_bytes(p.shape, p.dtype)
     assert cost.flops(p.shape) > 0

@@ -35,10 +35,7 @@ def _write_dist(root: Path, dist: str, module: str, entries: dict[str, str]) -> 
 def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # The plugin's module records that it was imported (lazy loading is observable).
     (tmp_path / "moo_throwaway_plugin.py").write_text(
-        "import torch\n"
-        "IMPORTED = True\n"
-        "class HalfSGD(torch.optim.SGD):\n"
-        "    pass\n"
+        "import torch\nIMPORTED = True\nclass HalfSGD(torch.optim.SGD):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "moo_throwaway_plugin", raising=False)
@@ -48,8 +45,9 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_entry_point_colliding_with_a_builtin_raises_and_its_new_name_works(
     plugin_dir: Path,
 ) -> None:
-    _write_dist(plugin_dir, "moo-throwaway-plugin", "moo_throwaway_plugin",
-                {"muon": "HalfSGD", "moo_half_sgd": "HalfSGD"})
+    _write_dist(
+        plugin_dir, "moo-throwaway-plugin", "moo_throwaway_plugin", {"muon": "HalfSGD", "moo_half_sgd": "HalfSGD"}
+    )
     assert "moo_half_sgd" in available_preconditioners()
     assert "moo_throwaway_plugin" not in sys.modules  # listing names imports nothing
     with pytest.raises(ValueError) as info:
@@ -61,8 +59,7 @@ def test_entry_point_colliding_with_a_builtin_raises_and_its_new_name_works(
         OwnerRoutedOptimizer(torch.nn.Linear(3, 3))  # matrix="muon" by default
     factory = resolve_optimizer("moo_half_sgd")
     assert factory.__name__ == "HalfSGD" and "moo_throwaway_plugin" in sys.modules
-    opt = OwnerRoutedOptimizer(torch.nn.Linear(3, 3), matrix="moo_half_sgd",
-                               matrix_options={"lr": 0.1})
+    opt = OwnerRoutedOptimizer(torch.nn.Linear(3, 3), matrix="moo_half_sgd", matrix_options={"lr": 0.1})
     assert type(opt.matrix_optimizer).__name__ == "HalfSGD"
 
 
@@ -77,8 +74,7 @@ def test_two_distributions_declaring_one_name_raise_naming_both(plugin_dir: Path
 
 
 def test_builtins_are_registered_in_code() -> None:
-    assert set(BUILTINS) >= {"muon", "shampoo", "soap", "adamw", "adam", "sgd", "torch_muon",
-                             "torch_optimizer_shampoo"}
+    assert set(BUILTINS) >= {"muon", "shampoo", "soap", "adamw", "adam", "sgd", "torch_muon", "torch_optimizer_shampoo"}
     assert resolve_optimizer("MUON") is Muon
     assert resolve_optimizer("adamw") is torch.optim.AdamW
     with pytest.raises(ValueError, match="'muon' is a built-in"):

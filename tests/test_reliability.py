@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim import checkpoint as ckpt
-from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
-from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 from matrix_owner_optim.sharding.api import _state
 from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
+from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 # The smallest GPT with matrices, tail and sharded tensors; one block unit and the root unit.
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=8, n_heads=2)
@@ -118,10 +118,7 @@ def _resident(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, i
         "params": sum(p.numel() * p.element_size() for p in params),
         "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         "state": sum(
-            v.numel() * v.element_size()
-            for s in opt.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ),
         "gathered": 0,
     }

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from matrix_owner_optim import OwnerRoutedOptimizer, Role, plan_model
-from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.planning.roles import module_roles
+from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 
 class _FeedForward(nn.Module):
@@ -35,8 +35,9 @@ class _Block(nn.Module):
 class _Llama(nn.Module):
     """A llama-shaped transformer: vocab = hidden = 4 d, so w1/w3 have the table's shape."""
 
-    def __init__(self, d: int = 16, layers: int = 3, tied_functionally: bool = False,
-                 head_name: str = "output") -> None:
+    def __init__(
+        self, d: int = 16, layers: int = 3, tied_functionally: bool = False, head_name: str = "output"
+    ) -> None:
         super().__init__()
         vocab = 4 * d
         self.tok_embeddings = nn.Embedding(vocab, d)
@@ -67,8 +68,7 @@ def test_vocab_4d_transformer_every_mlp_matrix_is_matrix(tied_functionally: bool
 
 
 def test_gpt_with_vocab_4d_routes_every_mlp_matrix_to_muon() -> None:
-    model = GPT(GPTConfig(vocab_size=4 * 32, d_model=32, n_heads=4, n_layers=2, seq_len=16,
-                          tie_embeddings=False))
+    model = GPT(GPTConfig(vocab_size=4 * 32, d_model=32, n_heads=4, n_layers=2, seq_len=16, tie_embeddings=False))
     opt = OwnerRoutedOptimizer(model)
     routes = {r["name"]: r["role"] for r in opt.routes()}
     fc = [n for n in routes if n.endswith("mlp.fc.weight")]

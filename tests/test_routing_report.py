@@ -43,16 +43,17 @@ def test_tensors_left_to_the_tail_are_named_with_the_reason() -> None:
     opt = OwnerRoutedOptimizer(model, roles={"moe.layers.1.mlp.experts.*": "tail"})
     rep = opt.routing_report()
     named = {r.name: r.reason for r in rep.left_to_tail()}
-    assert set(named) == {"moe.layers.1.mlp.experts.gate_up_proj", "moe.layers.1.mlp.experts.down_proj",
-                          "conv.weight"}
+    assert set(named) == {"moe.layers.1.mlp.experts.gate_up_proj", "moe.layers.1.mlp.experts.down_proj", "conv.weight"}
     assert named["conv.weight"].startswith("conv kernel")
     assert rep.unexpected_tail() == rep.left_to_tail()
     # the routers are on the tail by rule: named as such, and only listed once they are large
     reasons = {r.name: r.reason for r in rep.rows}
     assert reasons["moe.layers.0.mlp.gate.weight"] == ROUTER_REASON
     big = OwnerRoutedOptimizer(model, roles={"moe.layers.1.mlp.experts.*": "tail"}).routing_report(large_numel=1024)
-    assert {r.name for r in big.left_to_tail()} - set(named) == {"moe.layers.0.mlp.gate.weight",
-                                                                 "moe.layers.1.mlp.gate.weight"}
+    assert {r.name for r in big.left_to_tail()} - set(named) == {
+        "moe.layers.0.mlp.gate.weight",
+        "moe.layers.1.mlp.gate.weight",
+    }
     assert big.unexpected_tail() == rep.left_to_tail()
     text = rep.format()
     assert "moe.layers.1.mlp.experts.down_proj (4, 256, 16) role tail" in text and "conv.weight" in text

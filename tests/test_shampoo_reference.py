@@ -59,9 +59,7 @@ def reference_shampoo(
     """Blocked Shampoo with Distributed Shampoo's semantics, dense float64."""
     beta1, beta2 = betas
     start = precondition_frequency if start_preconditioning_step == -1 else start_preconditioning_step
-    gb2 = grafting_beta2 if grafting_beta2 is not None else {"rmsprop": 0.99, "adam": 0.999}.get(
-        grafting or "", 1.0
-    )
+    gb2 = grafting_beta2 if grafting_beta2 is not None else {"rmsprop": 0.99, "adam": 0.999}.get(grafting or "", 1.0)
     geps = grafting_eps if grafting_eps is not None else (1e-10 if grafting == "adagrad" else 1e-8)
     p = p0.clone().to(F64)
     m, n = p.shape
@@ -73,12 +71,18 @@ def reference_shampoo(
         for cols in col_blocks:
             r, c = len(rows), len(cols)
             one_sided = max_aspect_ratio is not None and max(r, c) / min(r, c) > max_aspect_ratio
-            blocks.append({
-                "rows": torch.tensor(rows), "cols": torch.tensor(cols),
-                "left": (not one_sided) or r < c, "right": (not one_sided) or r >= c,
-                "L": torch.zeros(r, r, dtype=F64), "R": torch.zeros(c, c, dtype=F64),
-                "Lr": torch.eye(r, dtype=F64), "Rr": torch.eye(c, dtype=F64),
-            })
+            blocks.append(
+                {
+                    "rows": torch.tensor(rows),
+                    "cols": torch.tensor(cols),
+                    "left": (not one_sided) or r < c,
+                    "right": (not one_sided) or r >= c,
+                    "L": torch.zeros(r, r, dtype=F64),
+                    "R": torch.zeros(c, c, dtype=F64),
+                    "Lr": torch.eye(r, dtype=F64),
+                    "Rr": torch.eye(c, dtype=F64),
+                }
+            )
     filt = torch.zeros_like(p)
     graft_v = torch.zeros_like(p)
     mom = torch.zeros_like(p)
@@ -143,15 +147,33 @@ SETTINGS: list[tuple[tuple[int, int], dict[str, Any]]] = [
     # beta2 < 1 with bias correction, Adam grafting, 3x3 blocks of a 5x7 matrix.
     ((5, 7), {"betas": (0.9, 0.999), "grafting": "adam", "max_preconditioner_dim": 3}),
     # AdaGrad grafting, uneven blocks, roots every 3 steps from step 3 (start = -1).
-    ((9, 6), {"grafting": "adagrad", "max_preconditioner_dim": 4, "precondition_frequency": 3,
-              "lr": 0.01}),
+    ((9, 6), {"grafting": "adagrad", "max_preconditioner_dim": 4, "precondition_frequency": 3, "lr": 0.01}),
     # RMSprop grafting, no filtering, Nesterov momentum, weight decay, start 1 with frequency 2.
-    ((5, 5), {"betas": (0.0, 0.99), "grafting": "rmsprop", "max_preconditioner_dim": 2,
-              "momentum": 0.5, "nesterov": True, "weight_decay": 0.1,
-              "precondition_frequency": 2, "start_preconditioning_step": 1}),
+    (
+        (5, 5),
+        {
+            "betas": (0.0, 0.99),
+            "grafting": "rmsprop",
+            "max_preconditioner_dim": 2,
+            "momentum": 0.5,
+            "nesterov": True,
+            "weight_decay": 0.1,
+            "precondition_frequency": 2,
+            "start_preconditioning_step": 1,
+        },
+    ),
     # SGD grafting before a late start, heavy-ball momentum, no bias correction.
-    ((4, 8), {"betas": (0.5, 0.95), "grafting": "sgd", "start_preconditioning_step": 4,
-              "precondition_frequency": 2, "momentum": 0.9, "use_bias_correction": False}),
+    (
+        (4, 8),
+        {
+            "betas": (0.5, 0.95),
+            "grafting": "sgd",
+            "start_preconditioning_step": 4,
+            "precondition_frequency": 2,
+            "momentum": 0.9,
+            "use_bias_correction": False,
+        },
+    ),
     # No grafting, blocked and one-sided (max_aspect_ratio, this package's option).
     ((3, 10), {"max_preconditioner_dim": 5, "max_aspect_ratio": 1.5, "betas": (0.9, 0.9)}),
 ]
@@ -214,8 +236,7 @@ def test_blocks_stay_within_max_preconditioner_dim() -> None:
     factors = {k: v for k, v in opt.state[p].items() if k.startswith(("L_", "R_"))}
     assert factors and max(max(v.shape) for v in factors.values()) <= 4
     assert opt.state[p]["L_2_1"].shape == (2, 2) and opt.state[p]["R_2_1"].shape == (3, 3)
-    bytes_ = sum(t.numel() * t.element_size() for t in opt.state[p].values()
-                 if isinstance(t, torch.Tensor))
+    bytes_ = sum(t.numel() * t.element_size() for t in opt.state[p].values() if isinstance(t, torch.Tensor))
     assert opt.cost_model.state_bytes(p.shape, p.dtype) == bytes_
     # The class's cost (1024 blocks) prices this shape as one block; the instance's as 3 x 2.
     assert Shampoo.cost_model.flops((4096, 14336)) > opt.cost_model.flops((4096, 14336))
@@ -239,9 +260,15 @@ class _HostSyncRecorder(TorchFunctionMode):
 
 def test_step_makes_no_tensor_to_python_conversion() -> None:
     p = torch.randn(6, 5, requires_grad=True)
-    opt = Shampoo([{"params": [p], "lr": torch.tensor(0.01)}], grafting="adam",
-                  betas=(0.9, 0.99), momentum=0.5, weight_decay=0.01, max_preconditioner_dim=4,
-                  precondition_frequency=2)
+    opt = Shampoo(
+        [{"params": [p], "lr": torch.tensor(0.01)}],
+        grafting="adam",
+        betas=(0.9, 0.99),
+        momentum=0.5,
+        weight_decay=0.01,
+        max_preconditioner_dim=4,
+        precondition_frequency=2,
+    )
     with _HostSyncRecorder() as recorder:
         for _ in range(4):  # root steps and reuse steps
             p.grad = torch.randn(6, 5)

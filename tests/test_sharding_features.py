@@ -19,25 +19,21 @@ import math
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+
 from _ref import (
-    no_gradient_here,
     assert_close,
     full_grad_rows,
     global_batch,
     local_batch,
     make_models,
+    no_gradient_here,
     owner_optimizers,
     reference_optimizers,
     rel_err,
     roles_by_fqn,
 )
-from torch.distributed.device_mesh import init_device_mesh
-
-from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.profiling import backend_ops
-
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import peek_matrix_shard
 from matrix_owner_optim.sharding import (
@@ -46,6 +42,9 @@ from matrix_owner_optim.sharding import (
     clip_grad_norm_,
     fully_shard,
 )
+from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.profiling import backend_ops
 
 # Measured (W=2 / W=3): gradients of the sharded model vs the single-process full batch differ
 # by at most 3.4e-7 / 6.3e-7 relative (summation order of micro-batches and the reduce-scatter);
@@ -149,8 +148,7 @@ def _mixed_precision(rank: int, W: int) -> dict:
         grad_worst = max(grad_worst, *errs.values())
         # a bf16 reduction of the same gradients: far outside the tolerance at every step
         bf16_sum = _bf16_sum(low)
-        mutant_err = max(rel_err((bf16_sum[n] / W).float(), p.grad)
-                         for n, p in ref.named_parameters())
+        mutant_err = max(rel_err((bf16_sum[n] / W).float(), p.grad) for n, p in ref.named_parameters())
         assert mutant_err > 100 * MP_RTOL, (step, mutant_err)
         mutant_grad_best = min(mutant_grad_best, mutant_err)
         for n, g in _bf16_sum(_bf16_grads(mutant, step, W)).items():  # the mutant's own run
@@ -178,9 +176,13 @@ def _mixed_precision(rank: int, W: int) -> dict:
         compute_worst = max(compute_worst, rel_err(p, ref_params[name].to(torch.bfloat16)))
     assert compute_worst <= MP_RTOL, compute_worst
     model.reshard()
-    return {"mp_grad_worst": grad_worst, "mp_master_worst": master_worst,
-            "mp_compute_worst": compute_worst, "mp_mutant_grad": mutant_grad_best,
-            "mp_mutant_master": mutant_master}
+    return {
+        "mp_grad_worst": grad_worst,
+        "mp_master_worst": master_worst,
+        "mp_compute_worst": compute_worst,
+        "mp_mutant_grad": mutant_grad_best,
+        "mp_mutant_master": mutant_master,
+    }
 
 
 def _bf16_sum(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -259,13 +261,13 @@ def _plan_errors(rank: int, W: int) -> dict:
     with pytest.raises(ValueError, match=want) as info:
         model(*local_batch(0, rank, W))  # before any data moves
     with pytest.raises(RuntimeError, match="failed earlier"):
-        model.sharding_plan
+        _ = model.sharding_plan
     # a plan that does not describe the model
     other = plan_model(torch.nn.Linear(4, 4), W)
     model, _ = make_models()
     fully_shard(model, plan=other)
     with pytest.raises(ValueError, match="does not cover parameter 'wte.weight'"):
-        model.sharding_plan
+        _ = model.sharding_plan
     # the same valid plan on every rank is accepted (units follow the fully_shard calls)
     model, ref = make_models()
     _shard_gpt(model, plan=plan_model(fresh, W))
@@ -283,7 +285,7 @@ def _layouts(rank: int, W: int) -> dict:
     model, ref = make_models(seed=7)
     fully_shard(model, reshard_after_forward=False)
     assert isinstance(model, OwnerShardedModule) and type(model).__name__ == "OwnerShardedGPT"
-    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     assert all(get_matrix_shard(p) is not None for p in model.parameters())
     assert {get_matrix_shard(p).unit for p in model.parameters()} == {0}
     with CommCounter() as cc:
@@ -294,7 +296,7 @@ def _layouts(rank: int, W: int) -> dict:
     _compare_grads(model, ref, rank, GRAD_RTOL, "root only")
     handle = model.unshard(async_op=True)
     handle.wait()
-    assert all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     model.reshard()
 
     # blocks without a root call: pending until the first forward, then sharded together
@@ -305,8 +307,7 @@ def _layouts(rank: int, W: int) -> dict:
     model(*local_batch(0, rank, W)).backward()
     block_params = [p for b in model.layers for p in b.parameters()]
     assert all(get_matrix_shard(p) is not None for p in block_params)
-    owners = {get_matrix_shard(p).owner for p in block_params
-              if get_matrix_shard(p).role is Role.MATRIX}
+    owners = {get_matrix_shard(p).owner for p in block_params if get_matrix_shard(p).role is Role.MATRIX}
     assert len(owners) == min(W, 8)  # balanced across both blocks, not per block
     assert get_matrix_shard(model.wte.weight) is None  # outside every unit: untouched
     with pytest.raises(ValueError, match="already"):
@@ -330,8 +331,7 @@ def test_sharding_features(world_size: int) -> None:
         assert "'wte.weight'" in res["mismatch_error"]
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=NORM_RTOL)
     print(f"\nW={world_size} measured relative errors, worst over ranks:")
-    for key in ("mp_grad_worst", "mp_master_worst", "mp_compute_worst", "mp_mutant_grad",
-                "mp_mutant_master"):
+    for key in ("mp_grad_worst", "mp_master_worst", "mp_compute_worst", "mp_mutant_grad", "mp_mutant_master"):
         fn = min if "mutant" in key else max
         print(f"  {key}: {fn(r[key] for r in results):.3g}")
     for key in results[0]["accumulation_errors"]:
@@ -342,14 +342,14 @@ def test_clip_grad_norm_plain_tensors_matches_torch() -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p, q in zip(params, twins):
+    for p, q in zip(params, twins, strict=True):
         p.grad = torch.randn_like(p)
         q.grad = p.grad.clone()
     for norm_type in (2.0, math.inf, 1.0):
         ours = clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
         theirs = torch.nn.utils.clip_grad_norm_(twins, max_norm=0.5, norm_type=norm_type)
         assert torch.equal(ours, theirs)
-        for p, q in zip(params, twins):
+        for p, q in zip(params, twins, strict=True):
             assert torch.equal(p.grad, q.grad)
 
 

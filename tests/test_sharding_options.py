@@ -34,8 +34,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from _ref import (
-    no_gradient_here,
     ADAMW_OPTS,
     MUON_OPTS,
     assert_close,
@@ -44,16 +46,13 @@ from _ref import (
     local_batch,
     make_models,
     mean_over_ranks,
+    no_gradient_here,
     owner_optimizers,
     reference_optimizers,
     rel_err,
     roles_by_fqn,
 )
-from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
-
 from matrix_owner_optim.comm import CommCounter
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import (
     Role,
@@ -62,12 +61,13 @@ from matrix_owner_optim.planning import (
     plan_model,
 )
 from matrix_owner_optim.preconditioners import Muon
-from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 from matrix_owner_optim.sharding import (
     MixedPrecisionPolicy,
     clip_grad_norm_,
     fully_shard,
 )
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 
 # Measured worst relative errors over ranks and scenarios, W=2 / W=3 (the test prints them):
 # losses 5.7e-8 / 7.6e-8, gradients 2.0e-6 / 3.6e-6, clip norms 4.7e-7 / 2.8e-7, parameters after
@@ -80,16 +80,16 @@ NORM_RTOL = 2e-6
 BF16_RTOL = 1e-6  # a few float32 ulps; a bf16 reduction is ~2e-3 off (test_sharding_features)
 FP16_RTOL = 1e-3  # a float16 reduction against the float32 average: float16's resolution
 HALF_LR = ADAMW_OPTS["lr"] / 2
-ROLES = {"layers.0.attn.qkv.weight": "tail", "layers.*.mlp.fc.weight": "sharded",
-         "wpe.weight": "matrix"}
+ROLES = {"layers.0.attn.qkv.weight": "tail", "layers.*.mlp.fc.weight": "sharded", "wpe.weight": "matrix"}
 
 
 def _worst(errs: dict[str, float], key: str, value: float) -> None:
     errs[key] = max(errs.get(key, 0.0), value)
 
 
-def _owner_grads(model: nn.Module, ref: nn.Module, errs: dict[str, float], what: str,
-                 rtol: float = GRAD_RTOL, key: str = "grad") -> None:
+def _owner_grads(
+    model: nn.Module, ref: nn.Module, errs: dict[str, float], what: str, rtol: float = GRAD_RTOL, key: str = "grad"
+) -> None:
     """Every gradient this rank holds on the owner layout against the reference's rows."""
     ref_params = dict(ref.named_parameters())
     checked = 0
@@ -128,8 +128,7 @@ def _check_loss(loss: torch.Tensor, ref_loss: float, errs: dict[str, float], wha
 # -- reshard_after_forward, set_reshard_after_forward, roles through plan= ----------------------
 def _kept(unit) -> bool:
     """True when every non-aliased unsharded tensor of ``unit`` holds storage."""
-    held = [h.unsharded.untyped_storage().size() > 0
-            for h in unit.handles if not h.aliases_resident]
+    held = [h.unsharded.untyped_storage().size() > 0 for h in unit.handles if not h.aliases_resident]
     assert held, f"unit {unit.index} has no non-owned tensor to check"
     return all(held)
 
@@ -212,16 +211,14 @@ class FloatNet(nn.Module):
 def _float_batch(step: int, rank: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     x, y = torch.randn(2 * W, 4, 6, generator=g), torch.randn(2 * W, 4, 3, generator=g)
-    return x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+    return x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
 
 
 def _mixed_precision_options(rank: int, W: int, errs: dict[str, float]) -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     cases = [  # (policy, dtype the blocks receive, the root receives, a block returns)
-        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32, output_dtype=f32),
-         bf16, bf16, f32),
-        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32, cast_forward_inputs=False),
-         bf16, f32, bf16),
+        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32, output_dtype=f32), bf16, bf16, f32),
+        (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32, cast_forward_inputs=False), bf16, f32, bf16),
     ]
     for case, (policy, block_in, root_in, block_out) in enumerate(cases):
         torch.manual_seed(21)
@@ -262,8 +259,9 @@ def _mixed_precision_options(rank: int, W: int, errs: dict[str, float]) -> None:
 
 
 # -- float16 reduction: the division split around the sum; set_gradient_divide_factor ----------
-def _expected_reduction(grads: list[dict[str, torch.Tensor]], name: str, dtype: torch.dtype,
-                        pre: float, post: float) -> torch.Tensor:
+def _expected_reduction(
+    grads: list[dict[str, torch.Tensor]], name: str, dtype: torch.dtype, pre: float, post: float
+) -> torch.Tensor:
     """What the reduction computes from every rank's gradient: cast to ``dtype``, divided by
     ``pre``, summed in rank order, divided by ``post``, back to float32."""
     total = None
@@ -278,8 +276,7 @@ def _gradient_division(rank: int, W: int, errs: dict[str, float]) -> None:
     f16 = torch.float16
     fp16_max = torch.finfo(f16).max
     # (policy, divide factor set on every unit, float16?)
-    cases = [(MixedPrecisionPolicy(reduce_dtype=f16), None, True),
-             (MixedPrecisionPolicy(), 1.0, False)]
+    cases = [(MixedPrecisionPolicy(reduce_dtype=f16), None, True), (MixedPrecisionPolicy(), 1.0, False)]
     for case, (policy, factor, half) in enumerate(cases):
         what = f"gradient division case {case}"
         torch.manual_seed(23)
@@ -290,7 +287,7 @@ def _gradient_division(rank: int, W: int, errs: dict[str, float]) -> None:
         # (on different batches the largest coordinates can cancel, and nothing is shown)
         batch = _float_batch(0, 0, W)
 
-        def rank_grads(scale: float) -> list[dict[str, torch.Tensor]]:
+        def rank_grads(scale: float, ref: torch.nn.Module = ref, batch: tuple = batch) -> list[dict[str, torch.Tensor]]:
             out = []
             for _ in range(W):
                 local = copy.deepcopy(ref)
@@ -380,8 +377,7 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
             torch_fully_shard(block, mesh=mesh)
         torch_fully_shard(model, mesh=mesh)
     a, b = _groups(list(model.named_parameters()))
-    opt = OwnerRoutedOptimizer(a, matrix="muon", matrix_options=MUON_OPTS, tail="adamw",
-                               tail_options=ADAMW_OPTS)
+    opt = OwnerRoutedOptimizer(a, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     n_groups = len(opt.param_groups)  # a plain list is split into one group per role
     opt.add_param_group({"params": b, "lr": HALF_LR})  # the matrix and the tail lr of group B
     assert len(opt.param_groups) == n_groups + 1 and opt.param_groups[-1]["lr"] == HALF_LR
@@ -392,8 +388,9 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
         norm_type = norm_types[step % 3]
         clip: dict[str, torch.Tensor] = {}
 
-        def closure(step: int = step, norm_type: float = norm_type,
-                    clip: dict[str, torch.Tensor] = clip) -> torch.Tensor:
+        def closure(
+            step: int = step, norm_type: float = norm_type, clip: dict[str, torch.Tensor] = clip
+        ) -> torch.Tensor:
             with record_function("phase:closure"):
                 opt.zero_grad()
                 loss = model(*local_batch(step, rank, W))
@@ -450,5 +447,4 @@ def _job(rank: int, W: int) -> dict[str, Any]:
 def test_sharding_options(world_size: int) -> None:
     results = spawn_ranks(_job, world_size, threads_per_rank=1)
     worst = {k: max(r[k] for r in results) for k in results[0]}
-    print(f"\nW={world_size} worst relative errors over ranks:",
-          {k: f"{v:.3g}" for k, v in worst.items()})
+    print(f"\nW={world_size} worst relative errors over ranks:", {k: f"{v:.3g}" for k, v in worst.items()})

@@ -30,8 +30,12 @@ def _job(rank: int, world_size: int) -> dict:
         fully_shard(block)
     fully_shard(model)
     opt = OwnerRoutedOptimizer(model)  # after every call: the whole model in one plan
-    return {"late": late, "all_sharded": all(get_matrix_shard(p) is not None for p in model.parameters()),
-            "units": len(model._moo_units()), "local": sum(1 for r in opt.routes() if r["local"])}
+    return {
+        "late": late,
+        "all_sharded": all(get_matrix_shard(p) is not None for p in model.parameters()),
+        "units": len(model._moo_units()),
+        "local": sum(1 for r in opt.routes() if r["local"]),
+    }
 
 
 @pytest.mark.multirank

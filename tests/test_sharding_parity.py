@@ -25,18 +25,6 @@ every optimizer step runs under ``torch.profiler`` and must show no backend coll
 from __future__ import annotations
 
 import torch
-from _ref import (
-    no_gradient_here,
-    assert_close,
-    full_grad_rows,
-    global_batch,
-    local_batch,
-    mean_over_ranks,
-    owner_optimizers,
-    reference_optimizers,
-    rel_err,
-    roles_by_fqn,
-)
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
@@ -44,12 +32,24 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
+from _ref import (
+    assert_close,
+    full_grad_rows,
+    global_batch,
+    local_batch,
+    mean_over_ranks,
+    no_gradient_here,
+    owner_optimizers,
+    reference_optimizers,
+    rel_err,
+    roles_by_fqn,
+)
 from matrix_owner_optim.comm import CommCounter, comm_phase
+from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
-from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.toolbox.profiling import backend_ops
-from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
 # Measured worst relative errors over every scenario and rank (W=2 / HSDP W=4): losses 2.3e-7 /
@@ -115,8 +115,18 @@ def _profiled_step(opts: list[torch.optim.Optimizer]) -> list[str]:
     return [op.name for op in backend_ops(prof)]
 
 
-def _train(rank: int, model, ref, *, kind: str = "muon", steps: int = STEPS, dp=None,
-           before_step=None, after_backward=None, clip=None) -> dict:
+def _train(
+    rank: int,
+    model,
+    ref,
+    *,
+    kind: str = "muon",
+    steps: int = STEPS,
+    dp=None,
+    before_step=None,
+    after_backward=None,
+    clip=None,
+) -> dict:
     """``steps`` steps of ``model`` (sharded) and ``ref``; losses, gradients and final parameters
     must agree on this rank.
 
@@ -166,11 +176,13 @@ def _train(rank: int, model, ref, *, kind: str = "muon", steps: int = STEPS, dp=
             o.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)  # non-owners' empty gradient pieces too
         assert cc.calls("optimizer") == 0 and cc.bytes("optimizer") == 0
-        steps_out.append({
-            "ops": [(r.phase, r.op) for r in cc.records if r.op != "clip_grad_norm"],
-            "phase": cc.by_phase(),
-            "loss": mean_over_ranks(loss.item()),
-        })
+        steps_out.append(
+            {
+                "ops": [(r.phase, r.op) for r in cc.records if r.op != "clip_grad_norm"],
+                "phase": cc.by_phase(),
+                "loss": mean_over_ranks(loss.item()),
+            }
+        )
         for o in ref_opts:
             o.step()
             o.zero_grad(set_to_none=True)
@@ -293,7 +305,7 @@ def _checkpointing(rank: int, W: int) -> dict:
     _shard(model)
     out["ckpt_wrapper"] = _train(rank, model, ref, steps=2)
     for k in ("ckpt_fn", "ckpt_wrapper"):  # same collectives and bytes as without checkpointing
-        for a, b in zip(out[k]["steps"], out["plain"]["steps"]):
+        for a, b in zip(out[k]["steps"], out["plain"]["steps"], strict=True):
             assert a["ops"] == b["ops"], (k, a["ops"], b["ops"])
             assert a["phase"] == b["phase"], (k, a["phase"], b["phase"])
     return {k: _fwd_bwd_bytes(v, 1) for k, v in out.items()}
@@ -323,21 +335,23 @@ def _prefetch(rank: int, W: int) -> dict:
     off, off_log = run(lambda m: m.set_auto_prefetch(False))
     auto, auto_log = run(lambda m: None)
     auto_ck, auto_ck_log = run(lambda m: None, ckpt=True)
-    explicit, explicit_log = run(lambda m: (m.set_auto_prefetch(False),
-                                            m.set_modules_to_forward_prefetch(list(m.layers)),
-                                            m.layers[1].set_modules_to_backward_prefetch(
-                                                [m.layers[0]])))
+    explicit, explicit_log = run(
+        lambda m: (
+            m.set_auto_prefetch(False),
+            m.set_modules_to_forward_prefetch(list(m.layers)),
+            m.layers[1].set_modules_to_backward_prefetch([m.layers[0]]),
+        )
+    )
     root, l0, l1 = 2, 0, 1  # unit indices: blocks first, the root last
     assert off_log == [[], [], []]
     # step 0 records the order; from step 1 on, every block's gather is issued one unit early
-    want = [("forward", root, l0), ("forward", l0, l1),
-            ("backward", root, l1), ("backward", l1, l0)]
+    want = [("forward", root, l0), ("forward", l0, l1), ("backward", root, l1), ("backward", l1, l0)]
     assert auto_log[0] == [] and auto_log[1] == want and auto_log[2] == want, auto_log
     assert auto_ck_log[1] == want, auto_ck_log
     want_explicit = [("forward", root, l0), ("forward", root, l1), ("backward", l1, l0)]
     assert all(log == want_explicit for log in explicit_log), explicit_log
     for res in (auto, auto_ck, explicit):  # one all-gather-v per unit per pass, same bytes
-        for a, b in zip(res["steps"], off["steps"]):
+        for a, b in zip(res["steps"], off["steps"], strict=True):
             assert sorted(a["ops"]) == sorted(b["ops"])
             assert a["phase"] == b["phase"]
     logs["bytes_prefetch"] = _fwd_bwd_bytes(auto, 2)
@@ -385,8 +399,7 @@ def _hsdp(rank: int, W: int) -> dict:
     ref(*global_batch(0, W, cfg=CFG)).backward()
     mutant_err = min(rel_err(p.grad * replicate, p.grad) for p in ref.parameters())
     assert mutant_err > 1e4 * GRAD_RTOL, mutant_err
-    return {"hsdp_bytes": _fwd_bwd_bytes(out, 1), "measured": dict(_MEASURED),
-            "mutant_grad": mutant_err}
+    return {"hsdp_bytes": _fwd_bwd_bytes(out, 1), "measured": dict(_MEASURED), "mutant_grad": mutant_err}
 
 
 def test_parity_w2() -> None:
@@ -395,8 +408,7 @@ def test_parity_w2() -> None:
         for s in range(STEPS):
             assert results[0][key]["steps"][s]["ops"] == results[1][key]["steps"][s]["ops"]
     for rank, res in enumerate(results):
-        print(f"rank {rank} bytes (forward/backward, sent+received):",
-              {**res["ckpt_bytes"], **res["prefetch"]})
+        print(f"rank {rank} bytes (forward/backward, sent+received):", {**res["ckpt_bytes"], **res["prefetch"]})
     _print_measured("W=2", results)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+
 from _ref import (
     ADAMW_OPTS,
     assert_close,
@@ -34,14 +35,13 @@ from _ref import (
     routed_optimizer,
     state_bytes,
 )
-
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
-from matrix_owner_optim.toolbox.profiling import backend_ops
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+from matrix_owner_optim.toolbox.profiling import backend_ops
 
 STEPS = 20
 # Measured worst relative errors over ranks against the whole-batch reference (W=2/3/4, 20 steps):
@@ -97,8 +97,7 @@ def _expected_bytes(model, rank: int, W: int) -> dict[str, int]:
 
 
 def _op_bytes(cc: CommCounter, phase: str, op: str, direction: str) -> int:
-    return sum(getattr(r, f"bytes_{direction}") for r in cc.records
-               if r.phase == phase and r.op == op)
+    return sum(getattr(r, f"bytes_{direction}") for r in cc.records if r.phase == phase and r.op == op)
 
 
 def _op_calls(cc: CommCounter, phase: str, op: str) -> int:
@@ -132,8 +131,11 @@ def _optimizers(model, ref, kind: str, routed: bool, matrix_options: dict | None
     from matrix_owner_optim.optim import OwnerRoutedOptimizer, resolve_optimizer
 
     assert routed, "matrix_options is for OwnerRoutedOptimizer runs"
-    opts = [OwnerRoutedOptimizer(model.parameters(), matrix=kind, matrix_options=matrix_options,
-                                 tail="adamw", tail_options=ADAMW_OPTS)]
+    opts = [
+        OwnerRoutedOptimizer(
+            model.parameters(), matrix=kind, matrix_options=matrix_options, tail="adamw", tail_options=ADAMW_OPTS
+        )
+    ]
     params = dict(ref.named_parameters())
     mats = [p for n, p in params.items() if roles[n] is Role.MATRIX]
     rest = [p for n, p in params.items() if roles[n] is not Role.MATRIX]
@@ -141,8 +143,15 @@ def _optimizers(model, ref, kind: str, routed: bool, matrix_options: dict | None
     return opts, [cls(mats, **matrix_options), torch.optim.AdamW(rest, **ADAMW_OPTS)]
 
 
-def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool,
-           ddp_reference: bool = False, matrix_options: dict | None = None) -> dict:
+def _train(
+    rank: int,
+    W: int,
+    kind: str,
+    routed: bool,
+    full_checks: bool,
+    ddp_reference: bool = False,
+    matrix_options: dict | None = None,
+) -> dict:
     model, ref = make_models(seed=0)
     _shard_gpt(model)
     opts, ref_opts = _optimizers(model, ref, kind, routed, matrix_options)
@@ -162,8 +171,7 @@ def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool,
                 loss.backward()
             # every step of every run: CommCounter (our wrappers, any thread) and the profiler
             # (every backend op, whoever issues it) must both see nothing
-            with (CommCounter() as cc_step, comm_phase("optimizer"),
-                  torch.profiler.profile(activities=CPU) as prof_step):
+            with CommCounter() as cc_step, comm_phase("optimizer"), torch.profiler.profile(activities=CPU) as prof_step:
                 for o in opts:
                     o.step()
         assert cc_step.calls() == 0 and cc_step.bytes() == 0, cc_step.by_phase()
@@ -187,13 +195,12 @@ def _train(rank: int, W: int, kind: str, routed: bool, full_checks: bool,
             o.zero_grad(set_to_none=True)
 
     loss_rtol = LOCKSTEP_RTOL if ddp_reference else LOSS_RTOL
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         loss_err = max(loss_err, abs(a - b) / abs(b))
         assert abs(a - b) <= loss_rtol * abs(b), f"{kind} step {step}: loss {a} vs reference {b}"
     param_rtol = SHAMPOO_PARAM_RTOL if kind == "shampoo" else PARAM_RTOL
     param_err = _check_full_params(model, ref, rank, LOCKSTEP_RTOL if ddp_reference else param_rtol)
-    return {"losses": losses, "ref_losses": ref_losses, "bytes": measured,
-            "loss_err": loss_err, "param_err": param_err}
+    return {"losses": losses, "ref_losses": ref_losses, "bytes": measured, "loss_err": loss_err, "param_err": param_err}
 
 
 def _check_bytes(cc: CommCounter, e: dict[str, int]) -> None:
@@ -276,15 +283,15 @@ def _job(rank: int, W: int) -> dict:
     out = {"plain": _train(rank, W, "muon", routed=False, full_checks=True)}
     kinds = {2: ["muon", "shampoo", "soap", "adamw"], 3: ["muon", "adamw"], 4: ["muon", "soap"]}[W]
     if W > 2:  # Shampoo with a small eps (see SHAMPOO_SMALL_EPS) at W=3 and W=4
-        out["routed-shampoo-eps"] = _train(rank, W, "shampoo", routed=True, full_checks=False,
-                                           ddp_reference=True, matrix_options=SHAMPOO_SMALL_EPS)
+        out["routed-shampoo-eps"] = _train(
+            rank, W, "shampoo", routed=True, full_checks=False, ddp_reference=True, matrix_options=SHAMPOO_SMALL_EPS
+        )
     for kind in kinds:
         # SOAP's eigenbases are ill-conditioned on this tiny model: even in one process, the
         # full-batch gradient and the average of micro-batch gradients (equal up to round-off)
         # part ways by 1e-4 within 3 steps. Its reference therefore averages micro-batch
         # gradients in rank order, as the reduce-scatter does, and must match to 1e-5 as well.
-        out[f"routed-{kind}"] = _train(rank, W, kind, routed=True, full_checks=False,
-                                       ddp_reference=(kind == "soap"))
+        out[f"routed-{kind}"] = _train(rank, W, kind, routed=True, full_checks=False, ddp_reference=(kind == "soap"))
     return out
 
 

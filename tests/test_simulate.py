@@ -14,15 +14,16 @@ import json
 import math
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 
+from matrix_owner_optim.planning import MUON_COST, Role, TensorSpec, plan_tensors
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli import simulate as cli_simulate
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
-from matrix_owner_optim.planning import MUON_COST, Role, TensorSpec, plan_tensors
 
 HW = S.PRESETS["paper"].hardware
 SMALL = ["--layers", "2", "--width", "64", "--vocab", "128", "--seq-len", "16"]
@@ -40,8 +41,14 @@ def paper_cache() -> S.StatsCache:
 
 @pytest.fixture(scope="module")
 def paper_rows(paper_cache: S.StatsCache) -> list[dict]:
-    return S.simulate(paper_cache.model, unit_prefixes=paper_cache.unit_prefixes,
-                      node_counts=range(1, 9), gpus_per_node=8, hardware=HW, cache=paper_cache)
+    return S.simulate(
+        paper_cache.model,
+        unit_prefixes=paper_cache.unit_prefixes,
+        node_counts=range(1, 9),
+        gpus_per_node=8,
+        hardware=HW,
+        cache=paper_cache,
+    )
 
 
 def _tiny_gpt(layers: int) -> GPT:
@@ -72,6 +79,7 @@ def _one_matrix_stats(shape: tuple[int, int], nodes: int, gpus: int) -> S.PlanSt
 
 # --- collective formulas -------------------------------------------------------------------
 
+
 def test_ring_all_gather_closed_form_and_one_rank_is_free() -> None:
     n, p, beta, alpha = 3e9, 8, 2e11, 7e-6
     closed = (p - 1) * (alpha + n / (p * beta))
@@ -93,8 +101,7 @@ def test_hierarchical_all_gather_reduces_to_flat_rings() -> None:
     assert one_gpu == pytest.approx(S.ring_all_gather_time(n, 8, HW.beta_inter, HW.alpha_inter))
     both = S.hierarchical_all_gather_time(n, 4, 8, HW)
     assert both == pytest.approx(
-        3 * (HW.alpha_inter + n / (4 * HW.beta_inter))
-        + 7 * (HW.alpha_intra + n / (8 * HW.beta_intra))
+        3 * (HW.alpha_inter + n / (4 * HW.beta_inter)) + 7 * (HW.alpha_intra + n / (8 * HW.beta_intra))
     )
     assert S.hierarchical_all_gather_time(n, 1, 1, HW) == 0.0
     assert S.hierarchical_all_reduce_time(n, 4, 8, HW) == pytest.approx(2 * both)
@@ -142,25 +149,24 @@ def test_dtensor_variant_matches_the_traced_collectives() -> None:
     ar = lambda n: S.hierarchical_all_reduce_time(n, 1, 8, HW)  # noqa: E731
     assert est.comm_s == pytest.approx(ar(0) + s * 2 * ar(k * k * b))
     assert est.collectives == 1 + 2 * s
-    assert est.max_rank_flops == pytest.approx(
-        s * (4 * k * k * l / 8 + 2 * k**3) + 8 * 64 * 256 / 8)
+    assert est.max_rank_flops == pytest.approx(s * (4 * k * k * l / 8 + 2 * k**3) + 8 * 64 * 256 / 8)
 
 
 # --- monotonicity / sanity -----------------------------------------------------------------
+
 
 def test_owner_layout_has_no_communication(paper_rows: list[dict]) -> None:
     for row in paper_rows:
         owner = row["strategies"]["owner"]
         assert owner["comm_ms"] == 0.0 and owner["comm_bytes_per_rank"] == 0.0
         assert owner["collectives_per_rank"] == 0
-        assert owner["total_ms"] == pytest.approx(
-            owner["compute_ms"] + owner["launch_ms"] + owner["elementwise_ms"])
+        assert owner["total_ms"] == pytest.approx(owner["compute_ms"] + owner["launch_ms"] + owner["elementwise_ms"])
 
 
 def test_reconstruction_grows_with_nodes_owner_does_not(paper_rows: list[dict]) -> None:
     recon = [r["strategies"]["reconstruction"]["total_ms"] for r in paper_rows]
     owner = [r["strategies"]["owner"]["total_ms"] for r in paper_rows]
-    assert all(b > a for a, b in zip(recon, recon[1:])), recon
+    assert all(b > a for a, b in pairwise(recon)), recon
     assert all(o <= owner[0] * (1 + 1e-9) for o in owner), owner
     assert owner[-1] < owner[0] / 4  # 8x more owners, imbalance below 2
     r1, r8 = paper_rows[0]["ratios"], paper_rows[-1]["ratios"]
@@ -168,8 +174,7 @@ def test_reconstruction_grows_with_nodes_owner_does_not(paper_rows: list[dict]) 
     assert r8["all_to_all_over_owner"] > r1["all_to_all_over_owner"]
     for row in paper_rows:  # owner is never slower than routing to the same owners
         s = row["strategies"]
-        assert (s["owner"]["total_ms"] <= s["all_to_all"]["total_ms"]
-                <= s["reconstruction"]["total_ms"])
+        assert s["owner"]["total_ms"] <= s["all_to_all"]["total_ms"] <= s["reconstruction"]["total_ms"]
 
 
 def test_flops_come_from_the_planner(paper_cache: S.StatsCache) -> None:
@@ -220,6 +225,7 @@ def test_hardware_overrides_are_marked_and_validated() -> None:
 
 # --- claims ----------------------------------------------------------------------------------
 
+
 def test_comparison_is_computed_not_written(paper_cache: S.StatsCache) -> None:
     comp = S.compare_with_claims(paper_cache, HW)
     keys = [c["key"] for c in comp["claims"]]
@@ -233,17 +239,16 @@ def test_comparison_is_computed_not_written(paper_cache: S.StatsCache) -> None:
     seed = by_key["seed_8xA100"]
     owner = next(c for c in seed["comparisons"] if c["strategy"] == "owner")
     assert owner["implied_tflops"] == pytest.approx(
-        S.estimate_owner(paper_cache.get(1, 8), HW).max_rank_flops / 0.175 / 1e12)
+        S.estimate_owner(paper_cache.get(1, 8), HW).max_rank_flops / 0.175 / 1e12
+    )
     # a different assumption changes the verdicts: starve the inter-node fabric
     slow = S.compare_with_claims(paper_cache, HW.with_overrides(inter_bw_gbs=1.0))
     fast_pred = by_key["paper_8_nodes"]["comparisons"][0]["predicted"]
     slow_pred = slow["claims"][1]["comparisons"][0]["predicted"]
     assert slow_pred > fast_pred
-    assert (slow["claims"][1]["comparisons"][0]["text"]
-            != by_key["paper_8_nodes"]["comparisons"][0]["text"])
+    assert slow["claims"][1]["comparisons"][0]["text"] != by_key["paper_8_nodes"]["comparisons"][0]["text"]
     # what-if solver: reaching the claim at the solved bandwidth
-    dt = next(w for w in by_key["paper_8_nodes"]["what_if"]
-              if w["baseline"] == "reconstruction_dtensor")
+    dt = next(w for w in by_key["paper_8_nodes"]["what_if"] if w["baseline"] == "reconstruction_dtensor")
     if dt["reachable"]:
         st = paper_cache.get(8, 8)
         h = HW.scaled(inter_bw_gbs=dt["scale"])
@@ -253,11 +258,22 @@ def test_comparison_is_computed_not_written(paper_cache: S.StatsCache) -> None:
 
 # --- CLI ---------------------------------------------------------------------------------------
 
+
 def test_cli_paper_json_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "sim.png"
     report = json.loads(_run_cli(["--preset", "paper", "--json", "--plot", str(png)]))
-    for key in ("schema", "preset", "config", "hardware", "formulas", "strategies", "sweep",
-                "selected", "comparison", "plot"):
+    for key in (
+        "schema",
+        "preset",
+        "config",
+        "hardware",
+        "formulas",
+        "strategies",
+        "sweep",
+        "selected",
+        "comparison",
+        "plot",
+    ):
         assert key in report, key
     assert report["schema"] == S.SCHEMA
     assert report["config"]["world_size"] == 64 and len(report["sweep"]) == 8
@@ -290,9 +306,10 @@ def test_sweep_has_one_row_per_node_count() -> None:
 
 def test_console_command_json() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "simulate", "--preset", "paper",
-         "--json"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "matrix_owner_optim.toolbox.cli.main", "simulate", "--preset", "paper", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

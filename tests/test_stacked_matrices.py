@@ -28,8 +28,12 @@ from matrix_owner_optim.planning.roles import TensorSpec, module_roles, router_f
 from matrix_owner_optim.planning.views import MatrixView, declare_matrix_view, matrix_layout_of
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
 
-EXPERTS = ("layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj",
-           "layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj")
+EXPERTS = (
+    "layers.0.mlp.experts.gate_up_proj",
+    "layers.0.mlp.experts.down_proj",
+    "layers.1.mlp.experts.gate_up_proj",
+    "layers.1.mlp.experts.down_proj",
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,19 +74,36 @@ def test_default_roles_of_a_fused_moe_block() -> None:
 
 
 def test_router_rule() -> None:
-    names = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-             "layers.0.moe.router.gate.weight", "layers.0.moe.experts.w1",  # torchtitan
-             "m.mlp.shared_expert_gate.weight", "m.mlp.shared_expert.gate_proj.weight",  # Qwen2-MoE
-             "dense.mlp.gate.weight", "dense.mlp.gate_proj.weight"]  # no experts: not routers
-    assert router_fqns(names) == {"model.layers.0.mlp.gate.weight", "layers.0.moe.router.gate.weight",
-                                  "m.mlp.shared_expert_gate.weight"}
+    names = [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "layers.0.moe.router.gate.weight",
+        "layers.0.moe.experts.w1",  # torchtitan
+        "m.mlp.shared_expert_gate.weight",
+        "m.mlp.shared_expert.gate_proj.weight",  # Qwen2-MoE
+        "dense.mlp.gate.weight",
+        "dense.mlp.gate_proj.weight",
+    ]  # no experts: not routers
+    assert router_fqns(names) == {
+        "model.layers.0.mlp.gate.weight",
+        "layers.0.moe.router.gate.weight",
+        "m.mlp.shared_expert_gate.weight",
+    }
 
 
 def test_transformers_mixtral_default_roles() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg)
     opt = OwnerRoutedOptimizer(model, matrix_options={"ns_dtype": torch.float32})
@@ -159,11 +180,14 @@ def test_batched_stack_equals_separate_muon_steps(ns_dtype: torch.dtype) -> None
 
 
 # -- Shampoo and SOAP per slice ------------------------------------------------------------------
-@pytest.mark.parametrize("cls,opts", [
-    (Shampoo, {"lr": 1e-2, "momentum": 0.9, "grafting": "adam", "max_preconditioner_dim": 16}),
-    (SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
-    (SOAP, {"lr": 1e-2, "merge_dims": True, "max_precond_dim": 512}),
-])
+@pytest.mark.parametrize(
+    "cls,opts",
+    [
+        (Shampoo, {"lr": 1e-2, "momentum": 0.9, "grafting": "adam", "max_preconditioner_dim": 16}),
+        (SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
+        (SOAP, {"lr": 1e-2, "merge_dims": True, "max_precond_dim": 512}),
+    ],
+)
 def test_per_slice_shampoo_and_soap_equal_the_per_matrix_optimizer(cls: type, opts: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     E, m, n = 3, 24, 16
@@ -196,12 +220,12 @@ def test_unequal_fused_blocks_of_a_stack_step_as_separate_matrices(cls: type) ->
     for _ in range(4):
         g = torch.randn(2, 9, 6, generator=gen)
         w.grad = g.clone()
-        for p, (e, a, b) in zip(alone, blocks):
+        for p, (e, a, b) in zip(alone, blocks, strict=True):
             p.grad = g[e, a:b].clone()
         fused.step()
         for o in separate:
             o.step()
-    for p, (e, a, b) in zip(alone, blocks):  # measured <= 4e-7 (odd sizes: vector tails, batching)
+    for p, (e, a, b) in zip(alone, blocks, strict=True):  # measured <= 4e-7 (odd sizes: vector tails, batching)
         assert _rel(w.detach()[e, a:b], p.detach()) <= 2e-6
 
 
@@ -223,15 +247,18 @@ def test_fused_wqkv_split_steps_bitwise_as_separate_matrices(ns_dtype: torch.dty
     torch.manual_seed(0)
     fused, split = _Attn(d, True), _Attn(d, False)
     with torch.no_grad():
-        for w, block in zip((split.wq, split.wk, split.wv), fused.wqkv.weight.chunk(3)):
+        for w, block in zip((split.wq, split.wk, split.wv), fused.wqkv.weight.chunk(3), strict=True):
             w.weight.copy_(block)
         split.wo.weight.copy_(fused.wo.weight)
     view = MatrixView(block_rows=hd) if per_head else MatrixView(row_blocks=(d, d, d))
     opts = {"matrix_options": {"lr": 0.05, "ns_dtype": ns_dtype}}
     opt_f = OwnerRoutedOptimizer(fused, matrix_views={"wqkv.weight": view}, **opts)
     if per_head:  # the reference: every head of q, k, v its own matrix
-        heads = [nn.Parameter(w.weight.detach()[h * hd:(h + 1) * hd].clone())
-                 for w in (split.wq, split.wk, split.wv) for h in range(d // hd)]
+        heads = [
+            nn.Parameter(w.weight.detach()[h * hd : (h + 1) * hd].clone())
+            for w in (split.wq, split.wk, split.wv)
+            for h in range(d // hd)
+        ]
         opt_s = OwnerRoutedOptimizer([{"params": [*heads, split.wo.weight], "role": "matrix"}], **opts)
     else:
         opt_s = OwnerRoutedOptimizer(split, **opts)
@@ -242,14 +269,17 @@ def test_fused_wqkv_split_steps_bitwise_as_separate_matrices(ns_dtype: torch.dty
         split.wo.weight.grad = g_o.clone()
         if per_head:
             for i, p in enumerate(heads):
-                p.grad = g_qkv[i * hd:(i + 1) * hd].clone()
+                p.grad = g_qkv[i * hd : (i + 1) * hd].clone()
         else:
-            for w, g in zip((split.wq, split.wk, split.wv), g_qkv.chunk(3)):
+            for w, g in zip((split.wq, split.wk, split.wv), g_qkv.chunk(3), strict=True):
                 w.weight.grad = g.clone()
         opt_f.step()
         opt_s.step()
-    pieces = torch.cat([p.detach() for p in heads]) if per_head else \
-        torch.cat([w.weight.detach() for w in (split.wq, split.wk, split.wv)])
+    pieces = (
+        torch.cat([p.detach() for p in heads])
+        if per_head
+        else torch.cat([w.weight.detach() for w in (split.wq, split.wk, split.wv)])
+    )
     assert torch.equal(fused.wqkv.weight.detach(), pieces)
     assert torch.equal(fused.wo.weight.detach(), split.wo.weight.detach())
 
@@ -258,8 +288,9 @@ def test_fused_and_stacked_costs_are_per_matrix() -> None:
     d = 64
     qkv = MatrixView(row_blocks=(d, d, d))
     assert matrix_flops(MUON_COST, (3 * d, d), qkv) == 3 * MUON_COST.flops((d, d))
-    assert matrix_state_bytes(SHAMPOO_COST, (3 * d, d), torch.float32, qkv) == \
-        3 * SHAMPOO_COST.state_bytes((d, d), torch.float32)
+    assert matrix_state_bytes(SHAMPOO_COST, (3 * d, d), torch.float32, qkv) == 3 * SHAMPOO_COST.state_bytes(
+        (d, d), torch.float32
+    )
     E, out, inn = 8, 128, 64
     assert matrix_flops(MUON_COST, (E, out, inn)) == E * MUON_COST.flops((out, inn))  # default: stack
     assert matrix_flops(MUON_COST, (16, 3, 3, 3), MatrixView("conv")) == MUON_COST.flops((16, 27))
@@ -278,11 +309,13 @@ def test_stack_refused_for_an_optimizer_that_steps_whole_matrices_only() -> None
 def test_view_errors_name_the_parameter() -> None:
     with pytest.raises(ValueError, match=r"'w' with shape \(2, 3, 4, 5\).*matrix_views="):
         OwnerRoutedOptimizer([("w", nn.Parameter(torch.zeros(2, 3, 4, 5)))], roles={"w": "matrix"})
-    OwnerRoutedOptimizer([("w", nn.Parameter(torch.zeros(2, 3, 4, 5)))], roles={"w": "matrix"},
-                         matrix_views={"w": "stack"})
+    OwnerRoutedOptimizer(
+        [("w", nn.Parameter(torch.zeros(2, 3, 4, 5)))], roles={"w": "matrix"}, matrix_views={"w": "stack"}
+    )
     with pytest.raises(ValueError, match=r"'wqkv' with shape \(96, 32\): row blocks \(32, 32\) sum to 64"):
-        OwnerRoutedOptimizer([("wqkv", nn.Parameter(torch.zeros(96, 32)))],
-                             matrix_views={"wqkv": MatrixView(row_blocks=(32, 32))})
+        OwnerRoutedOptimizer(
+            [("wqkv", nn.Parameter(torch.zeros(96, 32)))], matrix_views={"wqkv": MatrixView(row_blocks=(32, 32))}
+        )
     with pytest.raises(ValueError, match=r"matrix_views: glob 'nothing\*' matches no parameter"):
         OwnerRoutedOptimizer(TinyMoE(), matrix_views={"nothing*": "stack"})
     with pytest.raises(ValueError, match=r"matrix_views\['x'\]: expected one of"):
@@ -293,8 +326,9 @@ def test_view_errors_name_the_parameter() -> None:
 
 def test_conv_kernel_keeps_the_out_rest_convention() -> None:
     conv = nn.Conv2d(3, 8, 3, bias=False)
-    opt = OwnerRoutedOptimizer(nn.Sequential(conv), roles={"0.weight": "matrix"},
-                               matrix_options={"ns_dtype": torch.float32})
+    opt = OwnerRoutedOptimizer(
+        nn.Sequential(conv), roles={"0.weight": "matrix"}, matrix_options={"ns_dtype": torch.float32}
+    )
     assert opt.routing_report().rows[0].view == "conv"
     ref = nn.Parameter(conv.weight.detach().reshape(8, -1).clone())
     ref_opt = Muon([ref], ns_dtype=torch.float32)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from itertools import pairwise
 
 import pytest
 import torch
@@ -49,9 +50,7 @@ BATCH = 6  # global batch, divisible by 2 and 3
 K = 3  # steps before the checkpoint, and after it
 ADAMW = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5}
 KINDS = {
-    "shampoo": dict(
-        matrix="shampoo", matrix_options={"lr": 1e-2, "eps": 1e-6}, tail="adamw", tail_options=ADAMW
-    ),
+    "shampoo": dict(matrix="shampoo", matrix_options={"lr": 1e-2, "eps": 1e-6}, tail="adamw", tail_options=ADAMW),
     "adamw": dict(matrix="adamw", matrix_options=ADAMW, tail="adamw", tail_options=ADAMW),
 }
 # Against the uninterrupted one-process run that averages the ranks' micro-batch gradients in
@@ -125,8 +124,7 @@ def _full(model) -> dict[str, torch.Tensor]:
         model.reshard()
         return out
     return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in model.named_parameters()
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
     }
 
 
@@ -170,8 +168,8 @@ def _ddp_job(rank: int, W: int, d: str) -> dict:
     _steps(resumed, opt2, range(K, 2 * K), rank, W)
     return {
         "n_states": sum(1 for st in saved["optim"]["state"].values() if st),
-        "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())),
-        "err": max(_rel(a, b) for a, b in zip(resumed.parameters(), model.parameters())),
+        "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True)),
+        "err": max(_rel(a, b) for a, b in zip(resumed.parameters(), model.parameters(), strict=True)),
     }
 
 
@@ -181,13 +179,9 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
         model = _owner(0)
         _save(os.path.join(d, "model_own2"), model)
         out["own2_params"] = _full(model)
-        full = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out["full_keys"] = sorted(full)
-        out["full_equal"] = rank != 0 or all(
-            torch.equal(full[n], t) for n, t in out["own2_params"].items()
-        )
+        out["full_equal"] = rank != 0 or all(torch.equal(full[n], t) for n, t in out["own2_params"].items())
         out["full_on_cpu"] = all(t.device.type == "cpu" for t in full.values())
         fsdp = _fsdp2(5, W)
         _save(os.path.join(d, "model_fsdp2"), fsdp)
@@ -204,7 +198,7 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
             _load(os.path.join(d, f"own2_{kind}"), again, opt2)
             _steps(again, opt2, range(K, 2 * K), rank, W)
             out[f"{kind}_same_w_resume_exact"] = all(
-                torch.equal(a, b) for a, b in zip(_full(model).values(), _full(again).values())
+                torch.equal(a, b) for a, b in zip(_full(model).values(), _full(again).values(), strict=True)
             )
     else:
         # the model alone, bitwise: owner W=2 -> FSDP2 W=3, FSDP2 W=2 -> owner W=3, owner -> owner
@@ -246,14 +240,10 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
         assert torch.equal(got[n], want[n]), f"{what}: {n} is not bitwise equal"
 
 
-def _assert_follows(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float
-) -> None:
+def _assert_follows(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float) -> None:
     assert got.keys() == want.keys(), what
     worst = max(got, key=lambda n: _rel(got[n], want[n]))
-    assert _rel(got[worst], want[worst]) <= rtol, (
-        f"{what}: {worst} off by {_rel(got[worst], want[worst]):.3g}"
-    )
+    assert _rel(got[worst], want[worst]) <= rtol, f"{what}: {worst} off by {_rel(got[worst], want[worst]):.3g}"
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -322,9 +312,7 @@ def test_full_state_dict_cpu_offload_on_rank0(runs):
 def test_resume_at_w3_and_in_one_process(runs, kind):
     whole = runs[f"ref_{kind}"]
     saved = runs["w2"][0][f"own2_{kind}_params"]
-    assert all(r[f"{kind}_same_w_resume_exact"] for r in runs["w2"]), (
-        f"{kind}: W=2 resume is not bitwise"
-    )
+    assert all(r[f"{kind}_same_w_resume_exact"] for r in runs["w2"]), f"{kind}: W=2 resume is not bitwise"
     for r in runs["w3"]:
         _assert_equal(r[f"{kind}_own3_loaded"], saved, f"{kind}: owner W=2 -> owner W=3, loaded")
         what = f"{kind}: owner W=2 -> owner W=3, continued"
@@ -362,9 +350,7 @@ def test_ddp_rank0_torch_save_resume(runs):
 # -- one process: dtypes, inner optimizers' group values, errors ---------------------------------------
 def _bf16_mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
-        torch.bfloat16
-    )
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
 
 
 def _mlp_steps(model, opt, steps) -> None:
@@ -430,9 +416,7 @@ def test_inner_group_values_evolve_and_survive_a_load():
     def build(seed):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
-        return model, OwnerRoutedOptimizer(
-            model, matrix=_DLike, matrix_options={"lr": 0.1}, tail="adamw"
-        )
+        return model, OwnerRoutedOptimizer(model, matrix=_DLike, matrix_options={"lr": 0.1}, tail="adamw")
 
     def steps(model, opt, rng):
         for s in rng:
@@ -447,7 +431,7 @@ def test_inner_group_values_evolve_and_survive_a_load():
         steps(model, opt, [s])
         ds.append(opt.param_groups[0]["d"])
     assert opt.param_groups[0]["role"] == "matrix" and opt.param_groups[0]["k"] == 5
-    assert all(b > a for a, b in zip(ds, ds[1:])) and ds[0] > 1e-3  # it evolves
+    assert all(b > a for a, b in pairwise(ds)) and ds[0] > 1e-3  # it evolves
     assert opt.matrix_optimizer.param_groups[0]["d"] == ds[-1]
     saved = roundtrip(opt.state_dict())
     assert saved["param_groups"][0]["d"] == ds[-1] and saved["param_groups"][0]["k"] == 5

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _ref import roundtrip
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
-from _ref import roundtrip
 
 STEPS = 20
 BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible by 2, 3, 4
@@ -39,8 +39,12 @@ BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4, bias=False)
 TOL = 1e-5
 
-MUON = dict(matrix="muon", matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
-            tail="adamw", tail_options={"lr": 3e-3, "weight_decay": 0.05})
+MUON = dict(
+    matrix="muon",
+    matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
+    tail="adamw",
+    tail_options={"lr": 3e-3, "weight_decay": 0.05},
+)
 SOAP = dict(matrix="soap", matrix_options={"lr": 3e-3}, tail_options={"lr": 3e-3})
 RUNS = {
     # name: (model, optimizer kwargs, cosine schedule, reference)
@@ -49,8 +53,12 @@ RUNS = {
     # values sit at round-off level are amplified to O(1) (the inverse roots of a near-singular
     # factor), so two float32 reduction orders of the same gradient diverge by ~2% within
     # 20 steps in one process alone; 1e-4 keeps that sensitivity below 1e-6
-    "gpt_shampoo": ("gpt", dict(matrix="shampoo", matrix_options={"lr": 3e-3, "eps": 1e-4},
-                                tail_options={"lr": 3e-3}), False, "whole_batch"),
+    "gpt_shampoo": (
+        "gpt",
+        dict(matrix="shampoo", matrix_options={"lr": 3e-3, "eps": 1e-4}, tail_options={"lr": 3e-3}),
+        False,
+        "whole_batch",
+    ),
     # SOAP is round-off chaotic even in one process (eigenbases of near-degenerate factors, the
     # argsort of its basis refresh): whole-batch vs split-batch gradients, both float32, end
     # 1e-3..1e-2 apart after 20 steps on square and thin matrices alike. So SOAP is checked
@@ -63,6 +71,7 @@ RUNS = {
 # HSDP at W=4: a (replicate=2, shard=2) mesh; owners are planned within each shard group
 HSDP_RUNS = {"hsdp_muon": ("gpt", MUON, False, "whole_batch")}
 ALL_RUNS = {**RUNS, **HSDP_RUNS}
+
 
 class OddNet(nn.Module):
     """Weights [7, 6], [5, 7], [1, 5], [6, 1]: at W=3 and W=4 some ranks hold empty shards."""
@@ -91,8 +100,7 @@ def batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for _ in range(STEPS):
         if kind == "gpt":
-            out.append((torch.randint(0, 64, (BATCH, 16), generator=g),
-                        torch.randint(0, 64, (BATCH, 16), generator=g)))
+            out.append((torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g)))
         else:
             out.append((torch.randn(BATCH, 8, 6, generator=g), torch.randn(BATCH, 8, 6, generator=g)))
     return out
@@ -104,7 +112,7 @@ def make_optimizer(model: nn.Module, opts: dict, sched: bool):
     return opt, scheduler
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, whole batch, no restart."""
     kind, opts, sched, _ = ALL_RUNS[run]
@@ -138,13 +146,17 @@ def _micro(batch, rank: int, W: int):
 
 def _matrix_bytes(opt: OwnerRoutedOptimizer, model: nn.Module) -> int:
     params = dict(model.named_parameters())
-    return sum(params[r["name"]].numel() * params[r["name"]].element_size()
-               for r in opt.routes() if r["role"] == "matrix")
+    return sum(
+        params[r["name"]].numel() * params[r["name"]].element_size() for r in opt.routes() if r["role"] == "matrix"
+    )
 
 
 def _gloo_events(prof) -> list[tuple[str, list, list]]:
-    return [(e.name(), e.shapes(), e.dtypes()) for e in prof.profiler.kineto_results.events()
-            if e.name().startswith("gloo:")]
+    return [
+        (e.name(), e.shapes(), e.dtypes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name().startswith("gloo:")
+    ]
 
 
 _DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
@@ -211,14 +223,17 @@ def _run(rank: int, W: int, run: str, mesh, measure: bool) -> dict:
             if scheduler is not None:
                 scheduler.load_state_dict(sched_sd)
             out["groups_equal_after_resume"] = old_groups == [
-                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+            ]
     placement = next(pl for pl in opt._placements.values() if pl.name == "dtensor")
     out["resyncs"] = placement.resyncs
     out["matrix_bytes"] = _matrix_bytes(opt, model)
     out["owner_copy_bytes"] = placement.owner_copy_bytes()
     out["empty_local_matrices"] = sum(
-        1 for r, (n, p) in zip(opt.routes(), model.named_parameters())
-        if r["role"] == "matrix" and p.to_local().numel() == 0)
+        1
+        for r, (n, p) in zip(opt.routes(), model.named_parameters(), strict=True)
+        if r["role"] == "matrix" and p.to_local().numel() == 0
+    )
     out["lr_groups"] = [g["lr"] for g in opt.param_groups]
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     out["params"] = full  # every rank (every HSDP replica) is checked
@@ -244,8 +259,7 @@ def _run(rank: int, W: int, run: str, mesh, measure: bool) -> dict:
             rerun.append(loss.item())
         out["rerun_losses"] = rerun
         out["rerun_resyncs"] = placement.resyncs - before
-        out["rerun_params_equal"] = all(
-            torch.equal(full[n], p.full_tensor()) for n, p in model.named_parameters())
+        out["rerun_params_equal"] = all(torch.equal(full[n], p.full_tensor()) for n, p in model.named_parameters())
     return out
 
 
@@ -261,8 +275,10 @@ class _Lockstep:
         roles = module_roles(self.model)
         mats = [p for p in self.model.parameters() if roles[id(p)] is Role.MATRIX]
         rest = [p for p in self.model.parameters() if roles[id(p)] is not Role.MATRIX]
-        self.opts = [resolve_optimizer(opts["matrix"], what="matrix")(mats, **opts["matrix_options"]),
-                     resolve_optimizer(opts.get("tail", "adamw"), what="tail")(rest, **opts["tail_options"])]
+        self.opts = [
+            resolve_optimizer(opts["matrix"], what="matrix")(mats, **opts["matrix_options"]),
+            resolve_optimizer(opts.get("tail", "adamw"), what="tail")(rest, **opts["tail_options"]),
+        ]
         self.losses: list[float] = []
 
     def step(self, model: nn.Module, batch, rank: int) -> None:
@@ -271,7 +287,7 @@ class _Lockstep:
             return
         with torch.no_grad():
             self.losses.append(self.model(*batch).item())
-        for p, g in zip(self.model.parameters(), grads):
+        for p, g in zip(self.model.parameters(), grads, strict=True):
             p.grad = g
         for o in self.opts:
             o.step()
@@ -296,8 +312,11 @@ def _torch_muon(rank: int, W: int, mesh) -> dict:
     with profile(record_shapes=True) as prof:
         opt.step()
     events = _gloo_events(prof)
-    return {"calls": len(events), "ops": sorted({n for n, _, _ in events}),
-            "bytes_sent": _profiled_bytes_sent(events, W)}
+    return {
+        "calls": len(events),
+        "ops": sorted({n for n, _, _ in events}),
+        "bytes_sent": _profiled_bytes_sent(events, W),
+    }
 
 
 def fsdp_job(rank: int, W: int) -> dict:
@@ -320,7 +339,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(W: int) -> list[dict]:
     return spawn_ranks(fsdp_job, W, threads_per_rank=1)
 
@@ -335,7 +354,7 @@ def test_stock_fsdp2_matches_single_process(W: int) -> None:
             ref_losses, ref_params = reference(run)
         tol = TOL
         losses = [sum(r[run]["losses"][i] for r in res) / W for i in range(STEPS)]
-        for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= tol * abs(b), f"{run} W={W} step {i}: loss {a} vs reference {b}"
         for rank, r in enumerate(res):
             params = r[run]["params"]
@@ -367,7 +386,7 @@ def test_hsdp_matches_single_process() -> None:
     res = results(4)
     ref_losses, ref_params = reference("hsdp_muon")
     losses = [sum(r["hsdp_muon"]["losses"][i] for r in res) / 4 for i in range(STEPS)]
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(a - b) <= TOL * abs(b), f"HSDP step {i}: loss {a} vs reference {b}"
     for rank, r in enumerate(res):  # both replicas, every rank: the same parameters, bitwise
         params = r["hsdp_muon"]["params"]
@@ -376,9 +395,11 @@ def test_hsdp_matches_single_process() -> None:
         assert all(torch.equal(params[n], res[0]["hsdp_muon"]["params"][n]) for n in params), rank
     for r in res:
         # one resync (first step) + two all-to-alls per step, all inside the shard group
-        assert r["hsdp_muon"]["ops"] == {"owner_grad_all_to_all": STEPS,
-                                         "owner_param_resync_all_to_all": 1,
-                                         "owner_update_all_to_all": STEPS}, r["hsdp_muon"]["ops"]
+        assert r["hsdp_muon"]["ops"] == {
+            "owner_grad_all_to_all": STEPS,
+            "owner_param_resync_all_to_all": 1,
+            "owner_update_all_to_all": STEPS,
+        }, r["hsdp_muon"]["ops"]
 
 
 def test_resume_reload_continues_the_same_trajectory() -> None:
@@ -410,9 +431,18 @@ def test_bytes_per_step_within_two_p_over_w(W: int) -> None:
         assert sent <= 2.1 * P / W, (rank, sent, P / W)
         assert 0 < run["owner_copy_bytes"] <= P
         tm = r["torch_muon"]
-        rows.append({"rank": rank, "P": P, "P/W": P / W, "owner_routed_sent": sent,
-                     "first_step_sent": run["first_step_sent"], "torch_muon_sent": tm["bytes_sent"],
-                     "torch_muon_calls": tm["calls"], "torch_muon_ops": tm["ops"]})
+        rows.append(
+            {
+                "rank": rank,
+                "P": P,
+                "P/W": P / W,
+                "owner_routed_sent": sent,
+                "first_step_sent": run["first_step_sent"],
+                "torch_muon_sent": tm["bytes_sent"],
+                "torch_muon_calls": tm["calls"],
+                "torch_muon_ops": tm["ops"],
+            }
+        )
         # torch.optim.Muon gathers every full matrix on every rank: more bytes, many more calls
         assert tm["calls"] > 2 and tm["bytes_sent"] > sent
     print(f"\nW={W} bytes per optimizer step per rank:")

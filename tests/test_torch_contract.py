@@ -42,7 +42,7 @@ def test_param_names_recorded_as_torch_optim_records_them() -> None:
     ref = theirs.state_dict()
     # saved as torch saves them: the names beside the integer ids, in every group
     assert ref["param_groups"][0]["param_names"] == theirs.param_groups[0]["param_names"]
-    for g, live in zip(sd["param_groups"], ours.param_groups):
+    for g, live in zip(sd["param_groups"], ours.param_groups, strict=True):
         assert g["param_names"] == live["param_names"] and len(g["params"]) == len(g["param_names"])
     # plain tensors: no names, as torch
     assert "param_names" not in OwnerRoutedOptimizer(list(_model().parameters()), roles=None).param_groups[0]
@@ -51,8 +51,7 @@ def test_param_names_recorded_as_torch_optim_records_them() -> None:
 def test_torchtitan_group_form_is_accepted() -> None:
     model = _model()
     names = [n for n, _ in model.named_parameters()]
-    group = {"params": list(model.parameters()), "param_names": names, "fused": False, "foreach": False,
-             "lr": 1e-3}
+    group = {"params": list(model.parameters()), "param_names": names, "fused": False, "foreach": False, "lr": 1e-3}
     opt = OwnerRoutedOptimizer([group])
     assert sorted(n for g in opt.param_groups for n in g["param_names"]) == sorted(names)
     assert {g["role"] for g in opt.param_groups} == {"matrix", "tail"}  # names give the roles

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matrix_owner_optim.toolbox.launch import free_port
 
-SCRIPT = r'''
+SCRIPT = r"""
 import sys
 sys.modules["numpy"] = None  # unimportable, as in an environment where nothing installed it
 import json, os
@@ -70,14 +70,15 @@ def run(rank, W, port, out):
 
 if __name__ == "__main__":
     mp.spawn(run, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
-'''
+"""
 
 
 def test_library_runs_without_numpy(tmp_path: Path) -> None:
     script = tmp_path / "no_numpy.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

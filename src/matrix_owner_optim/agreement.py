@@ -19,8 +19,7 @@ from .planning.metadata import ShardingPlan
 __all__ = ["check_plan_agreement"]
 
 
-def check_plan_agreement(plan: ShardingPlan, group: Any = None, *, who: str, what: str,
-                         remedy: str) -> None:
+def check_plan_agreement(plan: ShardingPlan, group: Any = None, *, who: str, what: str, remedy: str) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all hold the same ``plan``.
 
     ``who`` names the caller and ``what`` the plan in the message; ``remedy`` says what to do.

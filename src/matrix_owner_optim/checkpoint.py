@@ -63,9 +63,7 @@ class CheckpointError(ValueError):
 def _quiet() -> Any:
     """DCP warns on every one-process call and on DeviceMesh pickling; both are expected here."""
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-        )
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         warnings.filterwarnings("ignore", category=FutureWarning)
         yield
 
@@ -76,9 +74,7 @@ def _dcp_kwargs(process_group: Any) -> dict[str, Any]:
     return {"no_dist": True}
 
 
-def _state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool = True
-) -> dict[str, Any]:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool = True) -> dict[str, Any]:
     options = StateDictOptions(strict=strict)
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model, options=options)}
     if optimizer is not None:
@@ -115,12 +111,11 @@ def _fsync_dir(path: str) -> None:
 def _dcp_files_only(path: str) -> bool:
     """Whether the directory ``path`` holds nothing but DCP files (a checkpoint, or the
     remains of a save that did not finish): only such a directory is ever replaced."""
-    return all(n == _METADATA or n.endswith(".distcp") or n.startswith(_METADATA + ".")
-               for n in os.listdir(path))
+    return all(n == _METADATA or n.endswith(".distcp") or n.startswith(_METADATA + ".") for n in os.listdir(path))
 
 
 def save(
-    path: "str | os.PathLike[str]",
+    path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
@@ -156,8 +151,7 @@ def save(
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, CheckpointException):  # a BaseException: `except Exception` misses it
             errors = {r: (e[0] if isinstance(e, tuple) else e) for r, e in exc.failures.items()}
-            causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}"
-                               for r, e in sorted(errors.items()))
+            causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items()))
             raise RuntimeError(
                 f"checkpoint save to {path!r} failed ({causes}); the previous checkpoint at that "
                 "path, if any, is unchanged and loadable. Fix the cause (disk space, permissions) "
@@ -184,7 +178,9 @@ def _resolve(path: str) -> str:
     if not os.path.exists(path) and os.path.isfile(os.path.join(previous, _METADATA)):
         warnings.warn(
             f"checkpoint {path!r} is missing but {previous!r} is complete: a save was interrupted "
-            "while replacing it; loading the previous checkpoint", RuntimeWarning, stacklevel=3,
+            "while replacing it; loading the previous checkpoint",
+            RuntimeWarning,
+            stacklevel=3,
         )
         return previous
     if not os.path.exists(path):
@@ -220,8 +216,9 @@ def _metadata(path: str) -> Metadata:
             f"{exc}); it is truncated or was not written by DCP"
         ) from exc
     if not isinstance(meta, Metadata):
-        raise CheckpointError(f"checkpoint {path!r}: its {_METADATA} file holds a "
-                              f"{type(meta).__name__}, not DCP metadata")
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {_METADATA} file holds a {type(meta).__name__}, not DCP metadata"
+        )
     needed: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -253,7 +250,7 @@ def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str
     saved_groups: dict[str, set[str]] = {}
     for k in saved:
         if k.startswith(group_prefix):
-            index, _, name = k[len(group_prefix):].partition(".")
+            index, _, name = k[len(group_prefix) :].partition(".")
             saved_groups.setdefault(index, set()).add(name)
     for i, group in enumerate(groups):
         have = saved_groups.get(str(i))
@@ -270,7 +267,7 @@ def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str
 
 
 def load(
-    path: "str | os.PathLike[str]",
+    path: str | os.PathLike[str],
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
@@ -301,9 +298,7 @@ def load(
             )
     missing = sorted(k for k in here if k not in saved)
     unexpected = sorted(
-        k
-        for k, v in saved.items()
-        if k.startswith(prefix) and k not in here and isinstance(v, TensorStorageMetadata)
+        k for k, v in saved.items() if k.startswith(prefix) and k not in here and isinstance(v, TensorStorageMetadata)
     )
     if strict and (missing or unexpected):
         raise CheckpointError(

@@ -23,8 +23,9 @@ import ctypes
 import pickle
 import threading
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ __all__ = [
 PHASES = ("forward", "backward", "optimizer", "other")
 
 _lock = threading.Lock()  # guards _active and every counter's records
-_active: list["CommCounter"] = []  # process-wide: every thread reports to these
+_active: list[CommCounter] = []  # process-wide: every thread reports to these
 _local = threading.local()  # the phase, per thread
 
 
@@ -89,7 +90,7 @@ class CommCounter:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         with _lock:
             _active.append(self)
         return self
@@ -165,8 +166,7 @@ def record(op: str, bytes_sent: int, bytes_received: int, phase: str | None = No
         raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
     if not _active:  # unlocked peek: the common case, no counter, costs no lock
         return
-    rec = CommRecord(phase or _phase(), op, int(bytes_sent), int(bytes_received),
-                     threading.current_thread().name)
+    rec = CommRecord(phase or _phase(), op, int(bytes_sent), int(bytes_received), threading.current_thread().name)
     with _lock:
         for c in _active:
             c.records.append(rec)
@@ -208,20 +208,20 @@ def all_to_all_single(
     recv = sum(n for r, n in enumerate(outs) if r != rank) * row
     record(op, sent, recv)
     return dist.all_to_all_single(
-        output, input,
+        output,
+        input,
         output_split_sizes=list(outs) if output_split_sizes is not None else None,
         input_split_sizes=list(ins) if input_split_sizes is not None else None,
-        group=group, async_op=async_op,
+        group=group,
+        async_op=async_op,
     )
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None,
-               name: str = "all_reduce") -> None:
+def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, name: str = "all_reduce") -> None:
     W, _ = _world(group)
     ring = 2 * (W - 1) * _nbytes(tensor) // W if W > 1 else 0
     record(name, ring, ring)
     dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
-
 
 
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
@@ -233,13 +233,13 @@ def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) ->
     gather(output, input, group=group)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                           name: str = "all_gather_into_tensor") -> None:
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, name: str = "all_gather_into_tensor"
+) -> None:
     W, _ = _world(group)
     n = _nbytes(input)
     record(name, n * (W - 1), n * (W - 1))
     _all_gather_single(output, input, group)
-
 
 
 def broadcast(tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast") -> None:
@@ -285,7 +285,7 @@ def _object_sizes(data: torch.Tensor, group: Any) -> list[int]:
 
 def _padded(data: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(n, dtype=torch.uint8, device=data.device)
-    out[:data.numel()] = data
+    out[: data.numel()] = data
     return out
 
 
@@ -300,7 +300,7 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
     out = torch.empty(W * n, dtype=torch.uint8, device=data.device)
     _all_gather_single(out, _padded(data, n), group)
     record(name, (n + 8) * (W - 1), (n + 8) * (W - 1))
-    return [_decode(out[r * n:r * n + sizes[r]]) for r in range(W)]
+    return [_decode(out[r * n : r * n + sizes[r]]) for r in range(W)]
 
 
 def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_object") -> list[Any] | None:
@@ -316,12 +316,16 @@ def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_obj
     record(name, 8 * (W - 1) + (0 if receiving else n), 8 * (W - 1) + (n * (W - 1) if receiving else 0))
     if parts is None:
         return None
-    return [_decode(parts[r][:sizes[r]]) for r in range(W)]
+    return [_decode(parts[r][: sizes[r]]) for r in range(W)]
 
 
-
-def all_gather(output_list: list[torch.Tensor], input: torch.Tensor, group: Any = None,
-               name: str = "all_gather", async_op: bool = False) -> Any:
+def all_gather(
+    output_list: list[torch.Tensor],
+    input: torch.Tensor,
+    group: Any = None,
+    name: str = "all_gather",
+    async_op: bool = False,
+) -> Any:
     """Counted ``dist.all_gather``, also with differently sized outputs (NCCL supports them).
 
     Counted as the owner-segment all-gather it is: this rank sends its ``input`` to the
@@ -334,8 +338,14 @@ def all_gather(output_list: list[torch.Tensor], input: torch.Tensor, group: Any 
     return dist.all_gather(output_list, input, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
-                   group: Any = None, name: str = "reduce_scatter", async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = None,
+    group: Any = None,
+    name: str = "reduce_scatter",
+    async_op: bool = False,
+) -> Any:
     """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL).
 
     Counted logically: this rank sends every other rank's chunk once and receives its own
@@ -345,5 +355,6 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     sent = sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank)
     recv = _nbytes(output) * (W - 1)
     record(name, sent, recv)
-    return dist.reduce_scatter(output, input_list, op=op if op is not None else dist.ReduceOp.SUM,
-                               group=group, async_op=async_op)
+    return dist.reduce_scatter(
+        output, input_list, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=async_op
+    )

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Sequence, TypeGuard
+from collections.abc import Sequence
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,16 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from . import comm
 from .planning.metadata import chunk_row_range
 
-__all__ = ["OwnerShard", "OwnerDTensor", "owned_ranges", "contiguous_stride", "is_owner_dtensor", "same_placement",
-           "like_layout", "mesh_of_group"]
+__all__ = [
+    "OwnerShard",
+    "OwnerDTensor",
+    "owned_ranges",
+    "contiguous_stride",
+    "is_owner_dtensor",
+    "same_placement",
+    "like_layout",
+    "mesh_of_group",
+]
 
 aten = torch.ops.aten
 
@@ -117,22 +126,30 @@ class OwnerShard(Shard):
         a, b = self.ranges[int(rank)]
         return b - a, a
 
-    def _split_tensor(self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True,
-                      contiguous: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
         if with_padding:
             raise NotImplementedError(
                 "OwnerShard pieces are uneven by design; use matrix_owner_optim's layout helpers "
-                "(OwnerDTensor.from_full) instead of distribute_tensor / scatter")
+                "(OwnerDTensor.from_full) instead of distribute_tensor / scatter"
+            )
         pieces = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
         return [p.contiguous() if contiguous else p for p in pieces], [0] * len(pieces)
 
-    def _replicate_to_shard(self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int,
-                            shard_index: Any) -> torch.Tensor:
+    def _replicate_to_shard(
+        self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, shard_index: Any
+    ) -> torch.Tensor:
         a, b = self.ranges[int(shard_index)]
         return local_tensor.narrow(self.dim, a, b - a).clone()
 
-    def _to_replicate_tensor(self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int,  # type: ignore[override]
-                             current_logical_shape: Sequence[int]) -> torch.Tensor:
+    def _to_replicate_tensor(
+        self,
+        local_tensor: torch.Tensor,
+        mesh: Any,
+        mesh_dim: int,
+        current_logical_shape: Sequence[int],  # type: ignore[override]
+    ) -> torch.Tensor:
         return _gather_ranges(local_tensor, self, tuple(current_logical_shape), mesh.get_group(mesh_dim))
 
 
@@ -146,8 +163,13 @@ def same_placement(a: Any, b: Any) -> bool:
 
 
 def _placement_key(p: Any) -> Any:
-    return (type(p), getattr(p, "dim", None), getattr(p, "ranges", None), getattr(p, "reduce_op", None),
-            getattr(p, "norm_type", None))
+    return (
+        type(p),
+        getattr(p, "dim", None),
+        getattr(p, "ranges", None),
+        getattr(p, "reduce_op", None),
+        getattr(p, "norm_type", None),
+    )
 
 
 def _gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, ...], group: Any) -> torch.Tensor:
@@ -165,18 +187,23 @@ def _gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int,
     recv = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
     send = local.contiguous().reshape(-1)
     world = len(sizes)
-    comm.all_to_all_single(recv, send.repeat(world) if send.numel() else send,
-                           output_split_sizes=sizes, input_split_sizes=[send.numel()] * world,
-                           group=group, op="owner_full_tensor")
+    comm.all_to_all_single(
+        recv,
+        send.repeat(world) if send.numel() else send,
+        output_split_sizes=sizes,
+        input_split_sizes=[send.numel()] * world,
+        group=group,
+        op="owner_full_tensor",
+    )
     full = torch.empty(shape, dtype=local.dtype, device=local.device)
     offset = 0
-    for (a, b), n in zip(placement.ranges, sizes):
-        full[a:b].copy_(recv[offset:offset + n].view((b - a, *shape[1:])))
+    for (a, b), n in zip(placement.ranges, sizes, strict=True):
+        full[a:b].copy_(recv[offset : offset + n].view((b - a, *shape[1:])))
         offset += n
     return full
 
 
-def is_owner_dtensor(t: Any) -> "TypeGuard[OwnerDTensor]":
+def is_owner_dtensor(t: Any) -> TypeGuard[OwnerDTensor]:
     return isinstance(t, OwnerDTensor)
 
 
@@ -184,21 +211,26 @@ def as_owner_dtensor(value: Any) -> Any:
     """``value`` as an owner-layout DTensor when it is a plain ``DTensor`` carrying an owner
     placement (torch's state-dict utilities rebuild pieces with ``DTensor.from_local``);
     anything else as it is."""
-    if isinstance(value, DTensor) and not isinstance(value, OwnerDTensor) and len(value.placements) == 1 \
-            and isinstance(value.placements[0], OwnerShard):
-        return OwnerDTensor.make(value._local_tensor, value.device_mesh, value.placements[0], value.shape,
-                                 value.stride())
+    if (
+        isinstance(value, DTensor)
+        and not isinstance(value, OwnerDTensor)
+        and len(value.placements) == 1
+        and isinstance(value.placements[0], OwnerShard)
+    ):
+        return OwnerDTensor.make(
+            value._local_tensor, value.device_mesh, value.placements[0], value.shape, value.stride()
+        )
     return value
 
 
-def like_layout(t: "OwnerDTensor", local: torch.Tensor) -> "OwnerDTensor":
+def like_layout(t: OwnerDTensor, local: torch.Tensor) -> OwnerDTensor:
     """``local`` (this rank's piece of a tensor laid out as ``t``) as an owner-layout DTensor."""
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
 
 
 # (id(group), device type) -> mesh, held weakly: a DeviceMesh keeps its process group alive, and
 # a process-lifetime cache would keep gloo's worker threads running into interpreter teardown.
-_MESHES: "weakref.WeakValueDictionary[tuple[int, str], Any]" = weakref.WeakValueDictionary()
+_MESHES: weakref.WeakValueDictionary[tuple[int, str], Any] = weakref.WeakValueDictionary()
 
 
 def mesh_of_group(group: Any, device_type: str) -> Any:
@@ -217,11 +249,27 @@ def mesh_of_group(group: Any, device_type: str) -> Any:
 # Operators that produce a tensor of their first argument's shape, element by element (with the
 # pointwise tag, aten marks the rest).
 _ELEMENTWISE = {
-    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-    aten.rand_like.default, aten.randn_like.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
-    aten.copy_.default, aten.lerp_.Scalar, aten.lerp_.Tensor, aten.lerp.Scalar, aten.lerp.Tensor,
-    aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float,
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    aten.copy_.default,
+    aten.lerp_.Scalar,
+    aten.lerp_.Tensor,
+    aten.lerp.Scalar,
+    aten.lerp.Tensor,
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
 }
 _NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim}
 
@@ -232,8 +280,11 @@ def _is_elementwise(func: Any) -> bool:
 
 def _is_inplace(func: Any) -> bool:
     schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].alias_info is not None and \
-        schema.arguments[0].alias_info.is_write
+    return (
+        bool(schema.arguments)
+        and schema.arguments[0].alias_info is not None
+        and schema.arguments[0].alias_info.is_write
+    )
 
 
 def _norm_partial(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -261,9 +312,16 @@ class OwnerDTensor(DTensor):
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
-    def make(local: torch.Tensor, mesh: Any, placement: Any, shape: Sequence[int],
-             stride: Sequence[int] | None = None, *, requires_grad: bool = False,
-             holder: int | None = None) -> "OwnerDTensor":
+    def make(
+        local: torch.Tensor,
+        mesh: Any,
+        placement: Any,
+        shape: Sequence[int],
+        stride: Sequence[int] | None = None,
+        *,
+        requires_grad: bool = False,
+        holder: int | None = None,
+    ) -> OwnerDTensor:
         """Wrap ``local`` (this rank's piece) with ``placement`` for a global ``shape``; no copy."""
         shape = torch.Size(tuple(int(s) for s in shape))
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
@@ -274,7 +332,7 @@ class OwnerDTensor(DTensor):
         return r
 
     @staticmethod
-    def owned(local: torch.Tensor, owner: int, mesh: Any, shape: Sequence[int]) -> "OwnerDTensor":
+    def owned(local: torch.Tensor, owner: int, mesh: Any, shape: Sequence[int]) -> OwnerDTensor:
         """A tensor held whole by ``owner``: ``local`` is the whole tensor there, empty elsewhere."""
         shape = tuple(int(s) for s in shape)
         me = mesh.get_local_rank()
@@ -290,12 +348,12 @@ class OwnerDTensor(DTensor):
         return OwnerDTensor.make(local, mesh, OwnerShard(0, owned_ranges(shape[0], owner, mesh.size())), shape)
 
     @staticmethod
-    def rows(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> "OwnerDTensor":
+    def rows(local: torch.Tensor, mesh: Any, shape: Sequence[int]) -> OwnerDTensor:
         """``local`` rows of a tensor split as ``torch.chunk`` splits it (``Shard(0)``)."""
         return OwnerDTensor.make(local, mesh, Shard(0), shape)
 
     @staticmethod
-    def replicated(full: torch.Tensor, mesh: Any) -> "OwnerDTensor":
+    def replicated(full: torch.Tensor, mesh: Any) -> OwnerDTensor:
         """Every rank holds ``full`` (a module's parameters until the plan is fixed)."""
         return OwnerDTensor.make(full, mesh, Replicate(), full.shape, full.stride())
 
@@ -318,11 +376,13 @@ class OwnerDTensor(DTensor):
         module and an optimizer hold stays the same, as FSDP2 re-points ``_local_tensor``)."""
         meta = self._spec.tensor_meta
         assert meta is not None
-        self._spec = DTensorSpec(self.device_mesh, (placement,), tensor_meta=TensorMeta(meta.shape, meta.stride,
-                                                                                      local.dtype))
+        self._spec = DTensorSpec(
+            self.device_mesh, (placement,), tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
+        )
         self._local_tensor = local
-        self._holder = holder if holder is not None else (
-            placement.holder if isinstance(placement, OwnerShard) else None)
+        self._holder = (
+            holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
+        )
 
     def local_rows(self) -> tuple[int, int] | None:
         """This rank's rows ``[start, stop)`` of dim 0 (None for a replicated or 0-dim tensor)."""
@@ -342,17 +402,23 @@ class OwnerDTensor(DTensor):
             return full if self.is_holder else torch.zeros_like(full)
         rows = self.local_rows()
         assert rows is not None
-        return full[rows[0]:rows[1]]
+        return full[rows[0] : rows[1]]
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"OwnerDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement!r}, "
-                f"local={tuple(self._local_tensor.shape)})")
+        return (
+            f"OwnerDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement!r}, "
+            f"local={tuple(self._local_tensor.shape)})"
+        )
 
     # -- gathering ----------------------------------------------------------------------------
     def _as_stock(self) -> DTensor:
         """The same local tensor and spec as a plain DTensor (for DTensor's own rules)."""
-        return DTensor.__new__(DTensor, self._local_tensor, self._spec,  # type: ignore[call-arg]
-                               requires_grad=False)
+        return DTensor.__new__(
+            DTensor,
+            self._local_tensor,
+            self._spec,  # type: ignore[call-arg]
+            requires_grad=False,
+        )
 
     def full_value(self) -> torch.Tensor:
         """The whole tensor on every rank (collective unless replicated)."""
@@ -372,18 +438,20 @@ class OwnerDTensor(DTensor):
             return _gather_ranges(local, OwnerShard(0, ranges), tuple(self.shape), group)
         raise NotImplementedError(f"full_tensor() of an owner-layout tensor with placement {p!r}")
 
-    def redistribute(self, device_mesh: Any = None, placements: Sequence[Any] | None = None, *,
-                     async_op: bool = False, **kwargs: Any) -> DTensor:  # type: ignore[override]
+    def redistribute(
+        self, device_mesh: Any = None, placements: Sequence[Any] | None = None, *, async_op: bool = False, **kwargs: Any
+    ) -> DTensor:  # type: ignore[override]
         """To ``Replicate`` on its own mesh (what ``full_tensor()`` and state-dict gathering ask)."""
         mesh = device_mesh if device_mesh is not None else self.device_mesh
-        if mesh is not self.device_mesh or placements is None or \
-                not all(isinstance(p, Replicate) for p in placements):
+        if mesh is not self.device_mesh or placements is None or not all(isinstance(p, Replicate) for p in placements):
             raise NotImplementedError(
                 f"an owner-layout tensor redistributes only to Replicate() on its own mesh (full_tensor()); "
-                f"got {placements}. Gather with full_tensor() and distribute the result")
+                f"got {placements}. Gather with full_tensor() and distribute the result"
+            )
         full = self.full_value()
-        return DTensor.from_local(full, self.device_mesh, [Replicate()], run_check=False,
-                                  shape=self.shape, stride=self.stride())
+        return DTensor.from_local(
+            full, self.device_mesh, [Replicate()], run_check=False, shape=self.shape, stride=self.stride()
+        )
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         return self.full_value()
@@ -399,18 +467,24 @@ class OwnerDTensor(DTensor):
         assert rows is not None
         if rows[1] <= rows[0]:
             return None
-        return ChunkStorageMetadata(offsets=torch.Size([rows[0]] + [0] * (self.dim() - 1)),
-                                    sizes=torch.Size([rows[1] - rows[0], *self.shape[1:]]))
+        return ChunkStorageMetadata(
+            offsets=torch.Size([rows[0]] + [0] * (self.dim() - 1)),
+            sizes=torch.Size([rows[1] - rows[0], *self.shape[1:]]),
+        )
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
         chunk = self._chunk()
         if chunk is None:
             return []
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk,
-                                                      properties=TensorProperties.create_from_tensor(
-                                                          self._local_tensor),
-                                                      size=self.shape))]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk, properties=TensorProperties.create_from_tensor(self._local_tensor), size=self.shape
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         chunk = self._chunk()
@@ -446,9 +520,12 @@ class OwnerDTensor(DTensor):
         if all(isinstance(m.placement, Replicate) for m in mine) and stock_replicated:
             return _run_replicated(func, flat, spec, mesh)
         # 2. one holder: the holder alone computes
-        if len(holders) == 1 and None not in holders and stock_replicated and \
-                all(isinstance(m.placement, (OwnerShard, Partial)) or isinstance(m.placement, Replicate)
-                    for m in mine):
+        if (
+            len(holders) == 1
+            and None not in holders
+            and stock_replicated
+            and all(isinstance(m.placement, (OwnerShard, Partial)) or isinstance(m.placement, Replicate) for m in mine)
+        ):
             return _run_on_holder(func, flat, spec, mesh, holders.pop(), args, kwargs)
         # 3. one layout, elementwise: local pieces
         shapes = {tuple(m.shape) for m in mine}
@@ -489,6 +566,7 @@ def _run_replicated(func: Any, flat: list, spec: Any, mesh: Any) -> Any:
                 return originals[id(t)]
             return OwnerDTensor.make(t, mesh, Replicate(), t.shape, t.stride())
         return t
+
     return tree_map(wrap, out)
 
 
@@ -516,7 +594,8 @@ def _value_from_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int)
         raise RuntimeError(
             f"{func.name()} of an owner-layout tensor held whole by rank {holder}: this rank holds no "
             "piece of it. Read it on its holder (tensor.holder), or call .full_tensor() on every rank "
-            "first for the value everywhere")
+            "first for the value everywhere"
+        )
     largs, lkwargs = tree_unflatten([_plain_like_replicated(a) for a in flat], spec)
     return func(*largs, **lkwargs)
 
@@ -573,6 +652,7 @@ def _run_on_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int, arg
         local = t if me == holder else torch.empty((0, *shape[1:]), dtype=t.dtype, device=device)
         placement = OwnerShard(0, owned_ranges(shape[0], holder, mesh.size()))
         return OwnerDTensor.make(local, mesh, placement, shape, t.stride() if me == holder else None)
+
     return tree_map(wrap, out)
 
 
@@ -603,16 +683,27 @@ def _wrap_like(func: Any, out: Any, like: OwnerDTensor, args: tuple) -> Any:
 
     def wrap(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
-            return OwnerDTensor.make(t, like.device_mesh, like.placement, like.shape,
-                                     like.stride() if t.is_contiguous() else None, holder=like._holder)
+            return OwnerDTensor.make(
+                t,
+                like.device_mesh,
+                like.placement,
+                like.shape,
+                like.stride() if t.is_contiguous() else None,
+                holder=like._holder,
+            )
         return t
+
     return tree_map(wrap, out)
 
 
 def _copy_into(dst: OwnerDTensor, src: Any) -> OwnerDTensor:
     """``dst.copy_(src)``: this rank's piece of ``src`` into ``dst``'s piece."""
-    if isinstance(src, OwnerDTensor) and same_placement(src.placement, dst.placement) \
-            and tuple(src.shape) == tuple(dst.shape) and src.device_mesh is dst.device_mesh:
+    if (
+        isinstance(src, OwnerDTensor)
+        and same_placement(src.placement, dst.placement)
+        and tuple(src.shape) == tuple(dst.shape)
+        and src.device_mesh is dst.device_mesh
+    ):
         dst._local_tensor.copy_(src._local_tensor)
         return dst
     if isinstance(src, DTensor):
@@ -635,8 +726,10 @@ def _copy_into(dst: OwnerDTensor, src: Any) -> OwnerDTensor:
 
 
 def _run_gathered(func: Any, flat: list, spec: Any, args: tuple) -> Any:
-    full = [a.full_value() if isinstance(a, OwnerDTensor)
-            else (a.full_tensor() if isinstance(a, DTensor) else a) for a in flat]
+    full = [
+        a.full_value() if isinstance(a, OwnerDTensor) else (a.full_tensor() if isinstance(a, DTensor) else a)
+        for a in flat
+    ]
     fargs, fkwargs = tree_unflatten(full, spec)
     out = func(*fargs, **fkwargs)
     if _is_inplace(func) and isinstance(args[0], OwnerDTensor):
@@ -645,16 +738,21 @@ def _run_gathered(func: Any, flat: list, spec: Any, args: tuple) -> Any:
             dst._local_tensor.copy_(dst.piece_of_full(fargs[0]))
         return dst
     mesh = next(a.device_mesh for a in flat if isinstance(a, OwnerDTensor))
-    return tree_map(lambda t: OwnerDTensor.make(t, mesh, Replicate(), t.shape, t.stride())
-                    if isinstance(t, torch.Tensor) else t, out)
+    return tree_map(
+        lambda t: OwnerDTensor.make(t, mesh, Replicate(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t,
+        out,
+    )
 
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """Foreach operators element by element: every element's tensors share one layout (a
     parameter, its gradient and its state), so the operator runs once over the local pieces and
     each result takes its element's layout. NotImplemented when an element mixes layouts."""
-    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and a and
-             all(isinstance(t, torch.Tensor) for t in a)]
+    lists = [
+        i
+        for i, a in enumerate(args)
+        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)
+    ]
     if not lists:
         return NotImplemented
     n = len(args[lists[0]])
@@ -663,8 +761,11 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
         elems = [args[i][j] for i in lists]
         ref = next((t for t in elems if isinstance(t, DTensor)), None)
         for t in elems:
-            if isinstance(t, DTensor) and (type(t) is not type(ref) or t.shape != ref.shape or not all(
-                    same_placement(a, b) for a, b in zip(t._spec.placements, ref._spec.placements))):
+            if isinstance(t, DTensor) and (
+                type(t) is not type(ref)
+                or t.shape != ref.shape
+                or not all(same_placement(a, b) for a, b in zip(t._spec.placements, ref._spec.placements, strict=True))
+            ):
                 return NotImplemented
             if not isinstance(t, DTensor) and ref is not None:
                 return NotImplemented
@@ -679,6 +780,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
                 a = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
             return a._local_tensor
         return a
+
     norm = "norm" in func.name()
 
     def unwrap_elem(t: Any) -> Any:
@@ -686,12 +788,13 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
         if norm and t.numel() == 0:  # nothing held here: the norm's identity, 0 (the inf-norm of
             return t.new_zeros(1)  # an empty tensor is an error, not 0)
         return t
+
     largs = [[unwrap_elem(t) for t in a] if i in lists else unwrap(a) for i, a in enumerate(args)]
     out = func(*largs, **{k: unwrap(v) for k, v in kwargs.items()})
     if out is None or _is_inplace(func) or func.name().endswith("_"):
         return None if out is None else args[lists[0]]
     wrapped = []
-    for like, t in zip(likes, out):
+    for like, t in zip(likes, out, strict=True):
         if like is None:
             wrapped.append(t)
         elif norm:
@@ -707,8 +810,11 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
         elif isinstance(like, OwnerDTensor):
             wrapped.append(OwnerDTensor.make(t, like.device_mesh, like.placement, like.shape, holder=like._holder))
         else:
-            wrapped.append(DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
-                                              shape=like.shape, stride=like.stride()))
+            wrapped.append(
+                DTensor.from_local(
+                    t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+                )
+            )
     return wrapped
 
 

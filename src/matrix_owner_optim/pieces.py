@@ -8,10 +8,10 @@ shape for state such as Shampoo's factors), and :func:`local_piece` cuts this ra
 a loaded value (a piece, a replicated DTensor or a full tensor). Only MatrixShard metadata is read.
 """
 
-
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -73,13 +73,19 @@ def local_piece(
     (and the empty shape of non-owners). No collective.
     """
     full_shape = tuple(shard.shape)
-    if shard.is_split and isinstance(value, torch.Tensor) and value.dim() > 0 \
-            and int(value.shape[0]) == int(full_shape[0]):  # experts on dim 0 (also their state)
+    if (
+        shard.is_split
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and int(value.shape[0]) == int(full_shape[0])
+    ):  # experts on dim 0 (also their state)
         full_shape = (full_shape[0], *value.shape[1:])
     if isinstance(value, OwnerDTensor) and not isinstance(value.placement, Replicate):
         if tuple(value.shape) == full_shape and (
-                same_placement(value.placement, placement_of(shard, full_shape)) if full_shape
-                else value.holder == shard.owner):
+            same_placement(value.placement, placement_of(shard, full_shape))
+            if full_shape
+            else value.holder == shard.owner
+        ):
             return value._local_tensor
         raise ValueError(
             f"{what}: the state dict holds it as {value.placement!r}, shape {tuple(value.shape)}, but "
@@ -133,5 +139,3 @@ def describe(shard: MatrixShard, rank: int) -> str:
     if shard.role is Role.SHARDED:
         return f"row blocks over {shard.world_size} ranks (rank {rank} holds rows {shard.row_range(rank)})"
     return f"held whole by rank {shard.owner} of {shard.world_size}"
-
-

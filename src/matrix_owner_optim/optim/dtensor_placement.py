@@ -44,10 +44,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import comm
+from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
 from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
-from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
 from ..tensors import local_tensor
 from .placements import Placement, RouterConfig
 from .replicated_placement import plan_owners
@@ -56,18 +56,21 @@ from .routing import RoutedParam
 __all__ = ["DTensorPlacement"]
 
 
-
-
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A new leaf tensor object sharing ``t``'s storage (re-pointable with ``set_``)."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() == b.storage_offset() and a.size() == b.size()
-            and a.stride() == b.stride() and a.dtype == b.dtype)
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.size() == b.size()
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
@@ -79,13 +82,18 @@ def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
     below autograd and leave its counter alone).
     """
     t = local_tensor(p)
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(n) for n in t.shape),
-            t._version, p._version)
+    return (
+        t.untyped_storage().data_ptr(),
+        int(t.storage_offset()),
+        tuple(int(n) for n in t.shape),
+        t._version,
+        p._version,
+    )
 
 
 def _describe(p: torch.Tensor) -> str:
     """A DTensor parameter's placements and mesh shape, for error messages."""
-    return f"placements {tuple(getattr(p, 'placements', ()))} on mesh {tuple(getattr(p, 'device_mesh').shape)}"
+    return f"placements {tuple(getattr(p, 'placements', ()))} on mesh {tuple(p.device_mesh.shape)}"  # type: ignore[attr-defined]
 
 
 def _shard0_dim(rp: RoutedParam) -> int | None:
@@ -161,8 +169,7 @@ class _Bucket:
         self.by_owner = [[m for m in self.mats if m.owner == d] for d in range(W)]
         self.mine = self.by_owner[me]
         # gradient all-to-all: header [dirty, has_grad per destination's matrix] + row blocks
-        self.grad_send = [1 + len(self.by_owner[d]) + sum(m.numel_of(me) for m in self.by_owner[d])
-                          for d in range(W)]
+        self.grad_send = [1 + len(self.by_owner[d]) + sum(m.numel_of(me) for m in self.by_owner[d]) for d in range(W)]
         self.grad_recv = [1 + len(self.mine) + sum(m.numel_of(s) for m in self.mine) for s in range(W)]
         # parameter resync and write-back: row blocks only
         self.param_send = [sum(m.numel_of(me) for m in self.by_owner[d]) for d in range(W)]
@@ -198,8 +205,7 @@ class DTensorPlacement(Placement):
                 local = local_tensor(p)
                 rp.proxy = _alias(local) if local.numel() > 0 else None
                 if rp.proxy is not None and rp.role is Role.MATRIX and rp.proxy.dim() > 2:
-                    raise ValueError(
-                        f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
+                    raise ValueError(f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
                 self._tails.append(rp)
                 continue
             key = (p.device_mesh, mesh_dim, p.dtype)  # type: ignore[attr-defined]
@@ -209,15 +215,26 @@ class DTensorPlacement(Placement):
             bucket = self._buckets.get(key)
             if bucket is None:
                 W = mesh.size(mesh_dim)
-                bucket = _Bucket(mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), W, dtype,
-                                 rps[0].param.device, loads=[0] * W)
+                bucket = _Bucket(
+                    mesh.get_group(mesh_dim),
+                    mesh.get_local_rank(mesh_dim),
+                    W,
+                    dtype,
+                    rps[0].param.device,
+                    loads=[0] * W,
+                )
                 self._buckets[key] = bucket
             W, me = bucket.world_size, bucket.rank
             owners = plan_owners(
-                rps, [tuple(rp.param.shape) for rp in rps], [dtype] * len(rps), W, bucket.loads,
-                preconditioner=self.config.matrix_factory, group=bucket.group,
+                rps,
+                [tuple(rp.param.shape) for rp in rps],
+                [dtype] * len(rps),
+                W,
+                bucket.loads,
+                preconditioner=self.config.matrix_factory,
+                group=bucket.group,
             )
-            for rp, owner in zip(rps, owners):
+            for rp, owner in zip(rps, owners, strict=True):
                 shape = tuple(rp.param.shape)
                 rows = chunk_row_sizes(shape[0], W)
                 local = local_tensor(rp.param)
@@ -261,17 +278,17 @@ class DTensorPlacement(Placement):
         for d in range(W):
             ms = b.by_owner[d]
             grads = [_local_grad(m.rp) for m in ms]
-            parts.append(torch.tensor([float(dirty)] + [float(g is not None) for g in grads],
-                                      dtype=b.dtype, device=b.device))
-            for m, g in zip(ms, grads):
+            parts.append(
+                torch.tensor([float(dirty)] + [float(g is not None) for g in grads], dtype=b.dtype, device=b.device)
+            )
+            for m, g in zip(ms, grads, strict=True):
                 if g is None:
                     parts.append(torch.zeros(m.numel_of(b.rank), dtype=b.dtype, device=b.device))
                 else:
                     parts.append(g.reshape(-1).to(b.dtype))
         send = torch.cat(parts)
         recv = torch.empty(sum(b.grad_recv), dtype=b.dtype, device=b.device)
-        comm.all_to_all_single(recv, send, b.grad_recv, b.grad_send, group=b.group,
-                               op="owner_grad_all_to_all")
+        comm.all_to_all_single(recv, send, b.grad_recv, b.grad_send, group=b.group, op="owner_grad_all_to_all")
         chunks = recv.split(b.grad_recv)
         hlen = 1 + len(b.mine)
         headers = torch.stack([c[:hlen] for c in chunks]).tolist()
@@ -293,8 +310,9 @@ class DTensorPlacement(Placement):
         send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
         send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=b.dtype, device=b.device)
         recv = torch.empty(sum(b.param_recv), dtype=b.dtype, device=b.device)
-        comm.all_to_all_single(recv, send, b.param_recv, b.param_send, group=b.group,
-                               op="owner_param_resync_all_to_all")
+        comm.all_to_all_single(
+            recv, send, b.param_recv, b.param_send, group=b.group, op="owner_param_resync_all_to_all"
+        )
         blocks = [c.split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(recv.split(b.param_recv))]
         for i, m in enumerate(b.mine):
             assert m.full is not None
@@ -316,14 +334,13 @@ class DTensorPlacement(Placement):
             for m in b.mine:
                 assert m.full is not None
                 start = sum(m.rows[:s]) * m.row_numel
-                parts.append(m.full.view(-1)[start:start + m.numel_of(s)])
+                parts.append(m.full.view(-1)[start : start + m.numel_of(s)])
         send = torch.cat(parts) if parts else torch.empty(0, dtype=b.dtype, device=b.device)
         recv = torch.empty(sum(b.param_send), dtype=b.dtype, device=b.device)
-        comm.all_to_all_single(recv, send, b.param_send, b.param_recv, group=b.group,
-                               op="owner_update_all_to_all")
+        comm.all_to_all_single(recv, send, b.param_send, b.param_recv, group=b.group, op="owner_update_all_to_all")
         dsts, srcs = [], []
         for d, chunk in enumerate(recv.split(b.param_send)):
-            for m, piece in zip(b.by_owner[d], chunk.split([m.numel_of(me) for m in b.by_owner[d]])):
+            for m, piece in zip(b.by_owner[d], chunk.split([m.numel_of(me) for m in b.by_owner[d]]), strict=True):
                 local = m.local
                 if local.numel():
                     dsts.append(local)
@@ -354,8 +371,14 @@ class DTensorPlacement(Placement):
                 f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; shard-local "
                 f"state must be per element (local shard {tuple(local.shape)}) or a scalar"
             )
-        return DTensor.from_local(value, p.device_mesh, list(p.placements), run_check=False,  # type: ignore[attr-defined]
-                                  shape=p.shape, stride=p.stride())
+        return DTensor.from_local(
+            value,
+            p.device_mesh,  # type: ignore[attr-defined]
+            list(p.placements),  # type: ignore[attr-defined]
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
 
     def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
         if rp.owner is None or id(rp) not in self._group_of:
@@ -372,25 +395,33 @@ class DTensorPlacement(Placement):
         if rp.owner is not None or value.dim() == 0:
             if is_owner_dtensor(value) and value.holder is not None:
                 if value.holder != rp.owner or not value.is_holder:
-                    raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
-                                     f"{rp.owner} here; load a full state dict or go through DCP")
+                    raise ValueError(
+                        f"{what}: held by rank {value.holder} in the state dict, by rank "
+                        f"{rp.owner} here; load a full state dict or go through DCP"
+                    )
                 return local_tensor(value)
             return plain_local(value, what)
         p = rp.param
-        if isinstance(value, DTensor) and isinstance(p, DTensor) and value.device_mesh == p.device_mesh \
-                and tuple(value.placements) == tuple(p.placements):
+        if (
+            isinstance(value, DTensor)
+            and isinstance(p, DTensor)
+            and value.device_mesh == p.device_mesh
+            and tuple(value.placements) == tuple(p.placements)
+        ):
             return local_tensor(value)
         full = plain_local(value, what)
         if tuple(full.shape) != tuple(p.shape):
             local = local_tensor(p)
             if tuple(full.shape) == tuple(local.shape):
                 return full
-            raise ValueError(f"{what}: shape {tuple(full.shape)} is neither the parameter's "
-                             f"{tuple(p.shape)} nor its local shard's {tuple(local.shape)}")
+            raise ValueError(
+                f"{what}: shape {tuple(full.shape)} is neither the parameter's "
+                f"{tuple(p.shape)} nor its local shard's {tuple(local.shape)}"
+            )
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
     # -- introspection -------------------------------------------------------------------------
     def bytes_per_step(self) -> int:
@@ -400,8 +431,16 @@ class DTensorPlacement(Placement):
             if not b.mats:
                 continue
             me = b.rank
-            moved = (sum(b.grad_send) - b.grad_send[me] + sum(b.grad_recv) - b.grad_recv[me]
-                     + sum(b.param_send) - b.param_send[me] + sum(b.param_recv) - b.param_recv[me])
+            moved = (
+                sum(b.grad_send)
+                - b.grad_send[me]
+                + sum(b.grad_recv)
+                - b.grad_recv[me]
+                + sum(b.param_send)
+                - b.param_send[me]
+                + sum(b.param_recv)
+                - b.param_recv[me]
+            )
             total += moved * itemsize(b.dtype)
         return total
 
@@ -411,5 +450,6 @@ class DTensorPlacement(Placement):
 
     def owner_copy_bytes(self) -> int:
         """Bytes of full matrix copies this rank keeps as owner."""
-        return sum(m.full.numel() * m.full.element_size()
-                   for b in self._buckets.values() for m in b.mine if m.full is not None)
+        return sum(
+            m.full.numel() * m.full.element_size() for b in self._buckets.values() for m in b.mine if m.full is not None
+        )

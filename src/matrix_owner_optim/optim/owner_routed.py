@@ -22,10 +22,10 @@ skipped on every rank together (one scalar all-reduce) and counted in ``skipped_
 
 from __future__ import annotations
 
-from copy import deepcopy
-from typing import Any, Callable, Mapping
-
 import math
+from collections.abc import Callable, Mapping
+from copy import deepcopy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,18 +33,25 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..comm import comm_phase
+from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..pieces import placement_of
 from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides, conv_params
 from ..planning.views import MatrixView, ViewOverrides
+from ..tensors import is_dtensor, local_tensor
 from . import report
 from .placements import Placement, RouterConfig, is_multi_rank, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
-from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
-from ..pieces import placement_of
-from .routing import (RoutedParam, UserGroup, check_matrix_views, declare_matrix_views, normalize_params,
-                      resolve_roles, swapped_in)
-from ..tensors import is_dtensor, local_tensor
+from .routing import (
+    RoutedParam,
+    UserGroup,
+    check_matrix_views,
+    declare_matrix_views,
+    normalize_params,
+    resolve_roles,
+    swapped_in,
+)
 
 __all__ = ["OwnerRoutedOptimizer", "push_group_values"]
 
@@ -143,12 +150,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self,
         params: Any,
         *,
-        matrix: "str | OptimizerFactory" = "muon",
+        matrix: str | OptimizerFactory = "muon",
         matrix_options: Mapping[str, Any] | None = None,
-        tail: "str | OptimizerFactory" = "adamw",
+        tail: str | OptimizerFactory = "adamw",
         tail_options: Mapping[str, Any] | None = None,
         roles: Mapping[str, str] | None = None,
-        matrix_views: Mapping[str, "str | MatrixView"] | None = None,
+        matrix_views: Mapping[str, str | MatrixView] | None = None,
         replicated: str = "owner",
         skip_nonfinite_grads: bool = False,
         process_group: Any = None,
@@ -156,8 +163,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if replicated not in ("owner", "redundant"):
             raise ValueError(f"replicated must be 'owner' or 'redundant', got {replicated!r}")
         if not isinstance(skip_nonfinite_grads, bool):
-            raise TypeError(
-                f"skip_nonfinite_grads must be True or False, got {skip_nonfinite_grads!r}")
+            raise TypeError(f"skip_nonfinite_grads must be True or False, got {skip_nonfinite_grads!r}")
         self.skip_nonfinite_grads = skip_nonfinite_grads
         self.skipped_steps = 0  # steps skipped for non-finite gradients (this process's run)
         self.last_step_skipped = False
@@ -176,10 +182,15 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         }
         # keys whose inner optimizer itself defaults to an infinity (a threshold that is off)
         self._infinite_ok = {
-            k for role, d in self._role_defaults.items() for k, v in d.items()
-            if isinstance(v, float) and math.isinf(v) and k not in self._options[role]}
-        self._names = {Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
-                       Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail))}
+            k
+            for role, d in self._role_defaults.items()
+            for k, v in d.items()
+            if isinstance(v, float) and math.isinf(v) and k not in self._options[role]
+        }
+        self._names = {
+            Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
+            Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail)),
+        }
         self._overrides = RoleOverrides(roles)
         self._views = ViewOverrides(matrix_views)
         self._config = RouterConfig(matrix_factory=self._factories[Role.MATRIX], replicated=replicated)
@@ -195,9 +206,15 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._group_param_ids: list[list[int]] = []
         user_groups, self._type_roles = normalize_params(params)
         # roles for all groups at once: one warning lists every matrix routed by shape alone
-        resolve_roles(user_groups, self._type_roles, self._overrides, check_globs=False, views=self._views,
-                      preconditioner=self._factories[Role.MATRIX],
-                      convs=conv_params(params) if isinstance(params, torch.nn.Module) else None)
+        resolve_roles(
+            user_groups,
+            self._type_roles,
+            self._overrides,
+            check_globs=False,
+            views=self._views,
+            preconditioner=self._factories[Role.MATRIX],
+            convs=conv_params(params) if isinstance(params, torch.nn.Module) else None,
+        )
         self._pending: list[UserGroup] = user_groups
         # torch's constructor calls add_param_group once per group; we hand it our groups.
         super().__init__([{"params": [rp.param for rp in g.params], "_moo_group": g} for g in user_groups], {})
@@ -219,14 +236,21 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if id(rp.param) in known:
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
-            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views,
-                          preconditioner=self._factories[Role.MATRIX])
+            resolve_roles(
+                [user_group],
+                type_roles,
+                self._overrides,
+                check_globs=False,
+                views=self._views,
+                preconditioner=self._factories[Role.MATRIX],
+            )
         if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
             have = "with" if "param_names" in self.param_groups[0] else "without"
             raise ValueError(
                 f"OwnerRoutedOptimizer.add_param_group: the optimizer's param groups are {have} "
                 "param_names, this one is not; as with torch.optim, give every group names "
-                "((name, tensor) pairs or 'param_names') or none")
+                "((name, tensor) pairs or 'param_names') or none"
+            )
         for key in user_group.options:
             if not any(key in self._role_defaults[r] for r in (Role.MATRIX, Role.TAIL)):
                 raise ValueError(
@@ -280,28 +304,36 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         """
         groups = self.param_groups
         if len(groups) == len(self._group_param_ids) and all(
-                len(g["params"]) == len(ids) and all(id(p) == i for p, i in zip(g["params"], ids))
-                for g, ids in zip(groups, self._group_param_ids)):
+            len(g["params"]) == len(ids) and all(id(p) == i for p, i in zip(g["params"], ids, strict=True))
+            for g, ids in zip(groups, self._group_param_ids, strict=True)
+        ):
             return
-        what = ("OwnerRoutedOptimizer: the parameters in param_groups are not the ones it was built "
-                "with (a framework swapped them, e.g. Accelerate's FSDP2 prepare)")
+        what = (
+            "OwnerRoutedOptimizer: the parameters in param_groups are not the ones it was built "
+            "with (a framework swapped them, e.g. Accelerate's FSDP2 prepare)"
+        )
         if len(groups) != len(self._group_param_ids):
             raise RuntimeError(
                 f"{what}: it has {len(groups)} param groups, {len(self._group_param_ids)} were routed; add "
-                "groups with optimizer.add_param_group(...), not by appending to param_groups")
-        for i, (g, ids) in enumerate(zip(groups, self._group_param_ids)):
+                "groups with optimizer.add_param_group(...), not by appending to param_groups"
+            )
+        for i, (g, ids) in enumerate(zip(groups, self._group_param_ids, strict=True)):
             if len(g["params"]) != len(ids):
                 raise RuntimeError(
                     f"{what}: param group {i} holds {len(g['params'])} parameters, {len(ids)} were routed; "
-                    "replace parameters one for one (or build the optimizer after sharding the model)")
+                    "replace parameters one for one (or build the optimizer after sharding the model)"
+                )
         if self.state or any(c is not None and c.state for c in self._children.values()):
             raise RuntimeError(
                 f"{what}, after optimizer state exists; that state belongs to the old tensors and "
                 "their layout. Swap parameters before the first step, or build the optimizer on "
-                "the sharded model (and load state through get/set_optimizer_state_dict)")
+                "the sharded model (and load state through get/set_optimizer_state_dict)"
+            )
         previous = {id(rp.param): rp for rp in self._routed}
-        regrouped = [(i, Role(g["role"]), [swapped_in(previous[pid], p) for p, pid in zip(g["params"], ids)])
-                     for i, (g, ids) in enumerate(zip(groups, self._group_param_ids))]
+        regrouped = [
+            (i, Role(g["role"]), [swapped_in(previous[pid], p) for p, pid in zip(g["params"], ids, strict=True)])
+            for i, (g, ids) in enumerate(zip(groups, self._group_param_ids, strict=True))
+        ]
         self._routed = []
         self._placements = {}
         self._children = {Role.MATRIX: None, Role.TAIL: None}
@@ -333,18 +365,20 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 )
             seen[label] = rp
 
-    def _check_one_layout(self, new: list[RoutedParam],
-                          new_entries: dict[type[Placement], list[RoutedParam]]) -> None:
+    def _check_one_layout(self, new: list[RoutedParam], new_entries: dict[type[Placement], list[RoutedParam]]) -> None:
         """Refuse plain tensors next to owner-sharded ones in a multi-rank job: no one averages
         a plain tensor's gradient there (it was added after ``fully_shard`` fixed the plan, or
         its module is outside every ``fully_shard`` call), so each rank would drift apart."""
         everything = self._routed + new
-        sharded = [rp for rp in everything
-                   if rp.shard is not None and rp.shard.world_size > 1
-                   and (not is_dtensor(rp.param) or is_owner_dtensor(rp.param))]
+        sharded = [
+            rp
+            for rp in everything
+            if rp.shard is not None
+            and rp.shard.world_size > 1
+            and (not is_dtensor(rp.param) or is_owner_dtensor(rp.param))
+        ]
         existing = self._placements.get(ReplicatedPlacement)
-        replicated = (existing.entries if existing is not None else []) \
-            + new_entries.get(ReplicatedPlacement, [])
+        replicated = (existing.entries if existing is not None else []) + new_entries.get(ReplicatedPlacement, [])
         plain = [rp for rp in replicated if rp.param.requires_grad]
         if sharded and plain:
             rp = plain[0]
@@ -382,8 +416,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if not local:
             return
         parent = self.param_groups[parent_index]
-        group = {"params": [rp.proxy for rp in local],
-                 **{k: parent[k] for k in self._role_defaults[role]}}
+        group = {"params": [rp.proxy for rp in local], **{k: parent[k] for k in self._role_defaults[role]}}
         child = self._children[role]
         if child is None:
             child = self._factories[role]([group], **self._options[role])
@@ -397,7 +430,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         """Parent groups -> child groups (the user's and schedulers' values); remember what was
         pushed so that :meth:`_pull_child_values` sees what the child itself changed."""
         self._pushed = []
-        for role, pairs in self._child_groups.items():
+        for pairs in self._child_groups.values():
             for parent_index, child_group in pairs:
                 self._pushed.append(push_group_values(self.param_groups[parent_index], child_group))
 
@@ -405,7 +438,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         """Child groups -> parent groups, for the values the child optimizer set in its step
         (Prodigy's ``d``, schedule-free ``k``, ...), so that they persist and are saved."""
         pushed = iter(self._pushed)
-        for role, pairs in self._child_groups.items():
+        for pairs in self._child_groups.values():
             for parent_index, child_group in pairs:
                 before = next(pushed, {})
                 parent = self.param_groups[parent_index]
@@ -540,8 +573,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         return sd
 
     @staticmethod
-    def _whole_where_cut_elsewhere(saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]],
-                                   placement: dict[int, Placement]) -> dict[Any, Any]:
+    def _whole_where_cut_elsewhere(
+        saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]], placement: dict[int, Placement]
+    ) -> dict[Any, Any]:
         """State of owner-held tensors that arrives cut as ``torch.chunk`` rows (torch's
         ``set_optimizer_state_dict(full_state_dict=True)`` re-distributes full tensors with
         ``distribute_tensor``, which splits every ``Shard`` placement that way) made whole again:
@@ -554,14 +588,14 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 continue
             fixed = dict(entry)
             for k, v in entry.items():
-                if (isinstance(v, DTensor) and not is_owner_dtensor(v)
-                        and any(type(p) is Shard for p in v.placements)):
+                if isinstance(v, DTensor) and not is_owner_dtensor(v) and any(type(p) is Shard for p in v.placements):
                     fixed[k] = v.full_tensor()
             out[key] = fixed
         return out
 
-    def _list_held_elsewhere(self, state: dict[int, Any], ordered: list[RoutedParam],
-                             placement: dict[int, Placement]) -> None:
+    def _list_held_elsewhere(
+        self, state: dict[int, Any], ordered: list[RoutedParam], placement: dict[int, Placement]
+    ) -> None:
         """Give this rank an entry, of empty pieces, for every state its owner alone holds, so
         that every rank's state dict has the same keys and shapes (torch's full_state_dict and
         DCP go through them in the same order on every rank). Collective when any state is
@@ -569,14 +603,19 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         holders = {idx: placement[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
         if not is_multi_rank() or all(h is None for h in holders.values()):
             return
+
         def spec(v: Any) -> tuple:
             if not isinstance(v, torch.Tensor):
                 return ("value", v)
             if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
                 return ("value", v.detach().cpu().clone())
             return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
-        mine = {idx: {k: spec(v) for k, v in state[idx].items()}
-                for idx, h in holders.items() if h is not None and state.get(idx)}
+
+        mine = {
+            idx: {k: spec(v) for k, v in state[idx].items()}
+            for idx, h in holders.items()
+            if h is not None and state.get(idx)
+        }
         for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
             for idx, keys in theirs.items():
                 held = holders[idx]
@@ -590,8 +629,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                         entry[k] = s[1]
                         continue
                     shape, dtype, device = s
-                    empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype),
-                                        device=device)
+                    empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                     mesh = mesh_of_group(group, device)
                     if shard is not None and shard.is_split:  # no experts here: an empty row range
                         entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
@@ -615,8 +653,11 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for i, rp in enumerate(ordered)
             if rp.owner is not None and rp.proxy is not None and self.state.get(rp.param)
         }
-        gathered = (comm.all_gather_object(mine, name="consolidate_state_dict") if to is None
-                    else comm.gather_object(mine, to, name="consolidate_state_dict"))
+        gathered = (
+            comm.all_gather_object(mine, name="consolidate_state_dict")
+            if to is None
+            else comm.gather_object(mine, to, name="consolidate_state_dict")
+        )
         if gathered is not None:
             merged: dict[int, Any] = {}
             for part in gathered:
@@ -667,22 +708,30 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
                 f"{len(groups)}; build OwnerRoutedOptimizer with the same param groups and roles"
             )
-        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+        for i, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
             if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"loaded state dict's parameter group {i} has {len(sg['params'])} "
-                                 f"parameters, the optimizer's {len(g['params'])}")
+                raise ValueError(
+                    f"loaded state dict's parameter group {i} has {len(sg['params'])} "
+                    f"parameters, the optimizer's {len(g['params'])}"
+                )
             if "role" in sg and sg["role"] != g.get("role"):
-                raise ValueError(f"loaded state dict's parameter group {i} has role {sg['role']!r}, "
-                                 f"the optimizer's {g.get('role')!r}")
+                raise ValueError(
+                    f"loaded state dict's parameter group {i} has role {sg['role']!r}, "
+                    f"the optimizer's {g.get('role')!r}"
+                )
         saved_state = state_dict["state"]
         by_param = {id(rp.param): rp for rp in self._routed}
         placement = self._placement_of()
         loaded: dict[int, dict[str, Any]] = {}
         missing: list[str] = []
-        pairs = [(key, param, any(saved_state.get(k) for k in sg["params"]))
-                 for sg, g in zip(saved_groups, groups) for key, param in zip(sg["params"], g["params"])]
-        saved_state = self._whole_where_cut_elsewhere(saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs],
-                                                      placement)
+        pairs = [
+            (key, param, any(saved_state.get(k) for k in sg["params"]))
+            for sg, g in zip(saved_groups, groups, strict=True)
+            for key, param in zip(sg["params"], g["params"], strict=True)
+        ]
+        saved_state = self._whole_where_cut_elsewhere(
+            saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs], placement
+        )
         for key, param, group_has_state in pairs:
             rp = by_param[id(param)]
             if rp.proxy is None:
@@ -693,15 +742,14 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                     missing.append(key if isinstance(key, str) else self._label(rp))
                 continue
             current = self.state.get(param, {})
-            loaded[id(rp)] = {k: self._load_value(rp, placement[id(rp)], k, v, current.get(k))
-                              for k, v in st.items()}
+            loaded[id(rp)] = {k: self._load_value(rp, placement[id(rp)], k, v, current.get(k)) for k, v in st.items()}
         if missing:
             raise KeyError(
                 f"optimizer state dict has no state for {', '.join(repr(m) for m in missing)} "
                 f"(which this rank updates) but has state for others of its param group; load a state dict "
                 "saved from the whole optimizer (under DDP, after consolidate_state_dict())"
             )
-        for g, sg in zip(groups, saved_groups):
+        for g, sg in zip(groups, saved_groups, strict=True):
             params_, names = g["params"], g.get("param_names")
             g.clear()
             g.update(sg)
@@ -733,9 +781,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if not isinstance(local, torch.Tensor):
             return deepcopy(local)
         local = local.detach()
-        if (isinstance(current, torch.Tensor) and current.dtype == local.dtype
-                and current.shape == local.shape and current.device == local.device
-                and (current.numel() == 0 or current.data_ptr() == local.data_ptr())):
+        if (
+            isinstance(current, torch.Tensor)
+            and current.dtype == local.dtype
+            and current.shape == local.shape
+            and current.device == local.device
+            and (current.numel() == 0 or current.data_ptr() == local.data_ptr())
+        ):
             return current  # read in place through a piece of this optimizer's own state_dict()
         assert rp.proxy is not None
         device = local.device if key == "step" else rp.proxy.device
@@ -761,19 +813,25 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._follow_param_swaps()
         layout_of = {id(rp): cls.name for cls, pl in self._placements.items() for rp in pl.entries}
         return [
-            {"name": rp.label, "role": rp.role.value, "owner": rp.owner, "local": rp.proxy is not None,
-             "layout": layout_of.get(id(rp), "?")}
+            {
+                "name": rp.label,
+                "role": rp.role.value,
+                "owner": rp.owner,
+                "local": rp.proxy is not None,
+                "layout": layout_of.get(id(rp), "?"),
+            }
             for rp in self._routed
         ]
 
-    def routing_report(self, large_numel: int = report.LARGE_NUMEL) -> "report.RoutingReport":
+    def routing_report(self, large_numel: int = report.LARGE_NUMEL) -> report.RoutingReport:
         """What went where: counts and bytes per optimizer and role, and every >2D or large 2D
         tensor left to the tail optimizer, named (see :mod:`.report`)."""
-        return report.report_of_routes(self._routed, self._names[Role.MATRIX], self._names[Role.TAIL],
-                                       large_numel)
+        return report.report_of_routes(self._routed, self._names[Role.MATRIX], self._names[Role.TAIL], large_numel)
 
     def __repr__(self) -> str:
         counts = {r.value: sum(1 for rp in self._routed if rp.role is r) for r in Role}
         local = sum(1 for rp in self._routed if rp.proxy is not None)
-        return (f"OwnerRoutedOptimizer(matrix={self._names[Role.MATRIX]}, tail={self._names[Role.TAIL]}, "
-                f"roles={counts}, local={local}/{len(self._routed)})")
+        return (
+            f"OwnerRoutedOptimizer(matrix={self._names[Role.MATRIX]}, tail={self._names[Role.TAIL]}, "
+            f"roles={counts}, local={local}/{len(self._routed)})"
+        )

@@ -21,13 +21,21 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..owner_dtensor import as_owner_dtensor, is_owner_dtensor
+from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
-__all__ = ["RouterConfig", "Placement", "LocalPlacement", "PLACEMENTS", "register_placement", "placement_for",
-           "is_multi_rank", "plain_local"]
+__all__ = [
+    "RouterConfig",
+    "Placement",
+    "LocalPlacement",
+    "PLACEMENTS",
+    "register_placement",
+    "placement_for",
+    "is_multi_rank",
+    "plain_local",
+]
 
 
 def is_multi_rank() -> bool:
@@ -70,13 +78,13 @@ class Placement(ABC):
     def add(self, entries: list[RoutedParam]) -> None:
         """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``."""
 
-    def before_step(self) -> None:
+    def before_step(self) -> None:  # noqa: B027 (a hook with a no-op default)
         """Give each local proxy its gradient (collectives allowed here if the layout needs them)."""
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # noqa: B027 (a hook with a no-op default)
         """Write the proxies' new values where the layout keeps them."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: B027 (a hook with a no-op default)
         """Clear gradients the placement made for its proxies."""
 
     def bytes_per_step(self) -> int:
@@ -193,8 +201,8 @@ class LocalPlacement(Placement):
         info = self._sharded(rp)
         if info is None or not isinstance(value, torch.Tensor):
             return value
-        from ..planning.metadata import Role
         from ..pieces import piece_of
+        from ..planning.metadata import Role
 
         shard, rank, group = info
         if value.dim() == 0 and shard.holds_rows:
@@ -225,8 +233,10 @@ class LocalPlacement(Placement):
         value = as_owner_dtensor(value)
         if info is not None and is_owner_dtensor(value) and value.holder is not None:
             if value.holder != info[0].owner:
-                raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
-                                 f"{info[0].owner} here; load a full state dict or go through DCP")
+                raise ValueError(
+                    f"{what}: held by rank {value.holder} in the state dict, by rank "
+                    f"{info[0].owner} here; load a full state dict or go through DCP"
+                )
             return local_tensor(value)
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
@@ -237,8 +247,10 @@ class LocalPlacement(Placement):
             return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
         if is_owner_dtensor(value) and value.holder is not None:
             if value.holder != shard.owner:
-                raise ValueError(f"{what}: held by rank {value.holder} in the state dict, by rank "
-                                 f"{shard.owner} here; load a full state dict or go through DCP")
+                raise ValueError(
+                    f"{what}: held by rank {value.holder} in the state dict, by rank "
+                    f"{shard.owner} here; load a full state dict or go through DCP"
+                )
             return local_tensor(value)
         return plain_local(value, what)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -82,9 +83,7 @@ def _import_target(target: str, name: str, what: str, source: str) -> OptimizerF
     return obj
 
 
-def register_preconditioner(
-    name: str, factory: OptimizerFactory, *, overwrite: bool = False
-) -> None:
+def register_preconditioner(name: str, factory: OptimizerFactory, *, overwrite: bool = False) -> None:
     """Make ``name`` usable as ``matrix=`` or ``tail=`` of ``OwnerRoutedOptimizer``.
 
     Args:
@@ -94,9 +93,7 @@ def register_preconditioner(
     """
     key = _normalize(name)
     if not callable(factory):
-        raise TypeError(
-            f"register_preconditioner({name!r}): factory must be callable, got {factory!r}"
-        )
+        raise TypeError(f"register_preconditioner({name!r}): factory must be callable, got {factory!r}")
     if not overwrite:
         if key in BUILTINS and _builtin(key, name) is not factory:
             raise ValueError(
@@ -178,7 +175,7 @@ def available_preconditioners() -> list[str]:
     return sorted(set(BUILTINS) | set(_registered) | set(_entry_points()))
 
 
-def resolve_optimizer(spec: "str | OptimizerFactory", *, what: str = "matrix") -> OptimizerFactory:
+def resolve_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> OptimizerFactory:
     """A built-in, registered or entry-point name, or an optimizer class / factory as is.
 
     Raises:

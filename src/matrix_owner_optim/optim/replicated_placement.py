@@ -25,7 +25,8 @@ checks that every rank of the group computed the same plan, and balances success
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,15 +62,25 @@ def plan_owners(
     if not rps:
         return []
     specs = [
-        TensorSpec(fqn=rp.name if rp.name is not None else f"param{rp.index}", shape=tuple(shape),
-                   dtype=dtype, role=Role.MATRIX, unit=0, requires_grad=rp.param.requires_grad)
-        for rp, shape, dtype in zip(rps, shapes, dtypes)
+        TensorSpec(
+            fqn=rp.name if rp.name is not None else f"param{rp.index}",
+            shape=tuple(shape),
+            dtype=dtype,
+            role=Role.MATRIX,
+            unit=0,
+            requires_grad=rp.param.requires_grad,
+        )
+        for rp, shape, dtype in zip(rps, shapes, dtypes, strict=True)
     ]
     plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon", split_stacks=False)
     check_plan_agreement(
-        plan, group, who="OwnerRoutedOptimizer", what="owner plan",
+        plan,
+        group,
+        who="OwnerRoutedOptimizer",
+        what="owner plan",
         remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
-               "shapes, dtypes, roles) in the same order.")
+        "shapes, dtypes, roles) in the same order.",
+    )
     batch = [0] * world_size
     nbytes = []
     for s in specs:
@@ -85,7 +96,7 @@ def plan_owners(
     else:
         perm = {r: r for r in range(world_size)}
     owners = [perm[plan[s.fqn].owner] for s in specs]  # type: ignore[index]
-    for o, n in zip(owners, nbytes):
+    for o, n in zip(owners, nbytes, strict=True):
         loads[o] += n
     return owners
 
@@ -112,10 +123,14 @@ class ReplicatedPlacement(Placement):
         owner_mode = self.config.replicated == "owner"
         matrices = [rp for rp in entries if rp.role is Role.MATRIX] if owner_mode else []
         owners = plan_owners(
-            matrices, [tuple(rp.param.shape) for rp in matrices], [rp.param.dtype for rp in matrices],
-            self.world_size, self._loads, preconditioner=self.config.matrix_factory,
+            matrices,
+            [tuple(rp.param.shape) for rp in matrices],
+            [rp.param.dtype for rp in matrices],
+            self.world_size,
+            self._loads,
+            preconditioner=self.config.matrix_factory,
         )
-        owner_of = {id(rp): o for rp, o in zip(matrices, owners)}
+        owner_of = {id(rp): o for rp, o in zip(matrices, owners, strict=True)}
         for rp in entries:
             self.entries.append(rp)
             if id(rp) in owner_of:
@@ -169,7 +184,7 @@ class ReplicatedPlacement(Placement):
             for r, chunk in enumerate(recv.split(out_splits)):
                 if r == me:
                     continue
-                for rp, piece in zip(per_rank[r], chunk.split([p.param.numel() for p in per_rank[r]])):
+                for rp, piece in zip(per_rank[r], chunk.split([p.param.numel() for p in per_rank[r]]), strict=True):
                     dsts.append(rp.param.detach())
                     srcs.append(piece.view(rp.param.shape))
             if dsts:

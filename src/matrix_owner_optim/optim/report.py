@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -32,8 +33,16 @@ if TYPE_CHECKING:
     from .owner_routed import OwnerRoutedOptimizer
     from .routing import RoutedParam
 
-__all__ = ["RouteRow", "RoutingReport", "routing_report", "report_of_routes", "report_of_plan",
-           "log_once", "LARGE_NUMEL", "logger"]
+__all__ = [
+    "RouteRow",
+    "RoutingReport",
+    "routing_report",
+    "report_of_routes",
+    "report_of_plan",
+    "log_once",
+    "LARGE_NUMEL",
+    "logger",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +80,10 @@ class RoutingReport:
         """Per (optimizer, role): tensors, matrices, elements, bytes; in a fixed order."""
         out: dict[tuple[str, str], dict[str, Any]] = {}
         for r in self.rows:
-            entry = out.setdefault((r.optimizer, r.role), {
-                "optimizer": r.optimizer, "role": r.role, "tensors": 0, "matrices": 0,
-                "numel": 0, "bytes": 0})
+            entry = out.setdefault(
+                (r.optimizer, r.role),
+                {"optimizer": r.optimizer, "role": r.role, "tensors": 0, "matrices": 0, "numel": 0, "bytes": 0},
+            )
             entry["tensors"] += 1
             entry["matrices"] += r.matrices
             entry["numel"] += r.numel
@@ -84,9 +94,12 @@ class RoutingReport:
     def left_to_tail(self) -> list[RouteRow]:
         """Every >2D tensor, and every 2D ``tail`` tensor of ``large_numel`` elements or more,
         that the tail optimizer updates."""
-        return [r for r in self.rows if r.optimizer == self.tail_optimizer and (
-            len(r.shape) > 2 or (len(r.shape) == 2 and r.role == Role.TAIL.value
-                                 and r.numel >= self.large_numel))]
+        return [
+            r
+            for r in self.rows
+            if r.optimizer == self.tail_optimizer
+            and (len(r.shape) > 2 or (len(r.shape) == 2 and r.role == Role.TAIL.value and r.numel >= self.large_numel))
+        ]
 
     def unexpected_tail(self) -> list[RouteRow]:
         """:meth:`left_to_tail` less the routers (on the tail by design)."""
@@ -97,19 +110,25 @@ class RoutingReport:
         return [r for r in self.rows if r.matrices > 1]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "matrix_optimizer": self.matrix_optimizer,
-                "tail_optimizer": self.tail_optimizer, "summary": self.summary(),
-                "stacks": [asdict(r) for r in self.stacks()],
-                "left_to_tail": [asdict(r) for r in self.left_to_tail()]}
+        return {
+            "source": self.source,
+            "matrix_optimizer": self.matrix_optimizer,
+            "tail_optimizer": self.tail_optimizer,
+            "summary": self.summary(),
+            "stacks": [asdict(r) for r in self.stacks()],
+            "left_to_tail": [asdict(r) for r in self.left_to_tail()],
+        }
 
     def format(self, max_named: int = 32) -> str:
         """The report as text: one line per (optimizer, role), then the named tensors."""
-        lines = [f"routing ({self.source}): matrix optimizer {self.matrix_optimizer}, "
-                 f"tail optimizer {self.tail_optimizer}"]
+        lines = [
+            f"routing ({self.source}): matrix optimizer {self.matrix_optimizer}, tail optimizer {self.tail_optimizer}"
+        ]
         for e in self.summary():
             mats = f" as {e['matrices']} matrices" if e["role"] == Role.MATRIX.value else ""
-            lines.append(f"  {e['optimizer']:>10} {e['role']:<8} {e['tensors']:>6} tensors{mats}, "
-                         f"{_human(e['bytes'])}B")
+            lines.append(
+                f"  {e['optimizer']:>10} {e['role']:<8} {e['tensors']:>6} tensors{mats}, {_human(e['bytes'])}B"
+            )
         stacks = self.stacks()
         if stacks:
             lines.append(f"  stepped as several matrices ({len(stacks)} tensors):")
@@ -118,8 +137,9 @@ class RoutingReport:
                 lines.append(f"    ... {len(stacks) - max_named} more")
         tail = self.left_to_tail()
         if tail:
-            lines.append(f"  left to the tail optimizer (>2D, or 2D with >= {self.large_numel} "
-                         f"elements) ({len(tail)} tensors):")
+            lines.append(
+                f"  left to the tail optimizer (>2D, or 2D with >= {self.large_numel} elements) ({len(tail)} tensors):"
+            )
             lines += [f"    {r.name} {r.shape} role {r.role}: {r.reason}" for r in tail[:max_named]]
             if len(tail) > max_named:
                 lines.append(f"    ... {len(tail) - max_named} more")
@@ -159,30 +179,40 @@ def _matrices(view: MatrixView | None, shape: tuple[int, ...], name: str) -> tup
     return view.resolve(shape, name).num_matrices, view.label
 
 
-def report_of_routes(routed: Iterable["RoutedParam"], matrix_name: str, tail_name: str,
-                     large_numel: int = LARGE_NUMEL) -> RoutingReport:
+def report_of_routes(
+    routed: Iterable[RoutedParam], matrix_name: str, tail_name: str, large_numel: int = LARGE_NUMEL
+) -> RoutingReport:
     """The report of an optimizer's routed parameters (every rank's, not only this rank's)."""
     routed = list(routed)
     names = [rp.name or (rp.shard.fqn if rp.shard is not None else rp.label) for rp in routed]
     routers = router_fqns(names)
     rows = []
-    for rp, name in zip(routed, names):
+    for rp, name in zip(routed, names, strict=True):
         shape = rp.global_shape
         numel = 1
         for d in shape:
             numel *= int(d)
         is_matrix = rp.role is Role.MATRIX
         count, label = _matrices(rp.view, shape, name) if is_matrix else (0, None)
-        rows.append(RouteRow(
-            name=name, shape=shape, dtype=str(rp.param.dtype).replace("torch.", ""),
-            role=rp.role.value, optimizer=matrix_name if is_matrix else tail_name, numel=numel,
-            bytes=numel * itemsize(rp.param.dtype), matrices=count, view=label, owner=rp.owner,
-            reason=None if is_matrix else _reason(name, shape, rp.role, routers)))
+        rows.append(
+            RouteRow(
+                name=name,
+                shape=shape,
+                dtype=str(rp.param.dtype).replace("torch.", ""),
+                role=rp.role.value,
+                optimizer=matrix_name if is_matrix else tail_name,
+                numel=numel,
+                bytes=numel * itemsize(rp.param.dtype),
+                matrices=count,
+                view=label,
+                owner=rp.owner,
+                reason=None if is_matrix else _reason(name, shape, rp.role, routers),
+            )
+        )
     return RoutingReport(rows, matrix_name, tail_name, large_numel, source="optimizer")
 
 
-def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw",
-                   large_numel: int = LARGE_NUMEL) -> RoutingReport:
+def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw", large_numel: int = LARGE_NUMEL) -> RoutingReport:
     """The report of a plan (``plan_model``'s): its matrices go to ``plan.preconditioner``.
 
     A plan does not keep ``matrix_views=`` overrides; matrices are counted by the default view.
@@ -194,29 +224,38 @@ def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw",
         shape = tuple(int(d) for d in s.shape)
         is_matrix = s.role is Role.MATRIX
         count, label = _matrices(None, shape, s.fqn) if is_matrix else (0, None)
-        rows.append(RouteRow(
-            name=s.fqn, shape=shape, dtype=str(s.dtype).replace("torch.", ""), role=s.role.value,
-            optimizer=plan.preconditioner if is_matrix else tail_name, numel=s.numel,
-            bytes=s.numel * itemsize(s.dtype), matrices=count, view=label, owner=s.owner,
-            reason=None if is_matrix else _reason(s.fqn, shape, s.role, routers)))
+        rows.append(
+            RouteRow(
+                name=s.fqn,
+                shape=shape,
+                dtype=str(s.dtype).replace("torch.", ""),
+                role=s.role.value,
+                optimizer=plan.preconditioner if is_matrix else tail_name,
+                numel=s.numel,
+                bytes=s.numel * itemsize(s.dtype),
+                matrices=count,
+                view=label,
+                owner=s.owner,
+                reason=None if is_matrix else _reason(s.fqn, shape, s.role, routers),
+            )
+        )
     return RoutingReport(rows, plan.preconditioner, tail_name, large_numel, source="plan")
 
 
-def routing_report(source: "OwnerRoutedOptimizer | ShardingPlan", **kwargs: Any) -> RoutingReport:
+def routing_report(source: OwnerRoutedOptimizer | ShardingPlan, **kwargs: Any) -> RoutingReport:
     """The :class:`RoutingReport` of an ``OwnerRoutedOptimizer`` or a ``ShardingPlan``."""
     if isinstance(source, ShardingPlan):
         return report_of_plan(source, **kwargs)
     report = getattr(source, "routing_report", None)
     if report is None:
-        raise TypeError(f"routing_report needs an OwnerRoutedOptimizer or a ShardingPlan, got "
-                        f"{type(source).__name__}")
+        raise TypeError(f"routing_report needs an OwnerRoutedOptimizer or a ShardingPlan, got {type(source).__name__}")
     return report(**kwargs)
 
 
-_logged: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_logged: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def log_once(optimizer: "OwnerRoutedOptimizer") -> None:
+def log_once(optimizer: OwnerRoutedOptimizer) -> None:
     """Log ``optimizer``'s report the first time it is called for it, on rank 0 only.
 
     Nothing is built when the logger would drop both records.
@@ -235,7 +274,10 @@ def log_once(optimizer: "OwnerRoutedOptimizer") -> None:
         logger.warning(
             "%d tensor(s) that could be matrices are updated by the tail optimizer %s, not by %s: "
             "%s. Route them with roles= / matrix_views= if that is not what you want (see the "
-            "routing report: optimizer.routing_report()).", len(unexpected),
-            report.tail_optimizer, report.matrix_optimizer,
+            "routing report: optimizer.routing_report()).",
+            len(unexpected),
+            report.tail_optimizer,
+            report.matrix_optimizer,
             ", ".join(f"{r.name} {r.shape}" for r in unexpected[:8])
-            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""))
+            + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""),
+        )

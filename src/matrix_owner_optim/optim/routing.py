@@ -23,8 +23,9 @@ conv kernel is one ``(out, rest)`` matrix), declared on the tensor it updates
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,8 +35,15 @@ from ..planning.roles import RoleOverrides, module_roles, role_from_name, router
 from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
 
-__all__ = ["RoutedParam", "UserGroup", "normalize_params", "resolve_roles", "check_matrix_views",
-           "declare_matrix_views", "swapped_in"]
+__all__ = [
+    "RoutedParam",
+    "UserGroup",
+    "normalize_params",
+    "resolve_roles",
+    "check_matrix_views",
+    "declare_matrix_views",
+    "swapped_in",
+]
 
 
 @dataclass(eq=False)
@@ -110,7 +118,8 @@ def _param_names(names: Any, count: int) -> list[str]:
     if len(names) != count:
         raise ValueError(
             f"param group 'param_names' has {len(names)} names for {count} parameters; give one "
-            "name per parameter, in the order of 'params'")
+            "name per parameter, in the order of 'params'"
+        )
     return names
 
 
@@ -143,19 +152,16 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
         named = _named(ps)
         given_names = g.get("param_names")
         if given_names is not None and all(name is None for name, _ in named):
-            named = list(zip(_param_names(given_names, len(named)), (p for _, p in named)))
+            named = list(zip(_param_names(given_names, len(named)), (p for _, p in named), strict=True))
         routed = []
         for name, p in named:
             if id(p) in seen:
-                raise ValueError(
-                    f"parameter {name or tuple(p.shape)} appears in more than one group"
-                )
+                raise ValueError(f"parameter {name or tuple(p.shape)} appears in more than one group")
             seen.add(id(p))
             routed.append(RoutedParam(p, name, index))
             index += 1
         options = {k: v for k, v in g.items() if k not in ("params", "param_names", "role")}
-        role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") \
-            if "role" in g else None
+        role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") if "role" in g else None
         groups.append(UserGroup(routed, options, role, names_given=not from_module))
     return groups, type_roles
 
@@ -184,8 +190,12 @@ def resolve_roles(
         for rp in g.params:
             # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
             rp.shard = ensure_sharded(rp.param, preconditioner)  # priced by the matrix optimizer
-    routers = router_fqns(n for g in groups for rp in g.params
-                          for n in ([rp.name] if rp.name else []) + ([rp.shard.fqn] if rp.shard else []))
+    routers = router_fqns(
+        n
+        for g in groups
+        for rp in g.params
+        for n in ([rp.name] if rp.name else []) + ([rp.shard.fqn] if rp.shard else [])
+    )
     for g in groups:
         for rp in g.params:
             names = []
@@ -250,7 +260,8 @@ def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> N
                 f"({rp.view.label}), but the matrix optimizer {name!r} steps whole 2D tensors only. "
                 "Use matrix='muon', 'shampoo' or 'soap' (they step each matrix alone), route it "
                 f"to the tail (roles={{{rp.label!r}: 'tail'}}), or read it as one (out, rest) "
-                f"matrix (matrix_views={{{rp.label!r}: 'conv'}})")
+                f"matrix (matrix_views={{{rp.label!r}: 'conv'}})"
+            )
 
 
 def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
@@ -272,8 +283,11 @@ def _require_matrix_view(rp: RoutedParam) -> None:
     try:
         param.detach().view(param.shape[0], -1)
     except RuntimeError:
-        layout = "channels_last" if param.is_contiguous(memory_format=torch.channels_last) \
+        layout = (
+            "channels_last"
+            if param.is_contiguous(memory_format=torch.channels_last)
             else f"strides {tuple(param.stride())}"
+        )
         raise ValueError(
             f"parameter {rp.label!r} (shape {tuple(param.shape)}, {layout}) takes role 'matrix' "
             "but its memory has no 2D (out, rest) view, so the matrix optimizer would update a "
@@ -287,14 +301,14 @@ def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
     ``previous.param`` (Accelerate's FSDP2 ``prepare``): same name, index and role, the sharding
     metadata of the new tensor, checked as :func:`resolve_roles` checks a new parameter."""
     if not isinstance(param, torch.Tensor):
-        raise TypeError(
-            f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
+        raise TypeError(f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
     rp = RoutedParam(param, previous.name, previous.index, role=previous.role)
     rp.shard = ensure_sharded(param)
     if rp.shard is not None and rp.shard.role is Role.SHARDED and rp.role is Role.MATRIX:
         raise ValueError(
             f"parameter {rp.label!r} was routed to the matrix optimizer, but the tensor swapped into "
-            "param_groups in its place is sharded by rows; re-plan with roles={...: 'matrix'} in fully_shard")
+            "param_groups in its place is sharded by rows; re-plan with roles={...: 'matrix'} in fully_shard"
+        )
     if rp.role is Role.MATRIX:
         _require_matrix_view(rp)
     return rp

@@ -11,30 +11,53 @@ from .cost import (
     get_cost_model,
     register_cost_model,
 )
+from .mesh_advice import MeshAdvice, MeshCandidate, plan_mesh
 from .metadata import (
     MatrixShard,
     RankLoad,
     Role,
     ShardingPlan,
     attach_matrix_shard,
-    get_shard_group,
     get_matrix_shard,
+    get_shard_group,
     get_shard_rank,
     parse_role,
 )
-from .mesh_advice import MeshAdvice, MeshCandidate, plan_mesh
 from .planner import plan_model, plan_tensors
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 
 __all__ = [
-    "ADAMW_COST", "MUON_COST", "SHAMPOO_COST", "SOAP_COST", "CostModel", "FunctionCostModel",
-    "available_cost_models", "get_cost_model", "register_cost_model",
-    "MatrixShard", "RankLoad", "attach_matrix_shard", "get_matrix_shard", "get_shard_group", "get_shard_rank",
+    "ADAMW_COST",
+    "MUON_COST",
+    "SHAMPOO_COST",
+    "SOAP_COST",
+    "CostModel",
+    "FunctionCostModel",
+    "available_cost_models",
+    "get_cost_model",
+    "register_cost_model",
+    "MatrixShard",
+    "RankLoad",
+    "attach_matrix_shard",
+    "get_matrix_shard",
+    "get_shard_group",
+    "get_shard_rank",
     "Role",
-    "ShardingPlan", "parse_role",
-    "plan_model", "plan_tensors",
-    "MeshAdvice", "MeshCandidate", "plan_mesh",
-    "EMBEDDING_NAME_HINTS", "RoleOverrides", "TensorSpec", "role_from_name", "specs_from_module",
-    "MatrixLayout", "MatrixView", "declare_matrix_view", "matrix_layout_of",
+    "ShardingPlan",
+    "parse_role",
+    "plan_model",
+    "plan_tensors",
+    "MeshAdvice",
+    "MeshCandidate",
+    "plan_mesh",
+    "EMBEDDING_NAME_HINTS",
+    "RoleOverrides",
+    "TensorSpec",
+    "role_from_name",
+    "specs_from_module",
+    "MatrixLayout",
+    "MatrixView",
+    "declare_matrix_view",
+    "matrix_layout_of",
 ]

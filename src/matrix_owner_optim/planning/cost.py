@@ -10,8 +10,9 @@ bring its own by registering a :class:`CostModel` under its name with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -44,8 +45,6 @@ __all__ = [
 Shape = Sequence[int]
 
 
-
-
 def numel(shape: Shape) -> int:
     return math.prod(int(s) for s in shape) if len(shape) else 1
 
@@ -66,14 +65,12 @@ def matrix_shapes(shape: Shape, view: MatrixView | None = None) -> list[tuple[in
     return view.resolve(shape).matrix_shapes()
 
 
-def matrix_state_bytes(
-    cost: "CostModel", shape: Shape, dtype: torch.dtype, view: MatrixView | None = None
-) -> int:
+def matrix_state_bytes(cost: CostModel, shape: Shape, dtype: torch.dtype, view: MatrixView | None = None) -> int:
     """Optimizer state of a matrix-role tensor: the sum over the matrices it is stepped as."""
     return sum(count * cost.state_bytes((m, n), dtype) for count, m, n in matrix_shapes(shape, view))
 
 
-def matrix_flops(cost: "CostModel", shape: Shape, view: MatrixView | None = None) -> float:
+def matrix_flops(cost: CostModel, shape: Shape, view: MatrixView | None = None) -> float:
     """Optimizer FLOPs of a matrix-role tensor: the sum over the matrices it is stepped as."""
     return sum(count * cost.flops((m, n)) for count, m, n in matrix_shapes(shape, view))
 
@@ -123,9 +120,7 @@ def _muon_flops(shape: Shape) -> float:
     return MUON_NS_STEPS * per_step + 8.0 * m * n  # + momentum, normalisation, update
 
 
-MUON_COST = FunctionCostModel(
-    "muon", lambda shape, dtype: numel(shape) * itemsize(dtype), _muon_flops
-)
+MUON_COST = FunctionCostModel("muon", lambda shape, dtype: numel(shape) * itemsize(dtype), _muon_flops)
 
 # --- Shampoo: blocked Kronecker factors and their inverse roots -----------------------------
 SHAMPOO_PRECONDITION_FREQUENCY = 1  # Shampoo's default: roots recomputed every step
@@ -179,11 +174,7 @@ def shampoo_cost(
 
     def blocks(shape: Shape) -> list[tuple[int, int]]:
         m, n = as_matrix_shape(shape)
-        return [
-            (r, c)
-            for r in block_sizes(m, max_preconditioner_dim)
-            for c in block_sizes(n, max_preconditioner_dim)
-        ]
+        return [(r, c) for r in block_sizes(m, max_preconditioner_dim) for c in block_sizes(n, max_preconditioner_dim)]
 
     def state_bytes(shape: Shape, dtype: torch.dtype) -> int:
         elements = 0
@@ -211,9 +202,7 @@ SHAMPOO_COST = shampoo_cost()
 # --- SOAP: factors, their eigenbases, Adam moments in the rotated space ---------------------
 
 
-def soap_working_shape(
-    rows: int, cols: int, max_precond_dim: int, merge_dims: bool
-) -> tuple[int, ...]:
+def soap_working_shape(rows: int, cols: int, max_precond_dim: int, merge_dims: bool) -> tuple[int, ...]:
     """The shape SOAP preconditions a ``rows x cols`` matrix as.
 
     Without ``merge_dims`` the matrix itself. With it, adjacent dimensions are merged while their
@@ -278,9 +267,7 @@ SOAP_COST = soap_cost()
 ADAMW_COST = FunctionCostModel(
     "adamw", lambda shape, dtype: 2 * numel(shape) * itemsize(dtype), lambda s: 12.0 * numel(s)
 )
-SGD_COST = FunctionCostModel(
-    "sgd", lambda shape, dtype: numel(shape) * itemsize(dtype), lambda s: 3.0 * numel(s)
-)
+SGD_COST = FunctionCostModel("sgd", lambda shape, dtype: numel(shape) * itemsize(dtype), lambda s: 3.0 * numel(s))
 
 _COST_MODELS: dict[str, CostModel] = {
     "muon": MUON_COST,
@@ -297,9 +284,7 @@ _COST_MODELS: dict[str, CostModel] = {
 def register_cost_model(name: str, model: CostModel) -> None:
     """Make ``plan_model(..., preconditioner=name)`` use ``model``."""
     if not isinstance(model, CostModel):
-        raise TypeError(
-            f"cost model for {name!r} must have name, state_bytes(shape, dtype) and flops(shape)"
-        )
+        raise TypeError(f"cost model for {name!r} must have name, state_bytes(shape, dtype) and flops(shape)")
     _COST_MODELS[name.lower()] = model
 
 
@@ -307,7 +292,7 @@ def available_cost_models() -> list[str]:
     return sorted(_COST_MODELS)
 
 
-def get_cost_model(preconditioner: "str | CostModel | type | None") -> CostModel:
+def get_cost_model(preconditioner: str | CostModel | type | None) -> CostModel:
     """Resolve a name, a :class:`CostModel`, or an optimizer class carrying ``cost_model``.
 
     An optimizer class without a stated cost is charged like Muon (one state buffer of the

@@ -8,7 +8,8 @@ silently). Values are parsed once, when the overrides are built, naming the glob
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Generic, Iterable, Mapping, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 __all__ = ["GlobOverrides"]
 
@@ -22,7 +23,7 @@ class GlobOverrides(Generic[T]):
     scope: str = "parameter"  # what a glob must match
     example: str = "layers.0.attn.qkv.weight"  # an fqn to show what globs match
 
-    def __init__(self, mapping: "Mapping[str, object] | None", parse: Callable[[object, str], T]) -> None:
+    def __init__(self, mapping: Mapping[str, object] | None, parse: Callable[[object, str], T]) -> None:
         self.rules: list[tuple[str, T]] = []
         for glob, value in (mapping or {}).items():
             if not isinstance(glob, str) or not glob:
@@ -49,4 +50,5 @@ class GlobOverrides(Generic[T]):
         if unused:
             raise ValueError(
                 f"{self.what}: glob {unused[0]!r} matches no {self.scope}; check the name (globs match "
-                f"fully qualified names such as {self.example!r})")
+                f"fully qualified names such as {self.example!r})"
+            )

@@ -20,8 +20,9 @@ toolbox (``matrix_owner_optim.toolbox.simulate.project_mesh``, printed by
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -53,11 +54,13 @@ class MeshCandidate:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "shard": self.shard, "replicate": self.replicate,
+            "shard": self.shard,
+            "replicate": self.replicate,
             "bytes_max_over_mean": self.bytes_max_over_mean,
             "flops_max_over_mean": self.flops_max_over_mean,
             "max_resident_bytes": self.max_resident_bytes,
-            "balanced": self.balanced, "fits_memory": self.fits_memory,
+            "balanced": self.balanced,
+            "fits_memory": self.fits_memory,
         }
 
 
@@ -163,15 +166,21 @@ def divisors_descending(n: int) -> list[int]:
 def _check_args(world_size: Any, max_imbalance: Any, memory_per_rank: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan_mesh: world_size must be a positive int, got {world_size!r}")
-    if (isinstance(max_imbalance, bool) or not isinstance(max_imbalance, (int, float))
-            or not math.isfinite(max_imbalance) or max_imbalance < 1.0):
+    if (
+        isinstance(max_imbalance, bool)
+        or not isinstance(max_imbalance, (int, float))
+        or not math.isfinite(max_imbalance)
+        or max_imbalance < 1.0
+    ):
         raise ValueError(
             f"plan_mesh: max_imbalance is a max/mean ratio and must be a finite number >= 1.0 "
             f"(1.1 allows the busiest rank 10% above the mean), got {max_imbalance!r}"
         )
     if memory_per_rank is not None and (
-        isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float))
-        or not math.isfinite(memory_per_rank) or memory_per_rank <= 0
+        isinstance(memory_per_rank, bool)
+        or not isinstance(memory_per_rank, (int, float))
+        or not math.isfinite(memory_per_rank)
+        or memory_per_rank <= 0
     ):
         raise ValueError(
             f"plan_mesh: memory_per_rank is a byte count per rank and must be positive "
@@ -179,16 +188,13 @@ def _check_args(world_size: Any, max_imbalance: Any, memory_per_rank: Any) -> No
         )
 
 
-def _specs(model: Any, roles: Mapping[str, str] | None,
-           unit_prefixes: Sequence[str] | None) -> list[TensorSpec]:
+def _specs(model: Any, roles: Mapping[str, str] | None, unit_prefixes: Sequence[str] | None) -> list[TensorSpec]:
     if isinstance(model, nn.Module):
         if unit_prefixes is None:
             unit_prefixes = recorded_unit_prefixes(model)
         return specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes)
     if isinstance(model, (str, bytes)) or not isinstance(model, Sequence):
-        raise TypeError(
-            f"plan_mesh: model must be an nn.Module or a list of TensorSpec, got {type(model).__name__}"
-        )
+        raise TypeError(f"plan_mesh: model must be an nn.Module or a list of TensorSpec, got {type(model).__name__}")
     specs = list(model)
     bad = next((s for s in specs if not isinstance(s, TensorSpec)), None)
     if bad is not None:
@@ -209,8 +215,9 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def _nothing_fits(world_size: int, cands: list[MeshCandidate], max_imbalance: float,
-                  memory_per_rank: float) -> ValueError:
+def _nothing_fits(
+    world_size: int, cands: list[MeshCandidate], max_imbalance: float, memory_per_rank: float
+) -> ValueError:
     """The error when every shard size fails: what to change, with the numbers to change it to."""
     balanced = [c for c in cands if c.balanced]
     smallest = min(cands, key=lambda c: (c.max_resident_bytes, -c.shard))
@@ -240,14 +247,14 @@ def _nothing_fits(world_size: int, cands: list[MeshCandidate], max_imbalance: fl
 
 
 def plan_mesh(
-    model: "nn.Module | Sequence[TensorSpec]",
+    model: nn.Module | Sequence[TensorSpec],
     world_size: int,
     *,
     unit_prefixes: Sequence[str] | None = None,
     roles: Mapping[str, str] | None = None,
-    preconditioner: "str | CostModel | type" = "muon",
+    preconditioner: str | CostModel | type = "muon",
     max_imbalance: float = 1.1,
-    memory_per_rank: "int | float | None" = None,
+    memory_per_rank: int | float | None = None,
 ) -> MeshAdvice:
     """The ``(replicate, shard)`` mesh for ``world_size`` ranks with the fewest replicas whose plan
     keeps resident bytes and optimizer FLOPs max/mean <= ``max_imbalance`` and, when
@@ -281,24 +288,28 @@ def plan_mesh(
         imb = plan.imbalance()
         resident = tuple(int(x.resident_bytes) for x in plan.loads)
         cand = MeshCandidate(
-            shard=shard, replicate=world_size // shard,
+            shard=shard,
+            replicate=world_size // shard,
             bytes_max_over_mean=imb["bytes_max_over_mean"],
             flops_max_over_mean=imb["flops_max_over_mean"],
             max_resident_bytes=max(resident),
-            balanced=imb["bytes_max_over_mean"] <= max_imbalance
-            and imb["flops_max_over_mean"] <= max_imbalance,
+            balanced=imb["bytes_max_over_mean"] <= max_imbalance and imb["flops_max_over_mean"] <= max_imbalance,
             fits_memory=memory_per_rank is None or max(resident) <= memory_per_rank,
         )
         cands.append(cand)
         if cand.accepted:
             return MeshAdvice(
-                world_size=world_size, replicate=cand.replicate, shard=shard,
+                world_size=world_size,
+                replicate=cand.replicate,
+                shard=shard,
                 preconditioner=plan.preconditioner,
                 bytes_max_over_mean=cand.bytes_max_over_mean,
                 flops_max_over_mean=cand.flops_max_over_mean,
-                resident_bytes_per_rank=resident, max_imbalance=float(max_imbalance),
+                resident_bytes_per_rank=resident,
+                max_imbalance=float(max_imbalance),
                 memory_per_rank=None if memory_per_rank is None else int(memory_per_rank),
-                candidates=tuple(cands), plan=plan,
+                candidates=tuple(cands),
+                plan=plan,
             )
     # shard=1 is always balanced (one rank holds everything), so only memory can fail everywhere
     assert memory_per_rank is not None

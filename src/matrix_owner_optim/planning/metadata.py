@@ -12,15 +12,25 @@ import enum
 import hashlib
 import json
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Any, Iterator
+from typing import Any
 
 import torch
 
 from ..tensors import itemsize
 
-__all__ = ["chunk_row_range", "chunk_row_sizes", "Role", "MatrixShard", "RankLoad", "ShardingPlan", "parse_role",
-           "record_unit_prefixes", "recorded_unit_prefixes"]
+__all__ = [
+    "chunk_row_range",
+    "chunk_row_sizes",
+    "Role",
+    "MatrixShard",
+    "RankLoad",
+    "ShardingPlan",
+    "parse_role",
+    "record_unit_prefixes",
+    "recorded_unit_prefixes",
+]
 
 
 class Role(str, enum.Enum):
@@ -40,7 +50,7 @@ class Role(str, enum.Enum):
         return self.value
 
 
-def parse_role(value: "str | Role", *, where: str) -> Role:
+def parse_role(value: str | Role, *, where: str) -> Role:
     """Turn a user-given role name into a :class:`Role`, naming ``where`` it came from on error."""
     if isinstance(value, Role):
         return value
@@ -48,9 +58,7 @@ def parse_role(value: "str | Role", *, where: str) -> Role:
         return Role(str(value).lower())
     except ValueError:
         valid = ", ".join(repr(r.value) for r in Role)
-        raise ValueError(
-            f"unknown role {value!r} for {where}; use one of {valid}"
-        ) from None
+        raise ValueError(f"unknown role {value!r} for {where}; use one of {valid}") from None
 
 
 def chunk_row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -171,8 +179,6 @@ class MatrixShard:
         }
 
 
-
-
 @dataclass(frozen=True)
 class RankLoad:
     """What one rank carries under a plan."""
@@ -239,12 +245,12 @@ class ShardingPlan:
         )
         return hashlib.sha256(payload.encode()).hexdigest()
 
-    def first_difference(self, other: "ShardingPlan") -> str | None:
+    def first_difference(self, other: ShardingPlan) -> str | None:
         """A sentence naming the first parameter where two plans differ, or None."""
         if self.world_size != other.world_size:
             return f"world size {self.world_size} vs {other.world_size}"
         mine, theirs = self.canonical(), other.canonical()
-        for a, b in zip(mine, theirs):
+        for a, b in zip(mine, theirs, strict=True):
             if a != b:
                 keys = [k for k in a if a[k] != b.get(k)]
                 detail = ", ".join(f"{k}: {a[k]!r} vs {b.get(k)!r}" for k in keys)
@@ -296,8 +302,6 @@ class ShardingPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.summary(), "shards": self.canonical()}
-
-
 
 
 # --- the link from a live parameter to its record -------------------------------------------
@@ -378,10 +382,10 @@ def ensure_sharded(param: torch.Tensor, preconditioner: Any = None) -> MatrixSha
 # Units of a sharded model, by the module that holds them all (the planning root). Kept here, not
 # as an attribute on the user's module: the runtime records, the planner reads, neither imports
 # the other. Weak keys: a dropped model leaves nothing behind.
-_UNIT_PREFIXES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_UNIT_PREFIXES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
-def record_unit_prefixes(model: torch.nn.Module, prefixes: "list[str] | tuple[str, ...]") -> None:
+def record_unit_prefixes(model: torch.nn.Module, prefixes: list[str] | tuple[str, ...]) -> None:
     """Record the module fqns of ``model``'s ``fully_shard`` units in call order (``""`` for
     ``model`` itself), so that :func:`~.planner.plan_model` on ``model`` plans the same units."""
     _UNIT_PREFIXES[model] = tuple(prefixes)

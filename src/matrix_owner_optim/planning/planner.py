@@ -11,8 +11,8 @@ lowers the maximum. Ties break on item index and rank, so every process computes
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from torch import nn
 
@@ -66,7 +66,7 @@ def plan_tensors(
     specs: Sequence[TensorSpec],
     world_size: int,
     *,
-    preconditioner: "str | CostModel | type" = "muon",
+    preconditioner: str | CostModel | type = "muon",
     tail_cost: CostModel = ADAMW_COST,
     refine_iterations: int = 200,
     split_stacks: bool = True,
@@ -108,8 +108,7 @@ def plan_tensors(
         if s.role is Role.MATRIX:
             item_of[s.fqn] = len(items)
             items.append(
-                _Item(len(items), [s.fqn], tensor_resident_bytes(s, matrix_cost),
-                      tensor_flops(s, matrix_cost), True)
+                _Item(len(items), [s.fqn], tensor_resident_bytes(s, matrix_cost), tensor_flops(s, matrix_cost), True)
             )
         elif s.role is Role.TAIL:
             if s.unit not in tail_item_of_unit:
@@ -206,9 +205,18 @@ def plan_tensors(
             offset = cursor.get((s.unit, owner), 0)
             cursor[(s.unit, owner)] = offset + length
         shards[s.fqn] = MatrixShard(
-            fqn=s.fqn, shape=tuple(s.shape), dtype=s.dtype, role=s.role, owner=owner,
-            unit=s.unit, segment_offset=offset, segment_length=length, aliases=tuple(s.aliases),
-            requires_grad=s.requires_grad, world_size=W, row_owners=row_owners.get(s.fqn, ()),
+            fqn=s.fqn,
+            shape=tuple(s.shape),
+            dtype=s.dtype,
+            role=s.role,
+            owner=owner,
+            unit=s.unit,
+            segment_offset=offset,
+            segment_length=length,
+            aliases=tuple(s.aliases),
+            requires_grad=s.requires_grad,
+            world_size=W,
+            row_owners=row_owners.get(s.fqn, ()),
         )
 
     loads = []
@@ -289,9 +297,9 @@ def plan_model(
     world_size: int,
     *,
     roles: Mapping[str, str] | None = None,
-    preconditioner: "str | CostModel | type" = "muon",
+    preconditioner: str | CostModel | type = "muon",
     unit_prefixes: Sequence[str] | None = None,
-    matrix_views: "Mapping[str, str | MatrixView] | None" = None,
+    matrix_views: Mapping[str, str | MatrixView] | None = None,
 ) -> ShardingPlan:
     """The :class:`ShardingPlan` that ``fully_shard`` would apply, computed in one process.
 
@@ -311,9 +319,9 @@ def plan_model(
         raise TypeError(
             f"plan_model(model, world_size): model must be a torch.nn.Module, got "
             f"{type(model).__name__}; to plan loose tensors, wrap them in a module "
-            "(torch.nn.ParameterDict) or call plan_tensors with TensorSpec entries")
+            "(torch.nn.ParameterDict) or call plan_tensors with TensorSpec entries"
+        )
     if unit_prefixes is None:
         unit_prefixes = recorded_unit_prefixes(model)
-    specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes,
-                              matrix_views=matrix_views)
+    specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes, matrix_views=matrix_views)
     return plan_tensors(specs, world_size, preconditioner=preconditioner)

@@ -22,8 +22,8 @@ Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -85,8 +85,7 @@ def router_fqns(fqns: Iterable[str]) -> set[str]:
         module = parts[-2]
         if module not in ROUTER_MODULE_NAMES and not module.endswith("expert_gate"):
             continue
-        if ".".join(parts[:-2]) in with_experts or (
-                len(parts) >= 3 and ".".join(parts[:-3]) in with_experts):
+        if ".".join(parts[:-2]) in with_experts or (len(parts) >= 3 and ".".join(parts[:-3]) in with_experts):
             found.add(n)
     return found
 
@@ -119,7 +118,7 @@ class RoleOverrides(GlobOverrides[Role]):
 
     what = "roles"
 
-    def __init__(self, roles: Mapping[str, "str | Role"] | None) -> None:
+    def __init__(self, roles: Mapping[str, str | Role] | None) -> None:
         super().__init__(roles, lambda v, where: parse_role(v, where=where))  # type: ignore[arg-type]
 
 
@@ -132,9 +131,7 @@ def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:
             "matrix_views=); route it to 'tail'"
         )
     if role is Role.SHARDED and len(shape) < 1:
-        raise ValueError(
-            f"parameter {fqn!r} is a scalar and cannot take role 'sharded'; use 'tail'"
-        )
+        raise ValueError(f"parameter {fqn!r} is a scalar and cannot take role 'sharded'; use 'tail'")
 
 
 def role_from_name(fqn: str, shape: tuple[int, ...], *, router: bool = False) -> Role:
@@ -210,16 +207,15 @@ def module_roles(model: nn.Module) -> dict[int, Role]:
 
 def conv_params(model: nn.Module) -> dict[int, bool]:
     """Per parameter object (``id``): whether its module is a convolution (the view rule)."""
-    return {id(p): isinstance(m, nn.modules.conv._ConvNd)
-            for m in model.modules() for p in m.parameters(recurse=False)}
+    return {id(p): isinstance(m, nn.modules.conv._ConvNd) for m in model.modules() for p in m.parameters(recurse=False)}
 
 
 def specs_from_module(
     model: nn.Module,
     *,
-    roles: Mapping[str, "str | Role"] | None = None,
+    roles: Mapping[str, str | Role] | None = None,
     unit_prefixes: Iterable[str] | None = None,
-    matrix_views: Mapping[str, "str | MatrixView"] | None = None,
+    matrix_views: Mapping[str, str | MatrixView] | None = None,
 ) -> list[TensorSpec]:
     """One :class:`TensorSpec` per distinct parameter of ``model``, in model order.
 
@@ -261,8 +257,7 @@ def specs_from_module(
         shape = tuple(int(s) for s in param.shape)
         role = overrides.lookup(names) or defaults.get(id(param), role_from_name(fqn, shape))
         validate_role(fqn, shape, role)
-        view = view_overrides.view_for(names, shape, convs.get(id(param))) \
-            if role is Role.MATRIX else None
+        view = view_overrides.view_for(names, shape, convs.get(id(param))) if role is Role.MATRIX else None
         if view is not None:
             view.resolve(shape, fqn)  # a view that does not fit fails here, naming the parameter
         specs.append(

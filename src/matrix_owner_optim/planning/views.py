@@ -31,8 +31,8 @@ gets the default from its shape alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -93,18 +93,20 @@ class MatrixView:
             return f"{self.kind}/blocks of {self.block_rows} rows"
         return self.kind
 
-    def resolve(self, shape: Sequence[int], name: str | None = None) -> "MatrixLayout":
+    def resolve(self, shape: Sequence[int], name: str | None = None) -> MatrixLayout:
         """The concrete layout of a tensor of ``shape``; ``ValueError`` naming it if it does not fit."""
         shape = tuple(int(s) for s in shape)
         what = f"parameter {name!r}" if name else "tensor"
         if len(shape) < 2:
             raise ValueError(
                 f"{what} with shape {shape} cannot be read as matrices ({self.label}): matrix "
-                "optimizers need at least 2 dims; route it to the tail")
+                "optimizers need at least 2 dims; route it to the tail"
+            )
         if self.kind == "matrix" and len(shape) != 2:
             raise ValueError(
                 f"{what} with shape {shape} is not 2D; view it as 'stack' (leading dims a batch "
-                "of [out, in] matrices) or 'conv' ((out, rest)) in matrix_views=")
+                "of [out, in] matrices) or 'conv' ((out, rest)) in matrix_views="
+            )
         if self.kind == "stack":
             batch, rows, cols = math.prod(shape[:-2]), shape[-2], shape[-1]
         elif self.kind == "conv":
@@ -116,12 +118,14 @@ class MatrixView:
             if rows % self.block_rows:
                 raise ValueError(
                     f"{what} with shape {shape}: {rows} rows do not split into blocks of "
-                    f"{self.block_rows} ({self.label})")
+                    f"{self.block_rows} ({self.label})"
+                )
             blocks = (int(self.block_rows),) * (rows // self.block_rows)
         if blocks and sum(blocks) != rows:
             raise ValueError(
                 f"{what} with shape {shape}: row blocks {blocks} sum to {sum(blocks)}, not to its "
-                f"{rows} rows ({self.label})")
+                f"{rows} rows ({self.label})"
+            )
         runs: list[tuple[int, int, int]] = []  # (first row, blocks, rows per block)
         start = 0
         for size in blocks or (rows,):
@@ -172,27 +176,29 @@ class MatrixLayout:
         """``tensor`` (this layout's numel, any shape that views so) as ``(batch, rows, cols)``."""
         if tensor.numel() != self.batch * self.rows * self.cols:
             raise ValueError(
-                f"tensor of shape {tuple(tensor.shape)} does not hold a matrix layout of shape "
-                f"{self.shape}")
+                f"tensor of shape {tuple(tensor.shape)} does not hold a matrix layout of shape {self.shape}"
+            )
         return tensor.view(self.batch, self.rows, self.cols)
 
     def run_views(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Per run, a view ``(batch, blocks, rows per block, cols)`` of ``tensor``'s storage."""
         grid = self.grid(tensor)
-        return [grid[:, first:first + count * size].unflatten(1, (count, size))
-                for first, count, size in self.runs]
+        return [grid[:, first : first + count * size].unflatten(1, (count, size)) for first, count, size in self.runs]
 
     def matrices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every matrix of ``tensor`` as a 2D view, in this layout's order."""
-        return [m for run in self.run_views(tensor) for m in run.flatten(0, 1).unbind(0)] \
-            if not self.single else [self.grid(tensor)[0]]
+        return (
+            [m for run in self.run_views(tensor) for m in run.flatten(0, 1).unbind(0)]
+            if not self.single
+            else [self.grid(tensor)[0]]
+        )
 
     def state_key(self, key: str, run: int) -> str:
         """Key of run ``run``'s per-matrix optimizer state: ``key`` for one run, else suffixed."""
         return key if len(self.runs) == 1 else f"{key}_m{run}"
 
 
-def parse_matrix_view(value: "str | MatrixView", where: str = "matrix_views") -> MatrixView:
+def parse_matrix_view(value: str | MatrixView, where: str = "matrix_views") -> MatrixView:
     """A :class:`MatrixView` from itself or its kind's name, or a ``ValueError`` naming ``where``."""
     if isinstance(value, MatrixView):
         return value
@@ -200,7 +206,8 @@ def parse_matrix_view(value: "str | MatrixView", where: str = "matrix_views") ->
         return MatrixView(value.lower())
     raise ValueError(
         f"{where}: expected one of {', '.join(repr(k) for k in VIEW_KINDS)} or a MatrixView "
-        f"(e.g. MatrixView('matrix', row_blocks=(d, d, d)) for a fused wqkv), got {value!r}")
+        f"(e.g. MatrixView('matrix', row_blocks=(d, d, d)) for a fused wqkv), got {value!r}"
+    )
 
 
 def default_matrix_view(
@@ -231,7 +238,8 @@ def ambiguous_view_error(name: str | None, shape: Sequence[int]) -> ValueError:
         f"{what} with shape {tuple(shape)} takes the matrix role, but a >3D tensor of unknown "
         "origin may be a stack of matrices or a conv kernel; say which with "
         f"matrix_views={{{glob!r}: 'stack' | 'conv'}} (or declare_matrix_view(tensor, ...)), or "
-        "route it to the tail")
+        "route it to the tail"
+    )
 
 
 class ViewOverrides(GlobOverrides[MatrixView]):
@@ -242,13 +250,12 @@ class ViewOverrides(GlobOverrides[MatrixView]):
     scope = "parameter of the matrix role"
     example = "layers.0.mlp.experts.down_proj"
 
-    def __init__(self, views: Mapping[str, "str | MatrixView"] | None) -> None:
+    def __init__(self, views: Mapping[str, str | MatrixView] | None) -> None:
         super().__init__(views, lambda v, where: parse_matrix_view(v, where=where))  # type: ignore[arg-type]
 
     def view_for(self, names: Sequence[str], shape: Sequence[int], conv: bool | None) -> MatrixView:
         """The override, else the default; ``ValueError`` when neither decides."""
-        view = self.lookup(names) or default_matrix_view(
-            shape, conv=conv, name=names[0] if names else None)
+        view = self.lookup(names) or default_matrix_view(shape, conv=conv, name=names[0] if names else None)
         if view is None:
             raise ambiguous_view_error(names[0] if names else None, shape)
         return view
@@ -258,7 +265,10 @@ _LAYOUT_ATTR = "_moo_matrix_layout"
 
 
 def declare_matrix_view(
-    tensor: torch.Tensor, view: "str | MatrixView", *, shape: Sequence[int] | None = None,
+    tensor: torch.Tensor,
+    view: str | MatrixView,
+    *,
+    shape: Sequence[int] | None = None,
     name: str | None = None,
 ) -> MatrixLayout:
     """Record on ``tensor`` how matrix optimizers read it; returns the resolved layout.
@@ -269,8 +279,8 @@ def declare_matrix_view(
     layout = parse_matrix_view(view).resolve(tuple(tensor.shape) if shape is None else shape, name)
     if math.prod(layout.shape) != tensor.numel():
         raise ValueError(
-            f"declare_matrix_view: a view of shape {layout.shape} does not fit a tensor of shape "
-            f"{tuple(tensor.shape)}")
+            f"declare_matrix_view: a view of shape {layout.shape} does not fit a tensor of shape {tuple(tensor.shape)}"
+        )
     setattr(tensor, _LAYOUT_ATTR, layout)
     return layout
 

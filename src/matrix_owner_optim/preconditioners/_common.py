@@ -20,8 +20,9 @@ Nothing here (or anywhere in ``preconditioners``) imports ``torch.distributed``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -167,9 +168,7 @@ class MatrixOptimizer(Optimizer):
             for i, p in enumerate(group["params"]):
                 self._check_shape(p, group, self._param_name(group, i), "parameter")
 
-    def _check_shape(
-        self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str
-    ) -> None:
+    def _check_shape(self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str) -> None:
         """Raise unless ``tensor`` reads as matrices (its layout, :meth:`matrix_layout`; SOAP widens it)."""
         try:
             matrix_layout_of(tensor, name)
@@ -177,7 +176,8 @@ class MatrixOptimizer(Optimizer):
             label = f"{what} {name!r}" if name else what
             raise ValueError(
                 f"{self._NAME} steps 2D matrices (and stacks of them); got a {label} of shape "
-                f"{tuple(tensor.shape)}: {exc}") from None
+                f"{tuple(tensor.shape)}: {exc}"
+            ) from None
 
     @staticmethod
     def matrix_layout(tensor: Tensor) -> MatrixLayout:
@@ -230,7 +230,7 @@ class MatrixOptimizer(Optimizer):
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        for pid, p in zip(saved_ids, params):
+        for pid, p in zip(saved_ids, params, strict=True):
             saved = saved_state.get(pid)
             if not isinstance(saved, Mapping):
                 continue

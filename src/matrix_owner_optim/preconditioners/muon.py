@@ -59,7 +59,7 @@ DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
-def resolve_ns_dtype(value: "torch.dtype | str") -> torch.dtype:
+def resolve_ns_dtype(value: torch.dtype | str) -> torch.dtype:
     """The floating ``torch.dtype`` that ``value`` names (a ``torch.dtype``, or its name such as
     ``"bfloat16"`` or ``"torch.float32"``); ``ValueError`` naming the value otherwise."""
     dtype: Any = value
@@ -67,11 +67,12 @@ def resolve_ns_dtype(value: "torch.dtype | str") -> torch.dtype:
         dtype = getattr(torch, value.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
-            f"ns_dtype must be a floating torch.dtype or its name (torch.float32, 'bfloat16'), got {value!r}")
+            f"ns_dtype must be a floating torch.dtype or its name (torch.float32, 'bfloat16'), got {value!r}"
+        )
     return dtype
 
 
-def ns_dtype_name(value: "torch.dtype | str") -> str:
+def ns_dtype_name(value: torch.dtype | str) -> str:
     """The name a param group keeps for ``ns_dtype`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(resolve_ns_dtype(value)).removeprefix("torch.")
 
@@ -81,7 +82,7 @@ def newton_schulz(
     ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
-    ns_dtype: "torch.dtype | str" = torch.bfloat16,
+    ns_dtype: torch.dtype | str = torch.bfloat16,
 ) -> Tensor:
     """Approximately orthogonalise a 2D ``grad`` (``U V^T``) by a quintic Newton-Schulz iteration.
 
@@ -117,7 +118,7 @@ def newton_schulz_batched(
     ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
-    ns_dtype: "torch.dtype | str" = torch.bfloat16,
+    ns_dtype: torch.dtype | str = torch.bfloat16,
 ) -> Tensor:
     """:func:`newton_schulz` of every matrix of a ``(batch, m, n)`` stack at once.
 
@@ -197,7 +198,7 @@ class Muon(MatrixOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        ns_dtype: "torch.dtype | str" = torch.bfloat16,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
         batched: bool = True,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -239,9 +240,7 @@ class Muon(MatrixOptimizer):
         for p, grad in self._grads(group):
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(
-                    grad, memory_format=torch.preserve_format
-                )
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             buf: Tensor = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
@@ -257,8 +256,7 @@ class Muon(MatrixOptimizer):
             if id(p) not in decayed:  # decoupled weight decay, once per tensor
                 decayed.add(id(p))
                 p.mul_(1 - lr * weight_decay)
-            target = p.view(1, 1, layout.rows, layout.cols) if layout.single \
-                else layout.run_views(p)[run]
+            target = p.view(1, 1, layout.rows, layout.cols) if layout.single else layout.run_views(p)[run]
             adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], tuple(target.shape[-2:]))
             target.add_(ortho.view(target.shape).to(p.dtype), alpha=-adjusted_lr)
 
@@ -279,6 +277,5 @@ class Muon(MatrixOptimizer):
                 continue
             stacked = torch.cat([u for *_, u in bucket]) if len(bucket) > 1 else bucket[0][3]
             orthos = newton_schulz_batched(stacked, *ns_args)
-            for (p, layout, run, _), ortho in zip(
-                    bucket, orthos.split([u.size(0) for *_, u in bucket])):
+            for (p, layout, run, _), ortho in zip(bucket, orthos.split([u.size(0) for *_, u in bucket]), strict=True):
                 apply(p, layout, run, ortho)

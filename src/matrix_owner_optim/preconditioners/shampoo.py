@@ -111,7 +111,7 @@ _GRAFT_NORM_EPS = 1e-16
 
 def _block_slices(dim: int, block: int) -> list[slice]:
     starts = range(0, dim, block)
-    return [slice(s, s + size) for s, size in zip(starts, block_sizes(dim, block))]
+    return [slice(s, s + size) for s, size in zip(starts, block_sizes(dim, block), strict=True)]
 
 
 class Shampoo(MatrixOptimizer):
@@ -191,13 +191,9 @@ class Shampoo(MatrixOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if not (isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1):
-            raise ValueError(
-                f"max_preconditioner_dim must be an int >= 1, got {max_preconditioner_dim!r}"
-            )
+            raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {max_preconditioner_dim!r}")
         if not (isinstance(precondition_frequency, int) and precondition_frequency >= 1):
-            raise ValueError(
-                f"precondition_frequency must be an int >= 1, got {precondition_frequency!r}"
-            )
+            raise ValueError(f"precondition_frequency must be an int >= 1, got {precondition_frequency!r}")
         if start_preconditioning_step == -1:
             start_preconditioning_step = precondition_frequency
         if not (isinstance(start_preconditioning_step, int) and start_preconditioning_step >= 1):
@@ -284,9 +280,9 @@ class Shampoo(MatrixOptimizer):
                         continue
                     eye = torch.eye(size, dtype=dtype, device=device)
                     state[layout.state_key(f"{side}{suffix}", run)] = torch.zeros(
-                        *lead, size, size, dtype=dtype, device=device)
-                    state[layout.state_key(f"{side}_root{suffix}", run)] = \
-                        eye.repeat(*lead, 1, 1) if lead else eye
+                        *lead, size, size, dtype=dtype, device=device
+                    )
+                    state[layout.state_key(f"{side}_root{suffix}", run)] = eye.repeat(*lead, 1, 1) if lead else eye
         if group["betas"][0] > 0:
             state["filtered_grad"] = torch.zeros(p.shape, dtype=dtype, device=device)
         if group["momentum"] > 0:
@@ -313,8 +309,10 @@ class Shampoo(MatrixOptimizer):
             dtype = state_dtype_for(p)
             g = grad.to(dtype)
             # Every matrix of the layout: its gradient view and its factors.
-            mats = [(gm, MatrixState(state, layout, run, index), self.block_keys(gm.shape, group))
-                    for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout))]
+            mats = [
+                (gm, MatrixState(state, layout, run, index), self.block_keys(gm.shape, group))
+                for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout), strict=True)
+            ]
 
             # 1. Factors (raw gradient, every step), per matrix.
             for gm, ms, blocks in mats:
@@ -352,7 +350,8 @@ class Shampoo(MatrixOptimizer):
                 direction = torch.empty_like(gf)
                 grafts = layout.matrices(graft) if graft is not None else [None] * len(mats)
                 for (_, ms, blocks), gfm, graft_m, dm in zip(
-                        mats, layout.matrices(gf), grafts, layout.matrices(direction)):
+                    mats, layout.matrices(gf), grafts, layout.matrices(direction), strict=True
+                ):
                     if t == start or t % frequency == 0:
                         self._compute_roots(ms, blocks, group, t)
                     self._precondition(gfm, graft_m, dm, ms, blocks)
@@ -371,7 +370,9 @@ class Shampoo(MatrixOptimizer):
 
     @staticmethod
     def _update_factors(
-        gm: Tensor, ms: "MatrixState", blocks: list[tuple[str, slice, slice, bool, bool]],
+        gm: Tensor,
+        ms: MatrixState,
+        blocks: list[tuple[str, slice, slice, bool, bool]],
         group: dict[str, Any],
     ) -> None:
         beta2 = group["betas"][1]
@@ -390,7 +391,10 @@ class Shampoo(MatrixOptimizer):
 
     @staticmethod
     def _precondition(
-        gfm: Tensor, graft_m: Tensor | None, dm: Tensor, ms: "MatrixState",
+        gfm: Tensor,
+        graft_m: Tensor | None,
+        dm: Tensor,
+        ms: MatrixState,
         blocks: list[tuple[str, slice, slice, bool, bool]],
     ) -> None:
         """``L_root Gf R_root`` per block of one matrix, grafted, written into ``dm``."""
@@ -401,15 +405,13 @@ class Shampoo(MatrixOptimizer):
             if right:
                 d = d @ ms.get(f"R_root{suffix}")
             if graft_m is not None:
-                scale = torch.linalg.matrix_norm(graft_m[rs, cs]) / (
-                    torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS
-                )
+                scale = torch.linalg.matrix_norm(graft_m[rs, cs]) / (torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS)
                 d = d * scale
             dm[rs, cs] = d
 
     @staticmethod
     def _compute_roots(
-        ms: "MatrixState",
+        ms: MatrixState,
         blocks: list[tuple[str, slice, slice, bool, bool]],
         group: dict[str, Any],
         t: int,
@@ -426,6 +428,7 @@ class Shampoo(MatrixOptimizer):
                 factor = ms.get(f"{side}{suffix}")
                 if correction != 1.0:
                     factor = factor / correction
-                ms.set(f"{side}_root{suffix}", matrix_inverse_root(
-                    factor, exponent, group["eps"], root_dtype=group["root_dtype"]
-                ))
+                ms.set(
+                    f"{side}_root{suffix}",
+                    matrix_inverse_root(factor, exponent, group["eps"], root_dtype=group["root_dtype"]),
+                )

@@ -56,7 +56,8 @@ for several runs), and every matrix is stepped exactly as alone.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,6 +72,18 @@ __all__ = ["SOAP"]
 _EIGH_EPS = 1e-30
 
 
+def _project(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
+    """Rotate ``x`` into the eigenbases: ``QL^T x QR`` (a missing side is the identity)."""
+    x = ql.T @ x if ql is not None else x
+    return x @ qr if qr is not None else x
+
+
+def _project_back(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
+    """Rotate ``x`` back to the original space: ``QL x QR^T``."""
+    x = ql @ x if ql is not None else x
+    return x @ qr.T if qr is not None else x
+
+
 def _eigh_basis(mat: Tensor) -> Tensor:
     """Eigenvectors of a symmetric ``mat``, columns ordered by eigenvalue, descending."""
     eye = torch.eye(mat.shape[0], dtype=mat.dtype, device=mat.device)
@@ -82,9 +95,7 @@ def _eigh_basis(mat: Tensor) -> Tensor:
     return torch.flip(vecs, [1])
 
 
-def _refresh_basis(
-    factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int
-) -> tuple[Tensor, Tensor]:
+def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """One power-iteration step + QR; returns ``(new_basis, exp_avg_sq permuted along dim)``."""
     fq = factor @ basis
     est_eig = (basis * fq).sum(0)  # diag(Q^T F Q)
@@ -170,17 +181,13 @@ class SOAP(MatrixOptimizer):
             precondition_frequency=int(precondition_frequency),
         )
 
-    def _check_shape(
-        self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str
-    ) -> None:
+    def _check_shape(self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str) -> None:
         if tensor.ndim == 1 and group.get("precondition_1d", False):
             return
         super()._check_shape(tensor, group, name, what)
 
     @staticmethod
-    def layout(
-        shape: torch.Size | tuple[int, ...], group: dict[str, Any]
-    ) -> tuple[tuple[int, int], bool, bool]:
+    def layout(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> tuple[tuple[int, int], bool, bool]:
         """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates.
 
         ``(a, b)`` is the parameter itself, or ``(k, 1)`` for a vector (a 1D parameter, or a
@@ -206,7 +213,7 @@ class SOAP(MatrixOptimizer):
             return None, [(tuple(p.shape), 0, 0)]
         layout = self.matrix_layout(p)
         shapes = [(m, n) for count, m, n in layout.matrix_shapes() for _ in range(count)]
-        return layout, [(shape, run, i) for shape, (run, i) in zip(shapes, matrix_positions(layout))]
+        return layout, [(shape, run, i) for shape, (run, i) in zip(shapes, matrix_positions(layout), strict=True)]
 
     @staticmethod
     def _views(layout: MatrixLayout | None, tensor: Tensor) -> list[Tensor]:
@@ -220,7 +227,7 @@ class SOAP(MatrixOptimizer):
         state["step"] = torch.tensor(0, dtype=torch.int64)
         state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
-        for (shape, run, index), gm in zip(mats, self._views(layout, grad)):
+        for (shape, run, index), gm in zip(mats, self._views(layout, grad), strict=True):
             (a, b), left, right = self.layout(shape, group)
             g = gm.to(dtype).reshape(a, b)
             ms = MatrixState(state, layout, run, index)
@@ -234,8 +241,7 @@ class SOAP(MatrixOptimizer):
                     state[ms.key(side)] = torch.zeros(*lead, size, size, dtype=dtype, device=device)
                     if not ms.single:  # column-major per matrix, as LAPACK returns one
                         # basis (eigh, qr): each matrix's products then match its own bit for bit
-                        state[ms.key(f"Q{side}")] = torch.zeros(
-                            count, size, size, dtype=dtype, device=device).mT
+                        state[ms.key(f"Q{side}")] = torch.zeros(count, size, size, dtype=dtype, device=device).mT
                 ms.get(side).lerp_(outer, 1 - shampoo_beta)
                 ms.set(f"Q{side}", _eigh_basis(ms.get(side)))
 
@@ -265,28 +271,25 @@ class SOAP(MatrixOptimizer):
             direction = torch.empty_like(exp_avg)
             refresh = step % group["precondition_frequency"] == 0
             for (shape, run, index), gm, mm, sq_m, dm in zip(
-                    mats, self._views(layout, grad), self._views(layout, exp_avg),
-                    self._views(layout, state["exp_avg_sq"]), self._views(layout, direction)):
+                mats,
+                self._views(layout, grad),
+                self._views(layout, exp_avg),
+                self._views(layout, state["exp_avg_sq"]),
+                self._views(layout, direction),
+                strict=True,
+            ):
                 (a, b), _, _ = self.layout(shape, group)
                 ms = MatrixState(state, layout, run, index)
                 ql: Tensor | None = ms.get("QL") if ms.has("QL") else None
                 qr: Tensor | None = ms.get("QR") if ms.has("QR") else None
                 g = gm.to(exp_avg.dtype).reshape(a, b)
 
-                def project(x: Tensor) -> Tensor:
-                    x = ql.T @ x if ql is not None else x
-                    return x @ qr if qr is not None else x
-
-                def project_back(x: Tensor) -> Tensor:
-                    x = ql @ x if ql is not None else x
-                    return x @ qr.T if qr is not None else x
-
-                g_rot = project(g)
+                g_rot = _project(g, ql, qr)
                 exp_avg_sq = sq_m.view(a, b)
                 exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
                 denom = exp_avg_sq.sqrt().add_(group["eps"])
-                m_rot = project(mm.view(a, b))
-                d = project_back(m_rot / denom)
+                m_rot = _project(mm.view(a, b), ql, qr)
+                d = _project_back(m_rot / denom, ql, qr)
                 if group["normalize_grads"]:
                     d = d / (1e-30 + d.square().mean().sqrt())
                 dm.copy_(d.view(dm.shape))

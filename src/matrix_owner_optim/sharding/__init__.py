@@ -11,6 +11,10 @@ from .api import OwnerShardedModule, UnshardHandle, fully_shard, register_fsdp_f
 from .clip import clip_grad_norm_
 
 __all__ = [
-    "fully_shard", "OwnerShardedModule", "MixedPrecisionPolicy", "UnshardHandle", "clip_grad_norm_",
+    "fully_shard",
+    "OwnerShardedModule",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "clip_grad_norm_",
     "register_fsdp_forward_method",
 ]

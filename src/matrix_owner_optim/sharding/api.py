@@ -32,14 +32,20 @@ import itertools
 import math
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .. import comm
+from ..agreement import check_plan_agreement
+from ..owner_dtensor import OwnerDTensor, mesh_of_group
+from ..pieces import placement_of
+from ..planning.cost import get_cost_model
 from ..planning.metadata import (
     MatrixShard,
     ShardingPlan,
@@ -48,13 +54,8 @@ from ..planning.metadata import (
     peek_matrix_shard,
     record_unit_prefixes,
 )
-from ..planning.cost import get_cost_model
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
-from .. import comm
-from ..agreement import check_plan_agreement
-from ..owner_dtensor import OwnerDTensor, mesh_of_group
-from ..pieces import placement_of
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .unit import ParamHandle, ShardedUnit, TrainingState, in_backward
@@ -82,7 +83,7 @@ class OwnerShardState:
 
 # Modules passed to fully_shard whose plan is not fixed yet, in call order. Weak: a model the
 # user dropped must not stay pending (nor be kept alive).
-_pending: "list[weakref.ref[nn.Module]]" = []
+_pending: list[weakref.ref[nn.Module]] = []
 _calls = 0
 
 
@@ -190,12 +191,12 @@ class OwnerShardedModule(nn.Module):
     def is_last_backward(self) -> bool:
         return bool(self.__dict__.get("_moo_is_last_backward", True))
 
-    def set_modules_to_forward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
         """After this module's all-gather in forward, issue those of ``modules`` (async), as
         FSDP2's method of the same name; replaces the automatic next-unit prefetch here."""
         _unit(self).forward_prefetch = self._units_of(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: "list[OwnerShardedModule]") -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
         """After this module's re-gather in backward, issue those of ``modules`` (async)."""
         _unit(self).backward_prefetch = self._units_of(modules)
 
@@ -210,7 +211,7 @@ class OwnerShardedModule(nn.Module):
     def _targets(self, recurse: bool) -> list[ShardedUnit]:
         return self._moo_units() if recurse else [_unit(self)]
 
-    def _units_of(self, modules: "list[OwnerShardedModule]") -> list[ShardedUnit]:
+    def _units_of(self, modules: list[OwnerShardedModule]) -> list[ShardedUnit]:
         ctx = _unit(self).ctx
         units = []
         for m in modules:
@@ -223,7 +224,7 @@ class OwnerShardedModule(nn.Module):
             units.append(unit)
         return units
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "OwnerShardedModule":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
         """``to_empty``, ``.to(device)``, ``.to(dtype)`` ... keep the layout (FSDP2's
         ``FSDPModule`` does the same): the sharded parameters are converted, then the unit's
         unsharded tensors, aliases and dtypes are rebuilt from them."""
@@ -366,7 +367,7 @@ def _mark_pending_params(module: nn.Module) -> None:
 
 
 def fully_shard(
-    module: "nn.Module | list[nn.Module]",
+    module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
     reshard_after_forward: bool = True,
@@ -413,8 +414,10 @@ def fully_shard(
         raise ValueError("fully_shard: a module appears twice in the list")
     for m in modules:
         if any(o is not m and any(s is m for s in o.modules()) for o in modules):
-            raise ValueError(f"fully_shard: {type(m).__name__} in the list is inside another module of the "
-                             "list; list modules that do not contain each other")
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} in the list is inside another module of the "
+                "list; list modules that do not contain each other"
+            )
     rsf = _check_reshard_after_forward(reshard_after_forward)
     _check_mp_policy(mp_policy)
     if preconditioner is not None:
@@ -429,8 +432,9 @@ def fully_shard(
         move_states_to_device(m, device)
         as_owner_dtensors(m, mesh_of_group(group, device.type))
         _swap_class(m)
-        m.__dict__[_STATE_ATTR] = OwnerShardState(group, replicate_group, rsf, mp_policy, plan, _calls,
-                                                  preconditioner=preconditioner)
+        m.__dict__[_STATE_ATTR] = OwnerShardState(
+            group, replicate_group, rsf, mp_policy, plan, _calls, preconditioner=preconditioner
+        )
         _pending.append(weakref.ref(m))
         _mark_pending_params(m)
         m.register_forward_pre_hook(_pre_forward_hook, with_kwargs=True)
@@ -558,7 +562,7 @@ def _register_post_backward(unit: ShardedUnit, args: tuple, kwargs: dict) -> tup
         return args, kwargs
     out = _PostBackward.apply(unit, *[flat[i] for i in where])
     out = out if isinstance(out, tuple) else (out,)
-    for i, t in zip(where, out):
+    for i, t in zip(where, out, strict=True):
         flat[i] = t
     return tree_unflatten(flat, spec)
 
@@ -652,8 +656,9 @@ def _unit_of_modules(modules: list[nn.Module]) -> dict[int, int]:
     return owner
 
 
-def _locations(root: nn.Module, unit_of_module: dict[int, int], modules: list[nn.Module],
-               fqn_of: dict[int, str]) -> dict[int, list[tuple[nn.Module, str]]]:
+def _locations(
+    root: nn.Module, unit_of_module: dict[int, int], modules: list[nn.Module], fqn_of: dict[int, str]
+) -> dict[int, list[tuple[nn.Module, str]]]:
     """Parameter id -> every (module, name) it is registered under; refuses a parameter
     registered in two units (each unit gathers its own parameters: a shared one has no home)."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -684,8 +689,10 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int)
     plan_names = {n for s in plan for n in (s.fqn, *s.aliases)}
     missing = [s.fqn for s in specs if s.fqn not in plan]
     if missing:
-        raise ValueError(f"fully_shard: the plan does not cover parameter {missing[0]!r} of the model; "
-                         "build the plan from this model with plan_model")
+        raise ValueError(
+            f"fully_shard: the plan does not cover parameter {missing[0]!r} of the model; "
+            "build the plan from this model with plan_model"
+        )
     extra = sorted(plan_names - model_names)
     if extra:
         raise ValueError(f"fully_shard: the plan names {extra[0]!r}, which is not a parameter of the model")
@@ -713,8 +720,13 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
             offset = cursor.get((s.unit, shard.owner), 0)
             cursor[(s.unit, shard.owner)] = offset + length
         out[s.fqn] = dataclasses.replace(
-            shard, fqn=s.fqn, unit=s.unit, segment_offset=offset, segment_length=length,
-            aliases=tuple(s.aliases), requires_grad=s.requires_grad,
+            shard,
+            fqn=s.fqn,
+            unit=s.unit,
+            segment_offset=offset,
+            segment_length=length,
+            aliases=tuple(s.aliases),
+            requires_grad=s.requires_grad,
         )
     return out
 
@@ -779,9 +791,12 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
     members: list[list[int]] = [[] for _ in first_of_call]
     for i, u in enumerate(unit_index):
         members[u].append(i)
-    specs = [dataclasses.replace(sp, unit=unit_index[sp.unit]) if sp.unit < len(modules) else
-             dataclasses.replace(sp, unit=len(members))
-             for sp in specs_from_module(root, unit_prefixes=prefixes)]
+    specs = [
+        dataclasses.replace(sp, unit=unit_index[sp.unit])
+        if sp.unit < len(modules)
+        else dataclasses.replace(sp, unit=len(members))
+        for sp in specs_from_module(root, unit_prefixes=prefixes)
+    ]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
     locations = _locations(root, unit_of_module, [modules[m[0]] for m in members], fqn_of)
@@ -795,9 +810,13 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
         plan = plan_tensors(specs, W, preconditioner=named if named is not None else preconditioner)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(  # the first collective, before any data moves
-        plan, group, who="fully_shard", what="sharding plan",
+        plan,
+        group,
+        who="fully_shard",
+        what="sharding plan",
         remedy="Every rank must build the plan from the same model, roles and world size "
-               "(pass the same plan= / roles on all ranks).")
+        "(pass the same plan= / roles on all ranks).",
+    )
     shards = _normalize(plan, specs)
     by_fqn = dict(root.named_parameters())
 
@@ -811,8 +830,10 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
         if not isinstance(param, nn.Parameter):
             raise TypeError(f"fully_shard: {s.fqn!r} is a {type(param).__name__}, not an nn.Parameter")
         if not isinstance(param, OwnerDTensor):
-            raise TypeError(f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
-                            "register every parameter before calling fully_shard")
+            raise TypeError(
+                f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
+                "register every parameter before calling fully_shard"
+            )
         with torch.no_grad():
             param.grad = None
             piece = _local_piece(local_tensor(param), shard, rank)
@@ -822,12 +843,20 @@ def _shard(modules: list[nn.Module], preconditioner: Any = None) -> None:
 
     units: list[ShardedUnit] = []
     root_index = -1 if is_container else unit_index[len(modules) - 1]
-    for u, (ms, st) in enumerate(zip(members, states)):
-        units.append(ShardedUnit(
-            ctx, u, modules[ms[0]], handles_of[u], reshard_after_forward=st.reshard_after_forward,
-            mp_policy=st.mp_policy, is_root=(u == root_index), members=[modules[i] for i in ms],
-        ))
-    for u, (unit, ms) in enumerate(zip(units, members)):
+    for u, (ms, st) in enumerate(zip(members, states, strict=True)):
+        units.append(
+            ShardedUnit(
+                ctx,
+                u,
+                modules[ms[0]],
+                handles_of[u],
+                reshard_after_forward=st.reshard_after_forward,
+                mp_policy=st.mp_policy,
+                is_root=(u == root_index),
+                members=[modules[i] for i in ms],
+            )
+        )
+    for u, (unit, ms) in enumerate(zip(units, members, strict=True)):
         parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
         parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
         unit.parent = units[parent] if parent is not None else None

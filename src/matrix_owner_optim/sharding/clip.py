@@ -10,7 +10,7 @@ logging and ``error_if_nonfinite`` want.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -20,7 +20,7 @@ __all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(
-    parameters: "torch.Tensor | Iterable[torch.Tensor]",
+    parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -35,6 +35,7 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list({id(p): p for p in parameters}.values())
-    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    total = torch.nn.utils.clip_grad_norm_(
+        params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+    )
     return total.full_tensor() if is_dtensor(total) else total  # type: ignore[attr-defined]

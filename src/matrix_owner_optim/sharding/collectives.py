@@ -18,8 +18,9 @@ Every call goes through the counted wrappers in :mod:`matrix_owner_optim.comm`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,15 @@ from .. import comm
 from ..planning.metadata import MatrixShard
 
 __all__ = [
-    "SegmentEntry", "SegmentLayout", "PendingGather", "all_gather_v", "gradient_divide_factors",
-    "others_first_offsets", "PendingReduce", "reduce_scatter_v", "uses_nccl",
+    "SegmentEntry",
+    "SegmentLayout",
+    "PendingGather",
+    "all_gather_v",
+    "gradient_divide_factors",
+    "others_first_offsets",
+    "PendingReduce",
+    "reduce_scatter_v",
+    "uses_nccl",
 ]
 
 
@@ -56,8 +64,9 @@ class SegmentLayout:
         return sum(self.sizes)
 
     @classmethod
-    def build(cls, shards: Sequence[MatrixShard], world_size: int,
-              include: Callable[[MatrixShard], bool] = lambda s: True) -> "SegmentLayout":
+    def build(
+        cls, shards: Sequence[MatrixShard], world_size: int, include: Callable[[MatrixShard], bool] = lambda s: True
+    ) -> SegmentLayout:
         """Owned tensors first (model order), then row blocks of ``sharded`` tensors."""
         entries: list[list[SegmentEntry]] = [[] for _ in range(world_size)]
         cursor = [0] * world_size
@@ -100,8 +109,9 @@ class PendingGather:
         return self._parts
 
 
-def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
-                 async_op: bool = False) -> "list[torch.Tensor] | PendingGather":
+def all_gather_v(
+    send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
+) -> list[torch.Tensor] | PendingGather:
     """Gather every rank's segment; returns one 1D tensor per rank (``send`` itself for ``rank``).
 
     ``async_op=True`` issues the collective and returns a :class:`PendingGather` (prefetch).
@@ -123,8 +133,15 @@ def all_gather_v(send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any
     out_splits = [0 if r == rank else sizes[r] for r in range(W)]
     inp = send.repeat(W - 1) if sizes[rank] else send
     out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
-    work = comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, op="all_gather_v", async_op=async_op)
+    work = comm.all_to_all_single(
+        out,
+        inp,
+        output_split_sizes=out_splits,
+        input_split_sizes=in_splits,
+        group=group,
+        op="all_gather_v",
+        async_op=async_op,
+    )
     parts = list(out.split(out_splits))
     parts[rank] = send
     return PendingGather(work, parts, (inp, out)) if async_op else parts
@@ -143,8 +160,9 @@ def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
     return offsets
 
 
-def gradient_divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int,
-                            factor: float | None = None) -> tuple[float, float]:
+def gradient_divide_factors(
+    reduce_dtype: torch.dtype, data_parallel_size: int, factor: float | None = None
+) -> tuple[float, float]:
     """``(pre, post)``: divide the local gradients by ``pre`` before the sum over ranks and the
     sum by ``post`` after it, so that the result is the sum over ``factor`` (default: the
     data-parallel size, i.e. the average). FSDP2's rule: in a dtype whose range is narrower than
@@ -155,8 +173,7 @@ def gradient_divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int,
         factor = float(data_parallel_size)
     if factor <= 0 or not math.isfinite(factor):
         raise ValueError(f"gradient divide factor must be a positive finite number, got {factor}")
-    if not reduce_dtype.is_floating_point or \
-            torch.finfo(reduce_dtype).max >= torch.finfo(torch.bfloat16).max:
+    if not reduce_dtype.is_floating_point or torch.finfo(reduce_dtype).max >= torch.finfo(torch.bfloat16).max:
         return 1.0, float(factor)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
@@ -170,8 +187,9 @@ class PendingReduce:
     Holds the send buffer until the collective completes (an asynchronous NCCL or gloo op reads
     it after the call returns)."""
 
-    def __init__(self, work: Any, flat: torch.Tensor, out: torch.Tensor,
-                 finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, work: Any, flat: torch.Tensor, out: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         self._work = work
         self._flat: torch.Tensor | None = flat
         self._out = out
@@ -185,8 +203,9 @@ class PendingReduce:
         return self._finish(self._out)
 
 
-def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
-                     async_op: bool = False) -> "torch.Tensor | PendingReduce":
+def reduce_scatter_v(
+    flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
+) -> torch.Tensor | PendingReduce:
     """Sum over ranks of each rank's contribution to this rank's segment.
 
     ``flat`` is this rank's contribution to every segment, laid out as
@@ -203,18 +222,25 @@ def reduce_scatter_v(flat: torch.Tensor, sizes: Sequence[int], rank: int, group:
         pending = PendingReduce(None, flat, own, lambda out: out)
     elif uses_nccl(group, flat.device):
         offsets = others_first_offsets(sizes, rank)
-        chunks = [flat[offsets[r]:offsets[r] + sizes[r]] for r in range(W)]
+        chunks = [flat[offsets[r] : offsets[r] + sizes[r]] for r in range(W)]
         out = torch.empty_like(own)
-        work = comm.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group,
-                                   name="reduce_scatter_v", async_op=async_op)
+        work = comm.reduce_scatter(
+            out, chunks, op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v", async_op=async_op
+        )
         pending = PendingReduce(work, flat, out, lambda out: out)
     else:
         in_splits = [0 if r == rank else sizes[r] for r in range(W)]
         out_splits = [0 if r == rank else own_n for r in range(W)]
         out = flat.new_empty(sum(out_splits))
-        work = comm.all_to_all_single(out, flat[:others_n], output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=group, op="reduce_scatter_v",
-                                      async_op=async_op)
+        work = comm.all_to_all_single(
+            out,
+            flat[:others_n],
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            op="reduce_scatter_v",
+            async_op=async_op,
+        )
 
         def rank_order_sum(out: torch.Tensor) -> torch.Tensor:
             received = out.split(out_splits)

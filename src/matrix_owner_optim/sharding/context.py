@@ -15,7 +15,8 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,6 @@ from torch.autograd import Variable
 
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
-
 from .unit import TrainingState
 
 if TYPE_CHECKING:
@@ -43,17 +43,16 @@ class ShardingContext:
     replicate_group: Any  # HSDP: the replicas of this shard group (None without)
     replicate_size: int
     dp_size: int  # gradients are averaged over shard x replicate ranks
-    units: "list[ShardedUnit]"
+    units: list[ShardedUnit]
     auto_prefetch: bool
-    forward_order: "list[ShardedUnit]"  # recorded from the previous pass (same on every rank)
-    backward_order: "list[ShardedUnit]"
+    forward_order: list[ShardedUnit]  # recorded from the previous pass (same on every rank)
+    backward_order: list[ShardedUnit]
     prefetch_log: list[tuple[str, int, int]]  # (phase, issuing unit, prefetched unit), this pass
     backward_active: bool  # a backward touched these units and its final callback has not run
     interrupted_backwards: int  # backwards that never finished (an exception), healed since
     method_depth: int  # inside a method registered with register_fsdp_forward_method
 
-    def __init__(self, group: Any, rank: int, world_size: int, plan: ShardingPlan,
-                 replicate_group: Any = None) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, plan: ShardingPlan, replicate_group: Any = None) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -71,19 +70,20 @@ class ShardingContext:
         self.method_depth = 0
         self._fwd_seq: list[ShardedUnit] = []
         self._bwd_seq: list[ShardedUnit] = []
-        self._registrations: "dict[tuple[int, str], ParamHandle] | None" = None
-        self._in_flight: "tuple[PendingReduce, Callable[[torch.Tensor], None]] | None" = None
+        self._registrations: dict[tuple[int, str], ParamHandle] | None = None
+        self._in_flight: tuple[PendingReduce, Callable[[torch.Tensor], None]] | None = None
 
-    def registrations(self) -> "dict[tuple[int, str], ParamHandle]":
+    def registrations(self) -> dict[tuple[int, str], ParamHandle]:
         """Where every sharded parameter is registered, ``(id(module), name) -> handle``: fixed
         with the plan, built once (the per-forward registration check reads it)."""
         if self._registrations is None:
-            self._registrations = {(id(mod), name): h for u in self.units for h in u.handles
-                                   for mod, name in h.locations}
+            self._registrations = {
+                (id(mod), name): h for u in self.units for h in u.handles for mod, name in h.locations
+            }
         return self._registrations
 
     # -- the reduce-scatter in flight -----------------------------------------------------------
-    def track_reduce(self, pending: "PendingReduce", land: "Callable[[torch.Tensor], None]") -> None:
+    def track_reduce(self, pending: PendingReduce, land: Callable[[torch.Tensor], None]) -> None:
         """Record the reduction just issued; ``land(summed segment)`` writes the gradients.
         One at a time: a unit waits for the previous reduction before issuing its own (FSDP2
         keeps one reduce-scatter's buffers in flight the same way)."""
@@ -147,23 +147,23 @@ class ShardingContext:
             self.backward_order, self._bwd_seq = self._bwd_seq, []
 
     # -- prefetch orders -----------------------------------------------------------------------
-    def note_forward(self, unit: "ShardedUnit") -> None:
+    def note_forward(self, unit: ShardedUnit) -> None:
         if not any(u is unit for u in self._fwd_seq):
             self._fwd_seq.append(unit)
 
-    def note_backward(self, unit: "ShardedUnit") -> None:
+    def note_backward(self, unit: ShardedUnit) -> None:
         if not any(u is unit for u in self._bwd_seq):
             self._bwd_seq.append(unit)
 
     @staticmethod
-    def _next(order: "list[ShardedUnit]", unit: "ShardedUnit") -> "list[ShardedUnit]":
+    def _next(order: list[ShardedUnit], unit: ShardedUnit) -> list[ShardedUnit]:
         for i, u in enumerate(order):
             if u is unit:
-                return order[i + 1:i + 2]
+                return order[i + 1 : i + 2]
         return []
 
-    def next_forward(self, unit: "ShardedUnit") -> "list[ShardedUnit]":
+    def next_forward(self, unit: ShardedUnit) -> list[ShardedUnit]:
         return self._next(self.forward_order, unit) if self.auto_prefetch else []
 
-    def next_backward(self, unit: "ShardedUnit") -> "list[ShardedUnit]":
+    def next_backward(self, unit: ShardedUnit) -> list[ShardedUnit]:
         return self._next(self.backward_order, unit) if self.auto_prefetch else []

@@ -105,8 +105,14 @@ class ParamHandle:
     aliases_resident: bool
     accumulated: torch.Tensor | None  # gradient sum of unsynced backwards, in reduce dtype
 
-    def __init__(self, shard: MatrixShard, locations: list[tuple[nn.Module, str]],
-                 sharded: nn.Parameter, rank: int, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        shard: MatrixShard,
+        locations: list[tuple[nn.Module, str]],
+        sharded: nn.Parameter,
+        rank: int,
+        compute_dtype: torch.dtype,
+    ) -> None:
         self.shard = shard
         self.locations = locations
         self.sharded = sharded
@@ -179,7 +185,7 @@ class ParamHandle:
         """Copy gathered elements into the unsharded tensor without bumping its version."""
         t = self.unsharded
         with torch.autograd._unsafe_preserve_version_counter(t):
-            dst = t if rows is None else t[rows[0]:rows[1]]
+            dst = t if rows is None else t[rows[0] : rows[1]]
             dst.copy_(flat.view(dst.shape))
 
     def swap(self, tensor: torch.Tensor) -> None:
@@ -225,12 +231,12 @@ class ParamHandle:
 class ShardedUnit:
     """The parameters of one ``fully_shard`` call and their per-step lifecycle."""
 
-    ctx: "ShardingContext"
+    ctx: ShardingContext
     index: int
     module: nn.Module  # the first of its modules
     members: list[nn.Module]  # every module of the fully_shard call (FSDP2's list form)
     handles: list[ParamHandle]
-    parent: "ShardedUnit | None"  # the nearest enclosing unit (None: outermost)
+    parent: ShardedUnit | None  # the nearest enclosing unit (None: outermost)
     reshard_after_forward: bool
     reshard_after_backward: bool
     requires_gradient_sync: bool
@@ -240,17 +246,26 @@ class ShardedUnit:
     training_state: TrainingState
     user_held: bool  # unshard() by the user: stays UNSHARDED until reshard()
     retained: bool  # data kept after backward on purpose (reshard_after_backward=False)
-    forward_prefetch: "list[ShardedUnit] | None"  # explicit targets; None: automatic
-    backward_prefetch: "list[ShardedUnit] | None"
+    forward_prefetch: list[ShardedUnit] | None  # explicit targets; None: automatic
+    backward_prefetch: list[ShardedUnit] | None
     gradient_divide_factor: float | None  # None: the data-parallel size (the average)
     gather_layout: SegmentLayout
     gather_dtype: torch.dtype
     reduce_dtype: torch.dtype
     device: torch.device
 
-    def __init__(self, ctx: "ShardingContext", index: int, module: nn.Module,
-                 handles: list[ParamHandle], *, reshard_after_forward: bool, mp_policy: Any,
-                 is_root: bool, members: "list[nn.Module] | None" = None) -> None:
+    def __init__(
+        self,
+        ctx: ShardingContext,
+        index: int,
+        module: nn.Module,
+        handles: list[ParamHandle],
+        *,
+        reshard_after_forward: bool,
+        mp_policy: Any,
+        is_root: bool,
+        members: list[nn.Module] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.index = index
         self.module = module
@@ -311,8 +326,7 @@ class ShardedUnit:
         layout = self._reduce_layouts.get(indices)
         if layout is None:
             keep = {id(self._shards[i]) for i in indices}
-            layout = SegmentLayout.build(self._shards, self.ctx.world_size,
-                                         include=lambda s: id(s) in keep)
+            layout = SegmentLayout.build(self._shards, self.ctx.world_size, include=lambda s: id(s) in keep)
             self._reduce_layouts[indices] = layout
         return layout
 
@@ -366,9 +380,9 @@ class ShardedUnit:
                     h = self.handles[e.index]
                     if r == me and h.aliases_resident:
                         continue
-                    dst = h.unsharded if e.rows is None else h.unsharded[e.rows[0]:e.rows[1]]
+                    dst = h.unsharded if e.rows is None else h.unsharded[e.rows[0] : e.rows[1]]
                     dsts.append(dst)
-                    srcs.append(parts[r][e.offset:e.offset + e.length].view(dst.shape))
+                    srcs.append(parts[r][e.offset : e.offset + e.length].view(dst.shape))
             if dsts:  # copy-out in one foreach kernel; autograd's saved versions stay valid
                 written = tuple(h.unsharded for h in self.handles if not h.aliases_resident)
                 with torch.autograd._unsafe_preserve_version_counter(written):
@@ -417,7 +431,7 @@ class ShardedUnit:
         self.free()
         self.training_state = TrainingState.IDLE
 
-    def _prefetch(self, phase: str, targets: "list[ShardedUnit]") -> None:
+    def _prefetch(self, phase: str, targets: list[ShardedUnit]) -> None:
         for t in targets:
             if t is self or t.state is not ShardedState.SHARDED:
                 continue
@@ -461,7 +475,7 @@ class ShardedUnit:
                 for e in layout.entries[r]:
                     g = grads[e.index]
                     if e.rows is not None:
-                        g = g[e.rows[0]:e.rows[1]]
+                        g = g[e.rows[0] : e.rows[1]]
                     pieces.append(g.reshape(-1).to(self.reduce_dtype))
             flat = torch.empty(layout.total, dtype=self.reduce_dtype, device=self.device)
             if pieces:
@@ -487,7 +501,7 @@ class ShardedUnit:
             for e in layout.entries[ctx.rank]:
                 h = self.handles[e.index]
                 landed.add(e.index)
-                h.add_grad(total[e.offset:e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
+                h.add_grad(total[e.offset : e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
             for i in sorted({e.index for es in layout.entries for e in es}):  # every rank holds a .grad
                 if i not in landed:  # of every reduced parameter (an empty piece here), as FSDP2
                     h = self.handles[i]
@@ -513,8 +527,7 @@ class ShardedUnit:
         with comm_phase("backward" if backward else "forward"):
             self.wait_gather()
             if not backward:
-                targets = self.forward_prefetch if self.forward_prefetch is not None \
-                    else self.ctx.next_forward(self)
+                targets = self.forward_prefetch if self.forward_prefetch is not None else self.ctx.next_forward(self)
                 self._prefetch("forward", targets)
         self.swap_in()
 
@@ -537,8 +550,7 @@ class ShardedUnit:
         self.ctx.note_backward(self)
         with comm_phase("backward"):
             self.wait_gather()
-            targets = self.backward_prefetch if self.backward_prefetch is not None \
-                else self.ctx.next_backward(self)
+            targets = self.backward_prefetch if self.backward_prefetch is not None else self.ctx.next_backward(self)
             self._prefetch("backward", targets)
         # swapped in for the backward: an activation-checkpoint recomputation reads the
         # module's parameters and must find the gathered ones

@@ -10,7 +10,8 @@ cost differs. It uses the package's counted collectives, so its bytes show up in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,13 +27,30 @@ __all__ = ["ReconstructionMuon", "ReconstructionOptimizer"]
 class ReconstructionMuon(torch.optim.Optimizer):
     """Muon over ``Shard(0)`` DTensors by all-gathering each full update (the baseline)."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -59,8 +77,9 @@ class ReconstructionMuon(torch.optim.Optimizer):
         buf.lerp_(local_g, 1 - group["momentum"])
         update = local_g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
         rows, cols = p.shape
-        ortho = newton_schulz(_gather_rows(update, p), group["ns_coefficients"], group["ns_steps"],
-                              group["eps"], group["ns_dtype"])
+        ortho = newton_schulz(
+            _gather_rows(update, p), group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"]
+        )
         start, stop = _own_rows(p)
         local_p.mul_(1 - group["lr"] * group["weight_decay"])
         lr = adjust_lr(group["lr"], group["adjust_lr_fn"], (rows, cols))
@@ -134,7 +153,7 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
         with comm.comm_phase("optimizer"):
             for p, replica in self._replicas.items():
                 replica.grad = None if p.grad is None else _gather_rows(_local(p.grad), p)
-            for outer, inner_group in zip(self.param_groups, self.inner.param_groups):
+            for outer, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
                 push_group_values(outer, inner_group)  # e.g. an lr scheduler's lr
             self.inner.step()
             for p, replica in self._replicas.items():

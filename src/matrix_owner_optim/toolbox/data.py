@@ -34,7 +34,7 @@ def arithmetic_corpus(num_lines: int = 20000, max_operand: int = 999, seed: int 
     b = torch.randint(0, max_operand + 1, (num_lines,), generator=g).tolist()
     op = torch.randint(0, 2, (num_lines,), generator=g).tolist()
     lines = []
-    for x, y, o in zip(a, b, op):
+    for x, y, o in zip(a, b, op, strict=True):
         if o == 0:
             lines.append(f"{x}+{y}={x + y}\n")
         else:
@@ -70,4 +70,4 @@ class BatchSampler:
             )
         x, y = self.global_batch_at(step)
         per = self.global_batch // world_size
-        return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]

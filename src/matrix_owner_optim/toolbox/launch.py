@@ -30,15 +30,15 @@ import socket
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_ranks", "RankError", "shutdown_process_groups",
-           "gloo_worker_threads"]
+__all__ = ["free_port", "spawn_ranks", "RankError", "shutdown_process_groups", "gloo_worker_threads"]
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name ProcessGroupGloo gives its worker threads
 
@@ -79,14 +79,14 @@ def _clear_dtensor_caches() -> None:
     if "torch.distributed.tensor" not in sys.modules:
         return
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
     clears = [
         getattr(debug, "_clear_sharding_prop_cache", None),
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
         # redistribute plans by (source, target) spec, each holding its mesh: filled by any
         # Partial -> Replicate, e.g. the norm torch.nn.utils.clip_grad_norm_ returns on DTensors
         getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-        getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear",
-                None),
+        getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear", None),
     ]
     for clear in clears:
         if clear is not None:
@@ -121,14 +121,26 @@ def shutdown_process_groups(check: bool = True) -> None:
         )
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, threads: int,
-           timeout_s: float, strict_shutdown: bool, fn: Callable[..., Any],
-           args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    out_dir: str,
+    threads: int,
+    timeout_s: float,
+    strict_shutdown: bool,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
     torch.set_num_threads(threads)
     payload: bytes
     try:
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         try:
@@ -140,8 +152,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, th
             raise
         shutdown_process_groups(check=strict_shutdown)
     except BaseException as exc:  # report every failure, including assertion errors
-        payload = pickle.dumps(
-            {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+        payload = pickle.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             f.write(payload)
         # A non-zero exit makes the parent terminate the other ranks at once, instead of
@@ -184,8 +195,7 @@ def spawn_ranks(
         port = free_port()
         ctx = mp.spawn(
             _entry,
-            args=(world_size, port, backend, out_dir, threads_per_rank, timeout_s,
-                  strict_shutdown, fn, args),
+            args=(world_size, port, backend, out_dir, threads_per_rank, timeout_s, strict_shutdown, fn, args),
             nprocs=world_size,
             join=False,
         )
@@ -206,22 +216,15 @@ def spawn_ranks(
     failed = [(r, res) for r, res in enumerate(results) if res is not None and not res["ok"]]
     if failed:
         # A rank that lost its peer fails with a transport error; name the root cause first.
-        failed.sort(key=lambda item: ("gloo" in item[1]["error"] or "NCCL" in item[1]["error"],
-                                      item[0]))
+        failed.sort(key=lambda item: ("gloo" in item[1]["error"] or "NCCL" in item[1]["error"], item[0]))
         rank, res = failed[0]
         others = "; ".join(f"rank {r}: {x['error'][:200]}" for r, x in failed[1:])
-        raise RankError(
-            f"rank {rank} failed: {res['error']}\n{res['tb']}"
-            + (f"\nalso: {others}" if others else "")
-        )
+        raise RankError(f"rank {rank} failed: {res['error']}\n{res['tb']}" + (f"\nalso: {others}" if others else ""))
     if exit_error is not None:
         rank = exit_error.error_index
-        how = (f"signal {exit_error.signal_name}" if exit_error.signal_name
-               else f"exit code {exit_error.exit_code}")
-        after = ("after writing its result" if results[rank] is not None
-                 else "without writing a result")
-        raise RankError(f"rank {rank} exited abnormally ({how}) {after}; the other ranks were "
-                        f"terminated. {exit_error}")
+        how = f"signal {exit_error.signal_name}" if exit_error.signal_name else f"exit code {exit_error.exit_code}"
+        after = "after writing its result" if results[rank] is not None else "without writing a result"
+        raise RankError(f"rank {rank} exited abnormally ({how}) {after}; the other ranks were terminated. {exit_error}")
     missing = [r for r, res in enumerate(results) if res is None]
     if missing:
         raise RankError(f"ranks {missing} exited with code 0 without writing a result")

@@ -18,12 +18,12 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES",
-           "native_stderr_without_usdt"]
+__all__ = ["BackendOp", "backend_ops", "op_bytes", "phase_windows", "BACKEND_PREFIXES", "native_stderr_without_usdt"]
 
 _USDT_PREFIX = "USDT:"
 
@@ -49,6 +49,7 @@ def native_stderr_without_usdt() -> Iterator[None]:
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")
 
@@ -81,7 +82,7 @@ def phase_windows(prof: Any, prefix: str = "phase:") -> dict[str, list[tuple[flo
     windows: dict[str, list[tuple[float, float]]] = {}
     for e in prof.events():
         if e.name.startswith(prefix):
-            windows.setdefault(e.name[len(prefix):], []).append((e.time_range.start, e.time_range.end))
+            windows.setdefault(e.name[len(prefix) :], []).append((e.time_range.start, e.time_range.end))
     return windows
 
 
@@ -105,4 +106,3 @@ def op_bytes(op: BackendOp, world_size: int, itemsize: int = 4) -> int:
     if kind.startswith("broadcast"):
         return n  # upper bound: the root sends n to each peer in a tree, others relay
     return n
-

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .baselines import ReconstructionMuon, ReconstructionOptimizer
 from ..comm import CommCounter, comm_phase
-from .data import VOCAB, BatchSampler, arithmetic_corpus
-from .models import GPT, GPTConfig
 from ..optim import OwnerRoutedOptimizer
 from ..planning.metadata import Role
 from ..planning.roles import module_roles
+from .baselines import ReconstructionMuon, ReconstructionOptimizer
+from .data import VOCAB, BatchSampler, arithmetic_corpus
+from .models import GPT, GPTConfig
 from .profiling import backend_ops, native_stderr_without_usdt, op_bytes, phase_windows
 
 __all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes", "synchronize"]
@@ -35,12 +35,29 @@ __all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes
 LAYOUTS = ("owner", "fsdp2", "ddp", "single")
 # owner-routed: muon/shampoo/soap/adamw; baselines: torch_muon (stock torch.optim.Muon on the
 # layout's tensors) and reconstruction (all-gather every full update, NS everywhere).
-OPTIMIZERS = ("muon", "shampoo", "soap", "adamw", "torch_muon", "torch_adamw", "reconstruction",
-              "reconstruction_shampoo", "reconstruction_soap")
+OPTIMIZERS = (
+    "muon",
+    "shampoo",
+    "soap",
+    "adamw",
+    "torch_muon",
+    "torch_adamw",
+    "reconstruction",
+    "reconstruction_shampoo",
+    "reconstruction_soap",
+)
 
-MATRIX_LR = {"muon": 0.02, "shampoo": 0.003, "soap": 0.003, "adamw": 0.003, "torch_muon": 0.02,
-             "torch_adamw": 0.003, "reconstruction": 0.02, "reconstruction_shampoo": 0.003,
-             "reconstruction_soap": 0.003}
+MATRIX_LR = {
+    "muon": 0.02,
+    "shampoo": 0.003,
+    "soap": 0.003,
+    "adamw": 0.003,
+    "torch_muon": 0.02,
+    "torch_adamw": 0.003,
+    "reconstruction": 0.02,
+    "reconstruction_shampoo": 0.003,
+    "reconstruction_soap": 0.003,
+}
 
 
 @dataclass
@@ -64,8 +81,13 @@ class TrainConfig:
     device: str = "cpu"  # "cuda" under torchrun on GPUs: each rank uses cuda:<LOCAL_RANK>
 
     def model_config(self) -> GPTConfig:
-        return GPTConfig(vocab_size=len(VOCAB), seq_len=self.seq_len, n_layers=self.n_layers,
-                         d_model=self.d_model, n_heads=self.n_heads)
+        return GPTConfig(
+            vocab_size=len(VOCAB),
+            seq_len=self.seq_len,
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+        )
 
     def validate(self) -> None:
         if self.layout not in LAYOUTS:
@@ -84,6 +106,7 @@ def _schedule(cfg: TrainConfig):
             return (step + 1) / cfg.warmup
         progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return factor
 
 
@@ -92,6 +115,7 @@ def _shard(model: GPT, cfg: TrainConfig, world_size: int, device: torch.device) 
         return model
     if cfg.layout == "owner":
         from ..sharding import fully_shard
+
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
@@ -99,6 +123,7 @@ def _shard(model: GPT, cfg: TrainConfig, world_size: int, device: torch.device) 
     if cfg.layout == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as stock_fully_shard
+
         mesh = init_device_mesh(device.type, (world_size,))
         for block in model.layers:
             stock_fully_shard(block, mesh=mesh)
@@ -115,8 +140,15 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
         opts: dict[str, Any] = {"lr": mlr}
         if cfg.optimizer == "muon":
             opts.update(ns_dtype=ns_dtype, weight_decay=0.0)
-        return [OwnerRoutedOptimizer(base, matrix=cfg.optimizer, matrix_options=opts,
-                                     tail="adamw", tail_options={"lr": cfg.tail_lr, "weight_decay": 0.0})]
+        return [
+            OwnerRoutedOptimizer(
+                base,
+                matrix=cfg.optimizer,
+                matrix_options=opts,
+                tail="adamw",
+                tail_options={"lr": cfg.tail_lr, "weight_decay": 0.0},
+            )
+        ]
     if cfg.optimizer == "torch_adamw":
         return [torch.optim.AdamW(base.parameters(), lr=cfg.tail_lr, weight_decay=0.0)]
     roles = module_roles(base)
@@ -128,6 +160,7 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
         matrix_opt = ReconstructionMuon(mats, lr=mlr, weight_decay=0.0, ns_dtype=ns_dtype)
     else:
         from ..preconditioners import SOAP, Shampoo
+
         inner = Shampoo if cfg.optimizer == "reconstruction_shampoo" else SOAP
         matrix_opt = ReconstructionOptimizer(mats, inner, lr=mlr)
     return [matrix_opt, torch.optim.AdamW(rest, lr=cfg.tail_lr, weight_decay=0.0)]
@@ -147,8 +180,12 @@ def resident_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) ->
     replicas of the reconstruction baselines). Scalar state (step counters) is not counted,
     as the planner does not count it."""
     params = {id(p): p for p in model.parameters()}.values()
-    out = {"params": sum(_local_nbytes(p) for p in params),
-           "grads": sum(_local_nbytes(p.grad) for p in params), "optimizer_state": 0, "extra": 0}
+    out = {
+        "params": sum(_local_nbytes(p) for p in params),
+        "grads": sum(_local_nbytes(p.grad) for p in params),
+        "optimizer_state": 0,
+        "extra": 0,
+    }
     seen: set[int] = set()
     for opt in optimizers:
         for state in opt.state.values():
@@ -189,11 +226,13 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     model = _shard(GPT(cfg.model_config(), device=device), cfg, world_size, device)
     optimizers = _optimizers(model, cfg)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, _schedule(cfg)) for o in optimizers]
-    sampler = BatchSampler(arithmetic_corpus(cfg.corpus_lines, seed=cfg.seed), cfg.seq_len,
-                           cfg.global_batch, seed=cfg.seed)
+    sampler = BatchSampler(
+        arithmetic_corpus(cfg.corpus_lines, seed=cfg.seed), cfg.seq_len, cfg.global_batch, seed=cfg.seed
+    )
     bar = None
     if cfg.progress and rank == 0:
         from tqdm import tqdm
+
         bar = tqdm(total=cfg.steps, desc=f"{cfg.layout}+{cfg.optimizer} W={world_size}", unit="step")
     records: list[dict[str, Any]] = []
     resident: dict[str, int] = {}
@@ -204,6 +243,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
         prof = None
         if cfg.profile_step == step:
             from torch.profiler import ProfilerActivity, profile
+
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             with native_stderr_without_usdt():  # kineto's USDT markers are no output of ours
                 prof.__enter__()
@@ -232,15 +272,24 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
                 prof.__exit__(None, None, None)
             profiled = _profiled_bytes(prof, world_size)
         loss_value, comm_bytes = float(loss.detach()), cc.by_phase()
-        rec: dict[str, Any] = {"step": step, "loss": loss_value, "step_time_s": t2 - t0,
-                               "optimizer_time_s": t2 - t1, "comm": comm_bytes}
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": loss_value,
+            "step_time_s": t2 - t0,
+            "optimizer_time_s": t2 - t1,
+            "comm": comm_bytes,
+        }
         records.append(rec)
         if bar is not None:
             c = comm_bytes
-            bar.set_postfix(loss=f"{loss_value:.3f}", step_ms=f"{1e3 * (t2 - t0):.0f}",
-                            opt_ms=f"{1e3 * (t2 - t1):.1f}",
-                            fwd_B=c["forward"]["bytes_sent"], bwd_B=c["backward"]["bytes_sent"],
-                            opt_B=c["optimizer"]["bytes_sent"])
+            bar.set_postfix(
+                loss=f"{loss_value:.3f}",
+                step_ms=f"{1e3 * (t2 - t0):.0f}",
+                opt_ms=f"{1e3 * (t2 - t1):.1f}",
+                fwd_B=c["forward"]["bytes_sent"],
+                bwd_B=c["backward"]["bytes_sent"],
+                opt_B=c["optimizer"]["bytes_sent"],
+            )
             bar.update(1)
     if bar is not None:
         bar.close()
@@ -249,10 +298,15 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     if world_size > 1:
         dist.all_reduce(losses)
         losses /= world_size
-    for r, l in zip(records, losses.tolist()):
+    for r, l in zip(records, losses.tolist(), strict=True):
         r["global_loss"] = l
-    return {"rank": rank, "records": records, "resident_bytes": resident, "profiled_bytes": profiled,
-            "config": asdict(cfg)}
+    return {
+        "rank": rank,
+        "records": records,
+        "resident_bytes": resident,
+        "profiled_bytes": profiled,
+        "config": asdict(cfg),
+    }
 
 
 class _phase_marker:
@@ -260,6 +314,7 @@ class _phase_marker:
 
     def __init__(self, name: str) -> None:
         from torch.profiler import record_function
+
         self._rf = record_function(f"phase:{name}")
 
     def __enter__(self) -> None:
@@ -291,12 +346,22 @@ def summarize(results: list[dict[str, Any]], skip: int = 2) -> dict[str, Any]:
     per_rank = []
     for res in results:
         recs = res["records"][skip:] if len(res["records"]) > skip else res["records"]
-        by_phase = {ph: statistics.median(r["comm"][ph]["bytes_sent"] for r in recs)
-                    for ph in ("forward", "backward", "optimizer", "other")}
-        calls = {ph: statistics.median(r["comm"][ph]["calls"] for r in recs)
-                 for ph in ("forward", "backward", "optimizer")}
-        per_rank.append({"rank": res["rank"], "bytes_sent_per_step": by_phase, "calls_per_step": calls,
-                         "profiled_bytes": res["profiled_bytes"], "resident_bytes": res["resident_bytes"]})
+        by_phase = {
+            ph: statistics.median(r["comm"][ph]["bytes_sent"] for r in recs)
+            for ph in ("forward", "backward", "optimizer", "other")
+        }
+        calls = {
+            ph: statistics.median(r["comm"][ph]["calls"] for r in recs) for ph in ("forward", "backward", "optimizer")
+        }
+        per_rank.append(
+            {
+                "rank": res["rank"],
+                "bytes_sent_per_step": by_phase,
+                "calls_per_step": calls,
+                "profiled_bytes": res["profiled_bytes"],
+                "resident_bytes": res["resident_bytes"],
+            }
+        )
     return {
         "world_size": W,
         "first_loss": recs0[0]["global_loss"],

@@ -51,10 +51,9 @@ ROWS: dict[str, tuple[str, str, str]] = {
 ONE_RANK_ROWS = ("a", "p")  # at W=1: what the owner layout costs over the plain model
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="owner layout vs stock FSDP2 + Muon vs reconstruction, side by side")
-    p.add_argument("--world-sizes", default="1,2,4",
-                   help="comma-separated, e.g. 1,2,4 (W=1 runs rows a and p only)")
+    p.add_argument("--world-sizes", default="1,2,4", help="comma-separated, e.g. 1,2,4 (W=1 runs rows a and p only)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are warm-up)")
     p.add_argument("--rounds", type=int, default=2, help="alternating repetitions of every row")
@@ -64,13 +63,15 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--muon-batching", action="store_true",
-                   help="time Muon batched vs per-matrix Newton-Schulz instead of the rows")
+    p.add_argument(
+        "--muon-batching", action="store_true", help="time Muon batched vs per-matrix Newton-Schulz instead of the rows"
+    )
     p.set_defaults(func=run)
 
 
-def muon_batching_timings(cases: dict[str, list[tuple[int, int]]] | None = None, *,
-                          steps: int = 5, rounds: int = 2) -> list[dict[str, Any]]:
+def muon_batching_timings(
+    cases: dict[str, list[tuple[int, int]]] | None = None, *, steps: int = 5, rounds: int = 2
+) -> list[dict[str, Any]]:
     """Median step time of Muon with ``batched=True`` and ``batched=False`` per case and dtype.
 
     Each case is a list of matrix shapes (one parameter group). The two variants alternate for
@@ -107,12 +108,19 @@ def muon_batching_timings(cases: dict[str, list[tuple[int, int]]] | None = None,
         for dtype in (torch.bfloat16, torch.float32):
             per: dict[bool, list[float]] = {True: [], False: []}
             for r in range(rounds):
-                for batched in ((False, True) if r % 2 == 0 else (True, False)):
+                for batched in (False, True) if r % 2 == 0 else (True, False):
                     per[batched].append(one(shapes, dtype, batched))
             per_matrix, batched_s = statistics.median(per[False]), statistics.median(per[True])
-            out.append({"case": name, "ns_dtype": str(dtype).replace("torch.", ""),
-                        "matrices": len(shapes), "per_matrix_s": per_matrix,
-                        "batched_s": batched_s, "ratio": batched_s / per_matrix})
+            out.append(
+                {
+                    "case": name,
+                    "ns_dtype": str(dtype).replace("torch.", ""),
+                    "matrices": len(shapes),
+                    "per_matrix_s": per_matrix,
+                    "batched_s": batched_s,
+                    "ratio": batched_s / per_matrix,
+                }
+            )
     return out
 
 
@@ -123,17 +131,37 @@ def _parse_list(text: str, what: str) -> list[str]:
     return items
 
 
-def run_bench(world_sizes: list[int], rows: list[str], *, steps: int, rounds: int, layers: int,
-              width: int, heads: int, batch: int, seq_len: int) -> dict[str, Any]:
+def run_bench(
+    world_sizes: list[int],
+    rows: list[str],
+    *,
+    steps: int,
+    rounds: int,
+    layers: int,
+    width: int,
+    heads: int,
+    batch: int,
+    seq_len: int,
+) -> dict[str, Any]:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise ValueError(f"unknown bench row {unknown[0]!r}; rows are {', '.join(ROWS)}")
     if steps < 3:
         raise ValueError("--steps must be >= 3 (2 warm-up steps are excluded from medians)")
-    results: dict[str, Any] = {"config": {"world_sizes": world_sizes, "rows": rows, "steps": steps,
-                                          "rounds": rounds, "layers": layers, "width": width,
-                                          "heads": heads, "batch": batch, "seq_len": seq_len},
-                               "runs": {}}
+    results: dict[str, Any] = {
+        "config": {
+            "world_sizes": world_sizes,
+            "rows": rows,
+            "steps": steps,
+            "rounds": rounds,
+            "layers": layers,
+            "width": width,
+            "heads": heads,
+            "batch": batch,
+            "seq_len": seq_len,
+        },
+        "runs": {},
+    }
     for W in world_sizes:
         w_rows = [r for r in rows if r in ONE_RANK_ROWS] if W == 1 else [r for r in rows if r != "p"]
         if not w_rows:
@@ -143,19 +171,29 @@ def run_bench(world_sizes: list[int], rows: list[str], *, steps: int, rounds: in
             order = w_rows if rnd % 2 == 0 else list(reversed(w_rows))
             for row in order:
                 layout, optimizer, _ = ROWS[row]
-                cfg = TrainConfig(layout=layout, optimizer=optimizer, steps=steps, global_batch=batch,
-                                  seq_len=seq_len, n_layers=layers, d_model=width, n_heads=heads,
-                                  warmup=1, profile_step=steps - 1, ns_dtype="bfloat16")
+                cfg = TrainConfig(
+                    layout=layout,
+                    optimizer=optimizer,
+                    steps=steps,
+                    global_batch=batch,
+                    seq_len=seq_len,
+                    n_layers=layers,
+                    d_model=width,
+                    n_heads=heads,
+                    warmup=1,
+                    profile_step=steps - 1,
+                    ns_dtype="bfloat16",
+                )
                 per_row[row].append(summarize(spawn_ranks(train_rank, W, cfg)))
         results["runs"][str(W)] = {row: _aggregate(row, runs) for row, runs in per_row.items()}
         runs_w = results["runs"][str(W)]
         base = runs_w.get("p" if W == 1 else "b")  # the plain model on one rank
-        for row, agg in runs_w.items():
+        for agg in runs_w.values():
             agg["base_row"] = base["row"] if base else None
             agg["optimizer_time_ratio_vs_base"] = (
-                agg["median_optimizer_time_s"] / base["median_optimizer_time_s"] if base else None)
-            agg["step_time_ratio_vs_base"] = (
-                agg["median_step_time_s"] / base["median_step_time_s"] if base else None)
+                agg["median_optimizer_time_s"] / base["median_optimizer_time_s"] if base else None
+            )
+            agg["step_time_ratio_vs_base"] = agg["median_step_time_s"] / base["median_step_time_s"] if base else None
     return results
 
 
@@ -166,12 +204,18 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     def per_rank_max(fn) -> int:
         return max(int(fn(r)) for r in last["ranks"])
 
-    prof = {ph: per_rank_max(lambda r, ph=ph: (r["profiled_bytes"] or {}).get(ph, 0))
-            for ph in ("forward", "backward", "optimizer")}
-    counted = {ph: per_rank_max(lambda r, ph=ph: r["bytes_sent_per_step"][ph])
-               for ph in ("forward", "backward", "optimizer")}
+    prof = {
+        ph: per_rank_max(lambda r, ph=ph: (r["profiled_bytes"] or {}).get(ph, 0))
+        for ph in ("forward", "backward", "optimizer")
+    }
+    counted = {
+        ph: per_rank_max(lambda r, ph=ph: r["bytes_sent_per_step"][ph]) for ph in ("forward", "backward", "optimizer")
+    }
     return {
-        "row": row, "layout": layout, "optimizer": optimizer, "label": label,
+        "row": row,
+        "layout": layout,
+        "optimizer": optimizer,
+        "label": label,
         "median_optimizer_time_s": statistics.median(r["median_optimizer_time_s"] for r in runs),
         "median_step_time_s": statistics.median(r["median_step_time_s"] for r in runs),
         "bytes_sent_per_rank_profiled": prof,
@@ -190,11 +234,14 @@ def markdown_table(results: dict[str, Any]) -> str:
     lines = []
     for W, rows in results["runs"].items():
         base = "p" if W == "1" else "b"
-        lines += [f"**W={W}** (GPT {results['config']['layers']}x{results['config']['width']}, "
-                  f"{results['config']['steps']} steps x {results['config']['rounds']} rounds)", "",
-                  f"| row | setup | opt step ms | opt ratio vs ({base}) | step ms | step ratio vs ({base}) "
-                  "| fwd MiB | bwd MiB | opt MiB | opt MiB (ours) | resident MiB |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"**W={W}** (GPT {results['config']['layers']}x{results['config']['width']}, "
+            f"{results['config']['steps']} steps x {results['config']['rounds']} rounds)",
+            "",
+            f"| row | setup | opt step ms | opt ratio vs ({base}) | step ms | step ratio vs ({base}) "
+            "| fwd MiB | bwd MiB | opt MiB | opt MiB (ours) | resident MiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for row, a in rows.items():
             p, c = a["bytes_sent_per_rank_profiled"], a["bytes_sent_per_rank_counted"]
             ratio, step_ratio = a["optimizer_time_ratio_vs_base"], a["step_time_ratio_vs_base"]
@@ -203,16 +250,20 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"{'' if ratio is None else f'{ratio:.3f}'} | {1e3 * a['median_step_time_s']:.1f} | "
                 f"{'' if step_ratio is None else f'{step_ratio:.3f}'} | "
                 f"{_mib(p['forward'])} | {_mib(p['backward'])} | {_mib(p['optimizer'])} | "
-                f"{_mib(c['optimizer'])} | {_mib(a['resident_bytes_per_rank_max'])} |")
+                f"{_mib(c['optimizer'])} | {_mib(a['resident_bytes_per_rank_max'])} |"
+            )
         lines.append("")
-    lines.append("Bytes are sent per rank per step (max over ranks); 'fwd/bwd/opt MiB' from torch.profiler "
-                 "(every gloo op), 'opt MiB (ours)' from CommCounter. Times are medians on a shared "
-                 "2-core CPU: read the ratios, not the milliseconds.")
+    lines.append(
+        "Bytes are sent per rank per step (max over ranks); 'fwd/bwd/opt MiB' from torch.profiler "
+        "(every gloo op), 'opt MiB (ours)' from CommCounter. Times are medians on a shared "
+        "2-core CPU: read the ratios, not the milliseconds."
+    )
     return "\n".join(lines)
 
 
 def _plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -260,16 +311,27 @@ def run(args: argparse.Namespace) -> int:
         print("| case | ns dtype | matrices | per-matrix ms | batched ms | batched/per-matrix |")
         print("|---|---|---|---|---|---|")
         for t in timings:
-            print(f"| {t['case']} | {t['ns_dtype']} | {t['matrices']} | "
-                  f"{t['per_matrix_s'] * 1e3:.1f} | {t['batched_s'] * 1e3:.1f} | "
-                  f"{t['ratio']:.2f} |")
+            print(
+                f"| {t['case']} | {t['ns_dtype']} | {t['matrices']} | "
+                f"{t['per_matrix_s'] * 1e3:.1f} | {t['batched_s'] * 1e3:.1f} | "
+                f"{t['ratio']:.2f} |"
+            )
         print(f"wrote {args.out / 'muon_batching.json'}")
         return 0
     world_sizes = [int(w) for w in _parse_list(args.world_sizes, "world-sizes")]
     rows = _parse_list(args.rows, "rows")
     t0 = time.time()
-    results = run_bench(world_sizes, rows, steps=args.steps, rounds=args.rounds, layers=args.layers,
-                        width=args.width, heads=args.heads, batch=args.batch, seq_len=args.seq_len)
+    results = run_bench(
+        world_sizes,
+        rows,
+        steps=args.steps,
+        rounds=args.rounds,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        batch=args.batch,
+        seq_len=args.seq_len,
+    )
     results["wall_time_s"] = time.time() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(results, indent=1))

@@ -12,8 +12,9 @@ from ..models import GPT, GPTConfig
 __all__ = ["add_model_args", "build_model", "load_factory"]
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, layers: int, width: int, vocab: int,
-                   heads: int, seq_len: int) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser, *, layers: int, width: int, vocab: int, heads: int, seq_len: int
+) -> None:
     g = parser.add_argument_group("built-in GPT")
     g.add_argument("--layers", type=int, default=layers, help="transformer blocks")
     g.add_argument("--width", type=int, default=width, help="model width d_model")
@@ -32,8 +33,12 @@ def add_model_args(parser: argparse.ArgumentParser, *, layers: int, width: int, 
 
 def gpt_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(
-        vocab_size=args.vocab, seq_len=args.seq_len, n_layers=args.layers, d_model=args.width,
-        n_heads=args.heads, tie_embeddings=not args.untied,
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        n_layers=args.layers,
+        d_model=args.width,
+        n_heads=args.heads,
+        tie_embeddings=not args.untied,
     )
 
 

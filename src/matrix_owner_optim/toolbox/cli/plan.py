@@ -14,25 +14,46 @@ from .common import add_model_args, build_model
 __all__ = ["add_parser", "run", "format_table"]
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the owner plan for a model at any world size (no processes)")
     p.add_argument("--world-size", "-w", type=int, default=8, help="data-parallel ranks to plan for")
     p.add_argument("--preconditioner", default="muon", help="matrix optimizer whose costs to balance")
-    p.add_argument("--role", action="append", default=[], metavar="GLOB=ROLE",
-                   help="override a role, e.g. --role 'layers.*.mlp.fc.weight=tail' (repeatable)")
+    p.add_argument(
+        "--role",
+        action="append",
+        default=[],
+        metavar="GLOB=ROLE",
+        help="override a role, e.g. --role 'layers.*.mlp.fc.weight=tail' (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--shards", action="store_true", help="with --json: include every MatrixShard")
     adv = p.add_argument_group("mesh advice (--advise)")
-    adv.add_argument("--advise", action="store_true",
-                     help="advise the (replicate, shard) mesh: the fewest replicas whose owner plan "
-                     "keeps bytes and FLOPs max/mean <= --max-imbalance (and fits --memory-per-rank)")
-    adv.add_argument("--world-sizes", default=None, metavar="W1,W2,...",
-                     help="with --advise: one row per world size instead of --world-size")
+    adv.add_argument(
+        "--advise",
+        action="store_true",
+        help="advise the (replicate, shard) mesh: the fewest replicas whose owner plan "
+        "keeps bytes and FLOPs max/mean <= --max-imbalance (and fits --memory-per-rank)",
+    )
+    adv.add_argument(
+        "--world-sizes",
+        default=None,
+        metavar="W1,W2,...",
+        help="with --advise: one row per world size instead of --world-size",
+    )
     adv.add_argument("--max-imbalance", type=float, default=1.1, help="largest max/mean allowed (default 1.1)")
-    adv.add_argument("--memory-per-rank", type=float, default=None, metavar="GB",
-                     help="GB (1e9 bytes) per rank for parameters, gradients and optimizer state")
-    adv.add_argument("--preset", choices=sorted(PRESETS), default="a100",
-                     help="hardware the projected times assume (simulate's constants; default a100)")
+    adv.add_argument(
+        "--memory-per-rank",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="GB (1e9 bytes) per rank for parameters, gradients and optimizer state",
+    )
+    adv.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="a100",
+        help="hardware the projected times assume (simulate's constants; default a100)",
+    )
     adv.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node for the projection")
     add_model_args(p, layers=32, width=1024, vocab=50304, heads=16, seq_len=1024)
     p.set_defaults(func=run)
@@ -100,16 +121,32 @@ def advise(args: argparse.Namespace, model, prefixes) -> list[dict]:
     hw = PRESETS[args.preset].hardware
     rows = []
     for W in _world_sizes(args):
-        advice: MeshAdvice = plan_mesh(model, W, unit_prefixes=prefixes, roles=_parse_roles(args.role),
-                                       preconditioner=args.preconditioner,
-                                       max_imbalance=args.max_imbalance, memory_per_rank=memory)
+        advice: MeshAdvice = plan_mesh(
+            model,
+            W,
+            unit_prefixes=prefixes,
+            roles=_parse_roles(args.role),
+            preconditioner=args.preconditioner,
+            max_imbalance=args.max_imbalance,
+            memory_per_rank=memory,
+        )
         row = advice.to_json()
         try:
-            cmp = compare_meshes(model, W, unit_prefixes=prefixes, gpus_per_node=args.gpus_per_node,
-                                 hardware=hw, preconditioner=args.preconditioner,
-                                 roles=_parse_roles(args.role), advice=advice)
-            row["projection"] = {"hardware": hw.name, "gpus_per_node": cmp["gpus_per_node"],
-                                 **cmp["layouts"]["owner_hsdp"]}
+            cmp = compare_meshes(
+                model,
+                W,
+                unit_prefixes=prefixes,
+                gpus_per_node=args.gpus_per_node,
+                hardware=hw,
+                preconditioner=args.preconditioner,
+                roles=_parse_roles(args.role),
+                advice=advice,
+            )
+            row["projection"] = {
+                "hardware": hw.name,
+                "gpus_per_node": cmp["gpus_per_node"],
+                **cmp["layouts"]["owner_hsdp"],
+            }
             row["flat_owner_projection"] = cmp["layouts"]["flat_owner"]
         except ValueError as exc:  # a cluster shape the two-level formulas cannot price
             row["projection"] = {"hardware": hw.name, "unavailable": str(exc)}
@@ -120,10 +157,12 @@ def advise(args: argparse.Namespace, model, prefixes) -> list[dict]:
 def format_advice(rows: list[dict]) -> str:
     """The advice rows as a table (the README's), the flat owner layout of W ranks beside it."""
     hw = rows[0]["projection"]["hardware"]
-    lines = [f"{'':>5} {'advised mesh':-^70}  {'flat owner layout, shard W':-^40}",
-             f"{'W':>5} {'(rep, shard)':>12} {'bytes m/m':>9} {'FLOPs m/m':>9} {'resident':>9} "
-             f"{'opt step':>9} {'comm/step':>10}  {'bytes m/m':>9} {'resident':>9} {'opt step':>9} "
-             f"{'comm/step':>10}"]
+    lines = [
+        f"{'':>5} {'advised mesh':-^70}  {'flat owner layout, shard W':-^40}",
+        f"{'W':>5} {'(rep, shard)':>12} {'bytes m/m':>9} {'FLOPs m/m':>9} {'resident':>9} "
+        f"{'opt step':>9} {'comm/step':>10}  {'bytes m/m':>9} {'resident':>9} {'opt step':>9} "
+        f"{'comm/step':>10}",
+    ]
 
     def ms(p: dict, key: str) -> str:
         if "unavailable" in p:
@@ -146,9 +185,12 @@ def format_advice(rows: list[dict]) -> str:
         f"rule: fewest replicas whose plan keeps bytes and FLOPs max/mean <= {r0['max_imbalance']:g}"
         + (f" and resident bytes <= {_human(r0['memory_per_rank'])}B" if r0["memory_per_rank"] else "")
         + f"; times: {hw} (simulate's constants), optimizer step = busiest owner, comm/step = "
-        "forward+backward collectives priced serially")
-    lines.append("use it: mesh = advice.init_device_mesh('cuda') (= init_device_mesh('cuda', (rep, shard), "
-                 "mesh_dim_names=('replicate', 'shard'))), then fully_shard(module, mesh=mesh)")
+        "forward+backward collectives priced serially"
+    )
+    lines.append(
+        "use it: mesh = advice.init_device_mesh('cuda') (= init_device_mesh('cuda', (rep, shard), "
+        "mesh_dim_names=('replicate', 'shard'))), then fully_shard(module, mesh=mesh)"
+    )
     for r in rows:
         if "unavailable" in r["projection"]:
             lines.append(f"W={r['world_size']}: no projection: {r['projection']['unavailable']}")
@@ -167,8 +209,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.world_sizes is not None:
         raise ValueError("--world-sizes needs --advise (a plain plan is for one --world-size)")
-    plan = plan_model(model, args.world_size, roles=_parse_roles(args.role),
-                      preconditioner=args.preconditioner, unit_prefixes=prefixes)
+    plan = plan_model(
+        model,
+        args.world_size,
+        roles=_parse_roles(args.role),
+        preconditioner=args.preconditioner,
+        unit_prefixes=prefixes,
+    )
     if args.json:
         payload = plan.to_json() if args.shards else plan.summary()
         json.dump(payload, sys.stdout, indent=2)

@@ -47,7 +47,7 @@ _RATE_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``simulate`` on the ``matrix-owner-optim`` subparsers."""
     p = sub.add_parser(
         "simulate",
@@ -56,28 +56,48 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
         "optimizer step for stock FSDP2 + Muon reconstruction, all-to-all owner routing and the "
         "owner layout, on N nodes x G GPUs, compared with the MatrixFSDP paper's claims.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="paper",
-                   help="hardware and topology: a100, h100, or paper (8 nodes x 8 A100; default)")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="largest node count; the table sweeps 1..NODES (default: the preset's, 8)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node (default: the preset's, 8)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="paper",
+        help="hardware and topology: a100, h100, or paper (8 nodes x 8 A100; default)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="largest node count; the table sweeps 1..NODES (default: the preset's, 8)",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the preset's, 8)")
     rates = p.add_argument_group("rate overrides (each replaces one stated constant)")
     for field_name, (flag, help_text) in _RATE_FLAGS.items():
         rates.add_argument(flag, dest=field_name, type=float, default=None, help=help_text)
-    p.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,
-                   help="bytes per gradient element the baselines gather/route "
-                   "(4 = fp32, FSDP2's default)")
-    p.add_argument("--agree-factor", type=float, default=1.5,
-                   help="a prediction agrees with a claim when within this factor (default 1.5)")
-    p.add_argument("--no-compare", action="store_true",
-                   help="skip the comparison with published claims")
+    p.add_argument(
+        "--grad-bytes",
+        type=int,
+        choices=(2, 4),
+        default=4,
+        help="bytes per gradient element the baselines gather/route (4 = fp32, FSDP2's default)",
+    )
+    p.add_argument(
+        "--agree-factor",
+        type=float,
+        default=1.5,
+        help="a prediction agrees with a claim when within this factor (default 1.5)",
+    )
+    p.add_argument("--no-compare", action="store_true", help="skip the comparison with published claims")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG of predicted step time vs node count (log y)")
-    add_model_args(p, layers=PAPER_MODEL["n_layers"], width=PAPER_MODEL["d_model"],
-                   vocab=PAPER_MODEL["vocab_size"], heads=PAPER_MODEL["n_heads"],
-                   seq_len=PAPER_MODEL["seq_len"])
+    p.add_argument(
+        "--plot", metavar="PATH", default=None, help="write a PNG of predicted step time vs node count (log y)"
+    )
+    add_model_args(
+        p,
+        layers=PAPER_MODEL["n_layers"],
+        width=PAPER_MODEL["d_model"],
+        vocab=PAPER_MODEL["vocab_size"],
+        heads=PAPER_MODEL["n_heads"],
+        seq_len=PAPER_MODEL["seq_len"],
+    )
     add_mesh_args(p)
     p.set_defaults(func=run)
 
@@ -92,19 +112,38 @@ def _model(args: argparse.Namespace) -> tuple[Any, list[str] | None, dict[str, A
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     # Heads do not change any parameter shape; pick a valid count rather than fail on it.
     heads = math.gcd(args.width, max(1, args.heads))
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layers=args.layers,
-                    d_model=args.width, n_heads=heads, tie_embeddings=not args.untied)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        n_layers=args.layers,
+        d_model=args.width,
+        n_heads=heads,
+        tie_embeddings=not args.untied,
+    )
     model = GPT(cfg, device="meta")
-    desc = {"gpt": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
-                    "seq_len": cfg.seq_len, "n_heads": cfg.n_heads, "mlp_ratio": cfg.mlp_ratio,
-                    "tie_embeddings": cfg.tie_embeddings}}
+    desc = {
+        "gpt": {
+            "n_layers": cfg.n_layers,
+            "d_model": cfg.d_model,
+            "vocab_size": cfg.vocab_size,
+            "seq_len": cfg.seq_len,
+            "n_heads": cfg.n_heads,
+            "mlp_ratio": cfg.mlp_ratio,
+            "tie_embeddings": cfg.tie_embeddings,
+        }
+    }
     return model, model.unit_prefixes(), desc
 
 
 def _is_paper_model(args: argparse.Namespace) -> bool:
-    return (not args.model and not args.untied and args.layers == PAPER_MODEL["n_layers"]
-            and args.width == PAPER_MODEL["d_model"] and args.vocab == PAPER_MODEL["vocab_size"]
-            and args.seq_len == PAPER_MODEL["seq_len"])
+    return (
+        not args.model
+        and not args.untied
+        and args.layers == PAPER_MODEL["n_layers"]
+        and args.width == PAPER_MODEL["d_model"]
+        and args.vocab == PAPER_MODEL["vocab_size"]
+        and args.seq_len == PAPER_MODEL["seq_len"]
+    )
 
 
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,31 +157,46 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     if not args.agree_factor >= 1.0:
         raise ValueError(f"--agree-factor must be >= 1, got {args.agree_factor}")
     if args.ns_efficiency is not None and args.ns_efficiency > 1:
-        raise ValueError(
-            f"--ns-efficiency is a fraction of peak, at most 1; got {args.ns_efficiency}")
+        raise ValueError(f"--ns-efficiency is a fraction of peak, at most 1; got {args.ns_efficiency}")
     hw = preset.hardware.with_overrides(**{k: getattr(args, k) for k in _RATE_FLAGS})
     opts = SimOptions(grad_bytes=args.grad_bytes, agree_factor=args.agree_factor)
 
     model, prefixes, model_desc = _model(args)
     cache = StatsCache(model, prefixes)
     if not cache.get(1, 1).matrices:
-        raise ValueError("the model has no parameter with role 'matrix': a matrix optimizer "
-                         "has nothing to do, so there is no optimizer step to simulate")
-    rows = simulate(model, unit_prefixes=prefixes, node_counts=range(1, nodes + 1),
-                    gpus_per_node=gpus, hardware=hw, options=opts, cache=cache)
+        raise ValueError(
+            "the model has no parameter with role 'matrix': a matrix optimizer "
+            "has nothing to do, so there is no optimizer step to simulate"
+        )
+    rows = simulate(
+        model,
+        unit_prefixes=prefixes,
+        node_counts=range(1, nodes + 1),
+        gpus_per_node=gpus,
+        hardware=hw,
+        options=opts,
+        cache=cache,
+    )
     first = cache.get(1, gpus)
-    model_desc.update({
-        "parameters": sum(t.numel() for t in {id(q): q for q in model.parameters()}.values()),
-        "parameter_bytes": first.total_param_bytes,
-        "matrices": len(first.matrices),
-        "matrix_elements": sum(m.numel for m in first.matrices),
-        "ns_flops_per_step": first.total_matrix_flops,
-    })
+    model_desc.update(
+        {
+            "parameters": sum(t.numel() for t in {id(q): q for q in model.parameters()}.values()),
+            "parameter_bytes": first.total_param_bytes,
+            "matrices": len(first.matrices),
+            "matrix_elements": sum(m.numel for m in first.matrices),
+            "ns_flops_per_step": first.total_matrix_flops,
+        }
+    )
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "preset": {"name": preset.name, "description": preset.description},
-        "config": {"nodes": nodes, "gpus_per_node": gpus, "world_size": nodes * gpus,
-                   "model": model_desc, "options": opts.to_json()},
+        "config": {
+            "nodes": nodes,
+            "gpus_per_node": gpus,
+            "world_size": nodes * gpus,
+            "model": model_desc,
+            "options": opts.to_json(),
+        },
         "hardware": hw.to_json(),
         "formulas": FORMULAS,
         "strategies": STRATEGIES,
@@ -159,16 +213,16 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
             paper_cache = StatsCache(pm, pp)
         report["comparison"] = compare_with_claims(paper_cache, hw, opts)
     if args.plot:
-        title = (f"{preset.name}: {hw.gpu.split(' (')[0]}, {gpus} GPUs/node; "
-                 f"{_model_line(model_desc)}")
+        title = f"{preset.name}: {hw.gpu.split(' (')[0]}, {gpus} GPUs/node; {_model_line(model_desc)}"
         report["plot"] = plot_sweep(rows, args.plot, title=title)
     return report
 
 
 def _model_line(desc: dict[str, Any]) -> str:
     g = desc.get("gpt")
-    head = (f"GPT {g['n_layers']} layers x {g['d_model']}, vocab {g['vocab_size']}" if g
-            else f"model {desc.get('factory')}")
+    head = (
+        f"GPT {g['n_layers']} layers x {g['d_model']}, vocab {g['vocab_size']}" if g else f"model {desc.get('factory')}"
+    )
     return f"{head}, {desc['matrices']} matrices"
 
 
@@ -195,15 +249,19 @@ def format_report(report: dict[str, Any]) -> str:
     for key, c in hw["constants"].items():
         lines.append(f"  {key:<17} {c['value']:>8g} {c['unit']} -- {c['source']}: {c['note']}")
     o = cfg["options"]
-    lines.append(f"  gradient bytes/elem gathered or routed: {o['grad_bytes']}; NS dtype bytes: "
-                 f"{o['ns_bytes']}; NS iterations: {o['ns_steps']}; kernels per matrix: "
-                 f"{o['kernels_per_matrix']}")
+    lines.append(
+        f"  gradient bytes/elem gathered or routed: {o['grad_bytes']}; NS dtype bytes: "
+        f"{o['ns_bytes']}; NS iterations: {o['ns_steps']}; kernels per matrix: "
+        f"{o['kernels_per_matrix']}"
+    )
     lines += ["", "formulas"] + [f"  {k}: {v}" for k, v in report["formulas"].items()]
     lines += ["", "strategies"] + [f"  {k}: {v}" for k, v in report["strategies"].items()]
 
     lines += ["", f"predicted optimizer step (ms), {cfg['gpus_per_node']} GPUs per node"]
-    head = (f"{'nodes':>5} {'GPUs':>5} {'recon':>8} {'recon-DT':>9} {'a2a':>8} {'owner':>8} "
-            f"{'recon/own':>9} {'DT/own':>7} {'a2a/own':>8} {'comm%rec':>8} {'own imb':>7}")
+    head = (
+        f"{'nodes':>5} {'GPUs':>5} {'recon':>8} {'recon-DT':>9} {'a2a':>8} {'owner':>8} "
+        f"{'recon/own':>9} {'DT/own':>7} {'a2a/own':>8} {'comm%rec':>8} {'own imb':>7}"
+    )
     lines.append(head)
     for r in report["sweep"]:
         s, q = r["strategies"], r["ratios"]
@@ -228,9 +286,12 @@ def format_report(report: dict[str, Any]) -> str:
     )
 
     cap = hw["constants"]["gpu_memory_gb"]["value"] * 1e9
-    lines += ["", f"memory per rank (GB, peak during the step; GPU has {cap / 1e9:g} GB)",
-              f"{'nodes':>5} {'GPUs':>5} {'owner':>8} {'recon':>8} {'recon-all':>9} {'a2a':>8} "
-              f"{'ZeRO-1':>8} {'ZeRO-1 fits':>11}"]
+    lines += [
+        "",
+        f"memory per rank (GB, peak during the step; GPU has {cap / 1e9:g} GB)",
+        f"{'nodes':>5} {'GPUs':>5} {'owner':>8} {'recon':>8} {'recon-all':>9} {'a2a':>8} "
+        f"{'ZeRO-1':>8} {'ZeRO-1 fits':>11}",
+    ]
     for r in report["sweep"]:
         m = r["memory_bytes_per_rank"]
         lines.append(
@@ -239,16 +300,21 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_gb(m['all_to_all']):>8} {_gb(m['zero1_owner']):>8} "
             f"{'yes' if m['zero1_owner'] <= cap else 'no':>11}"
         )
-    lines.append("  owner = plan resident bytes (param + grad + state, ZeRO-3-like) + NS workspace; "
-                 "recon = even ZeRO-3 shards + the largest gathered matrix; recon-all = all "
-                 "matrices gathered at once; ZeRO-1 = full params and grads on every rank + "
-                 "owned optimizer state")
+    lines.append(
+        "  owner = plan resident bytes (param + grad + state, ZeRO-3-like) + NS workspace; "
+        "recon = even ZeRO-3 shards + the largest gathered matrix; recon-all = all "
+        "matrices gathered at once; ZeRO-1 = full params and grads on every rank + "
+        "owned optimizer state"
+    )
 
     comp = report.get("comparison")
     if comp:
-        lines += ["", f"comparison with published claims (hardware {comp['hardware']}, model "
-                      f"{comp['model']['n_layers']} layers x {comp['model']['d_model']}, "
-                      f"agreement = within factor {comp['agree_factor']:g})"]
+        lines += [
+            "",
+            f"comparison with published claims (hardware {comp['hardware']}, model "
+            f"{comp['model']['n_layers']} layers x {comp['model']['d_model']}, "
+            f"agreement = within factor {comp['agree_factor']:g})",
+        ]
         for a in comp["assumptions"]:
             lines.append(f"  assumption: {a}")
         for e in comp["claims"]:

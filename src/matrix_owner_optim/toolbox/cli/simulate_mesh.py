@@ -19,14 +19,26 @@ __all__ = ["add_mesh_args", "build_mesh_report", "format_mesh_report"]
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("advised meshes (--mesh)")
-    g.add_argument("--mesh", action="store_true",
-                   help="project the plan_mesh-advised (replicate, shard) meshes instead of the node sweep")
-    g.add_argument("--world-sizes", default="64,512,4096", metavar="W1,W2,...",
-                   help="with --mesh: GPU counts (default 64,512,4096)")
-    g.add_argument("--mesh-presets", default="a100,h100", metavar="P1,P2",
-                   help="with --mesh: hardware presets to price (default a100,h100)")
-    g.add_argument("--max-imbalance", type=float, default=1.1,
-                   help="with --mesh: plan_mesh's max/mean limit (default 1.1)")
+    g.add_argument(
+        "--mesh",
+        action="store_true",
+        help="project the plan_mesh-advised (replicate, shard) meshes instead of the node sweep",
+    )
+    g.add_argument(
+        "--world-sizes",
+        default="64,512,4096",
+        metavar="W1,W2,...",
+        help="with --mesh: GPU counts (default 64,512,4096)",
+    )
+    g.add_argument(
+        "--mesh-presets",
+        default="a100,h100",
+        metavar="P1,P2",
+        help="with --mesh: hardware presets to price (default a100,h100)",
+    )
+    g.add_argument(
+        "--max-imbalance", type=float, default=1.1, help="with --mesh: plan_mesh's max/mean limit (default 1.1)"
+    )
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -39,8 +51,13 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def build_mesh_report(args: argparse.Namespace, model: Any, prefixes: list[str] | None,
-                      model_desc: dict[str, Any], rate_overrides: dict[str, float | None]) -> dict[str, Any]:
+def build_mesh_report(
+    args: argparse.Namespace,
+    model: Any,
+    prefixes: list[str] | None,
+    model_desc: dict[str, Any],
+    rate_overrides: dict[str, float | None],
+) -> dict[str, Any]:
     """Everything ``simulate --mesh`` prints, as one JSON-ready dict."""
     names = [x.strip() for x in args.mesh_presets.split(",") if x.strip()]
     unknown = [n for n in names if n not in PRESETS]
@@ -49,14 +66,24 @@ def build_mesh_report(args: argparse.Namespace, model: Any, prefixes: list[str] 
     hardwares = [PRESETS[n].hardware.with_overrides(**rate_overrides) for n in names]
     gpus = 8 if args.gpus_per_node is None else args.gpus_per_node
     opts = SimOptions(grad_bytes=args.grad_bytes)
-    rows = mesh_sweep(model, unit_prefixes=prefixes, world_sizes=_ints(args.world_sizes, "--world-sizes"),
-                      hardwares=hardwares, gpus_per_node=gpus, options=opts,
-                      max_imbalance=args.max_imbalance)
+    rows = mesh_sweep(
+        model,
+        unit_prefixes=prefixes,
+        world_sizes=_ints(args.world_sizes, "--world-sizes"),
+        hardwares=hardwares,
+        gpus_per_node=gpus,
+        options=opts,
+        max_imbalance=args.max_imbalance,
+    )
     return {
         "schema": SCHEMA,
         "kind": "mesh",
-        "config": {"model": model_desc, "gpus_per_node": gpus, "max_imbalance": args.max_imbalance,
-                   "options": opts.to_json()},
+        "config": {
+            "model": model_desc,
+            "gpus_per_node": gpus,
+            "max_imbalance": args.max_imbalance,
+            "options": opts.to_json(),
+        },
         "hardware": {h.name: h.to_json() for h in hardwares},
         "layouts": MESH_LAYOUTS,
         "rows": rows,
@@ -66,16 +93,20 @@ def build_mesh_report(args: argparse.Namespace, model: Any, prefixes: list[str] 
 def format_mesh_report(report: dict[str, Any]) -> str:
     """The human-readable form of :func:`build_mesh_report`'s dict."""
     lines = ["layouts"] + [f"  {k}: {v}" for k, v in report["layouts"].items()]
-    lines += ["", "per layout: optimizer step ms / forward+backward communication ms per step (serial) / "
-                  "resident GB per rank"]
+    lines += [
+        "",
+        "per layout: optimizer step ms / forward+backward communication ms per step (serial) / resident GB per rank",
+    ]
     order = ("stock_fsdp2_muon", "flat_owner", "owner_hsdp", "stock_fsdp2_hsdp")
     lines.append(f"{'GPUs':>5} {'hw':>5} {'mesh':>10} " + " ".join(f"{k:>26}" for k in order))
     for r in report["rows"]:
         cells = []
         for k in order:
             x = r["layouts"][k]
-            cells.append(f"{x['optimizer_step_ms']:>8.1f} /{x['fwd_bwd_comm']['total_ms']:>8.1f} /"
-                         f"{x['max_resident_bytes'] / 1e9:>6.2f}")
+            cells.append(
+                f"{x['optimizer_step_ms']:>8.1f} /{x['fwd_bwd_comm']['total_ms']:>8.1f} /"
+                f"{x['max_resident_bytes'] / 1e9:>6.2f}"
+            )
         mesh = f"({r['advice']['replicate']},{r['advice']['shard']})"
         lines.append(f"{r['world_size']:>5} {r['hardware']:>5} {mesh:>10} " + " ".join(f"{c:>26}" for c in cells))
     return "\n".join(lines)

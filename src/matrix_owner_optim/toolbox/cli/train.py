@@ -19,10 +19,14 @@ from ..training import LAYOUTS, OPTIMIZERS, TrainConfig, summarize, train_rank
 __all__ = ["add_parser", "run", "format_summary", "plot_losses"]
 
 
-def add_parser(sub: "argparse._SubParsersAction") -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the built-in GPT on embedded data (several CPU ranks by default)")
-    p.add_argument("--layout", choices=LAYOUTS, default="owner",
-                   help="owner: owner-shaped ZeRO-3 (this package); fsdp2: stock FSDP2; ddp; single")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="owner",
+        help="owner: owner-shaped ZeRO-3 (this package); fsdp2: stock FSDP2; ddp; single",
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="matrix optimizer (tail: AdamW)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--world-size", "-w", type=int, default=4, help="CPU ranks to spawn (ignored under torchrun)")
@@ -40,11 +44,21 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    cfg = TrainConfig(layout=args.layout, optimizer=args.optimizer, steps=args.steps,
-                      global_batch=args.batch, seq_len=args.seq_len, n_layers=args.layers,
-                      d_model=args.width, n_heads=args.heads, matrix_lr=args.matrix_lr,
-                      tail_lr=args.tail_lr, seed=args.seed, progress=not args.no_progress,
-                      warmup=min(10, max(1, args.steps // 10)))
+    cfg = TrainConfig(
+        layout=args.layout,
+        optimizer=args.optimizer,
+        steps=args.steps,
+        global_batch=args.batch,
+        seq_len=args.seq_len,
+        n_layers=args.layers,
+        d_model=args.width,
+        n_heads=args.heads,
+        matrix_lr=args.matrix_lr,
+        tail_lr=args.tail_lr,
+        seed=args.seed,
+        progress=not args.no_progress,
+        warmup=min(10, max(1, args.steps // 10)),
+    )
     cfg.validate()
     return cfg
 
@@ -59,8 +73,7 @@ def _human_bytes(n: float) -> str:
 
 def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
     lines = [
-        f"layout {cfg.layout}, optimizer {cfg.optimizer}, world size {summary['world_size']}, "
-        f"{cfg.steps} steps",
+        f"layout {cfg.layout}, optimizer {cfg.optimizer}, world size {summary['world_size']}, {cfg.steps} steps",
         f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
         f"median step {1e3 * summary['median_step_time_s']:.1f} ms, optimizer step "
         f"{1e3 * summary['median_optimizer_time_s']:.2f} ms",
@@ -76,12 +89,14 @@ def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
             f"{r['rank']:>4} {_human_bytes(b['forward']):>12} {_human_bytes(b['backward']):>12} "
             f"{_human_bytes(b['optimizer']):>12} {_human_bytes(pb.get('forward', 0)):>10} "
             f"{_human_bytes(pb.get('backward', 0)):>10} {_human_bytes(pb.get('optimizer', 0)):>10} "
-            f"{_human_bytes(r['resident_bytes'].get('total', 0)):>10}")
+            f"{_human_bytes(r['resident_bytes'].get('total', 0)):>10}"
+        )
     return "\n".join(lines)
 
 
 def plot_losses(curves: dict[str, list[float]], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -114,10 +129,12 @@ def run(args: argparse.Namespace) -> int:
     if _under_torchrun():
         import torch
         import torch.distributed as dist
+
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         cfg.device = "cuda" if backend == "nccl" else "cpu"
         from ... import comm
         from ..launch import shutdown_process_groups
+
         dist.init_process_group(backend)
         try:
             result = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
@@ -135,15 +152,17 @@ def run(args: argparse.Namespace) -> int:
         results = gathered
     else:
         from ..launch import spawn_ranks
-        results = spawn_ranks(train_rank, args.world_size, cfg,
-                              strict_shutdown=_strict_shutdown(cfg))
+
+        results = spawn_ranks(train_rank, args.world_size, cfg, strict_shutdown=_strict_shutdown(cfg))
     summary = summarize(results)
     print(format_summary(summary, cfg))
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"config": results[0]["config"], "summary": summary,
-              "per_rank_steps": [r["records"] for r in results]}
+    record = {"config": results[0]["config"], "summary": summary, "per_rank_steps": [r["records"] for r in results]}
     (args.out / "train.json").write_text(json.dumps(record, indent=1))
-    plot_losses({f"{cfg.layout}+{cfg.optimizer}": summary["losses"]}, args.out / "loss.png",
-                f"GPT {cfg.n_layers}x{cfg.d_model} on the arithmetic corpus, W={summary['world_size']}")
+    plot_losses(
+        {f"{cfg.layout}+{cfg.optimizer}": summary["losses"]},
+        args.out / "loss.png",
+        f"GPT {cfg.n_layers}x{cfg.d_model} on the arithmetic corpus, W={summary['world_size']}",
+    )
     print(f"wrote {args.out / 'train.json'} and {args.out / 'loss.png'}")
     return 0

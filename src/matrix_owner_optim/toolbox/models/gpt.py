@@ -31,9 +31,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
 
 class Attention(nn.Module):
@@ -77,7 +75,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``forward(idx, targets=None)`` returns logits, or the mean cross-entropy with targets."""
 
-    def __init__(self, cfg: GPTConfig, *, device: "torch.device | str | None" = None) -> None:
+    def __init__(self, cfg: GPTConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         with torch.device(device) if device is not None else _nullcontext():

@@ -38,31 +38,11 @@ the most loaded rank, so at fixed model size the model can predict speedups only
 from __future__ import annotations
 
 from ._units import GB, SCHEMA
-from .hardware import (
-    A100,
-    Constant,
-    H100,
-    Hardware,
-    PAPER_MODEL,
-    PRESETS,
-    Preset,
-    SimOptions,
-)
-from .formulas import (
-    FORMULAS,
-    all_to_all_time,
-    group_all_gather_time,
-    hierarchical_all_gather_time,
-    hierarchical_all_reduce_time,
-    owner_routing_phase_time,
-    replica_all_reduce_time,
-    ring_all_gather_time,
-    ring_all_reduce_time,
-)
-from .plan_stats import (
-    MatrixInfo,
-    PlanStats,
-    plan_stats,
+from .claims import (
+    BASELINES,
+    CLAIMS,
+    Claim,
+    compare_with_claims,
 )
 from .estimates import (
     ESTIMATORS,
@@ -75,16 +55,26 @@ from .estimates import (
     estimate_reconstruction_dtensor,
     estimate_strategies,
 )
-from .sweep import (
-    StatsCache,
-    paper_model,
-    simulate,
+from .formulas import (
+    FORMULAS,
+    all_to_all_time,
+    group_all_gather_time,
+    hierarchical_all_gather_time,
+    hierarchical_all_reduce_time,
+    owner_routing_phase_time,
+    replica_all_reduce_time,
+    ring_all_gather_time,
+    ring_all_reduce_time,
 )
-from .claims import (
-    BASELINES,
-    CLAIMS,
-    Claim,
-    compare_with_claims,
+from .hardware import (
+    A100,
+    H100,
+    PAPER_MODEL,
+    PRESETS,
+    Constant,
+    Hardware,
+    Preset,
+    SimOptions,
 )
 from .mesh import (
     MESH_LAYOUTS,
@@ -95,8 +85,18 @@ from .mesh import (
     project_mesh,
     step_comm,
 )
+from .plan_stats import (
+    MatrixInfo,
+    PlanStats,
+    plan_stats,
+)
 from .plot import (
     plot_sweep,
+)
+from .sweep import (
+    StatsCache,
+    paper_model,
+    simulate,
 )
 
 __all__ = [

@@ -6,8 +6,9 @@ Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .estimates import ESTIMATORS, StepEstimate, estimate_owner, estimate_strategies
 from .hardware import PAPER_MODEL, Hardware, SimOptions
@@ -30,13 +31,31 @@ class Claim:
 
 
 CLAIMS: tuple[Claim, ...] = (
-    Claim("paper_1_node", "optimizer step 4.2x faster than stock FSDP2 + Muon on one node",
-          "paper summary (seed/000, MatrixFSDP, 8 x A100 per node)", 1, 8, ratio=4.2),
-    Claim("paper_8_nodes", "optimizer step 54.6x faster than stock FSDP2 + Muon on eight nodes",
-          "paper summary (seed/000, MatrixFSDP, 64 A100)", 8, 8, ratio=54.6),
-    Claim("seed_8xA100",
-          "seed code: optimizer step 748 ms -> 175 ms at 8 x A100, 32 layers, hidden 4096",
-          "seed code figure", 1, 8, baseline_ms=748.0, owner_ms=175.0),
+    Claim(
+        "paper_1_node",
+        "optimizer step 4.2x faster than stock FSDP2 + Muon on one node",
+        "paper summary (seed/000, MatrixFSDP, 8 x A100 per node)",
+        1,
+        8,
+        ratio=4.2,
+    ),
+    Claim(
+        "paper_8_nodes",
+        "optimizer step 54.6x faster than stock FSDP2 + Muon on eight nodes",
+        "paper summary (seed/000, MatrixFSDP, 64 A100)",
+        8,
+        8,
+        ratio=54.6,
+    ),
+    Claim(
+        "seed_8xA100",
+        "seed code: optimizer step 748 ms -> 175 ms at 8 x A100, 32 layers, hidden 4096",
+        "seed code figure",
+        1,
+        8,
+        baseline_ms=748.0,
+        owner_ms=175.0,
+    ),
 )
 
 BASELINES = ("reconstruction", "reconstruction_dtensor")
@@ -59,9 +78,7 @@ def _verdict(pred: float, claim: float, agree: float) -> dict[str, Any]:
     }
 
 
-def _solve_scale(
-    fn: Callable[[float], float], target: float, lo: float = 1e-4, hi: float = 1e4
-) -> dict[str, Any]:
+def _solve_scale(fn: Callable[[float], float], target: float, lo: float = 1e-4, hi: float = 1e4) -> dict[str, Any]:
     """Find ``s`` in ``[lo, hi]`` with ``fn(s) == target`` for a monotone ``fn`` (log bisection)."""
     f_lo, f_hi = fn(lo), fn(hi)
     low, high = min(f_lo, f_hi), max(f_lo, f_hi)
@@ -86,8 +103,14 @@ def _within(v: Mapping[str, Any], agree: float) -> str:
     return f"{'within' if v['agrees'] else 'outside'} factor {agree:g}"
 
 
-def _ratio_claim(claim: Claim, stats: PlanStats, hw: Hardware, opts: SimOptions,
-                 est: Mapping[str, StepEstimate], entry: dict[str, Any]) -> str:
+def _ratio_claim(
+    claim: Claim,
+    stats: PlanStats,
+    hw: Hardware,
+    opts: SimOptions,
+    est: Mapping[str, StepEstimate],
+    entry: dict[str, Any],
+) -> str:
     """Fill ``entry`` for a speedup claim; return its one-line finding."""
     assert claim.ratio is not None
     agree = opts.agree_factor
@@ -111,8 +134,9 @@ def _ratio_claim(claim: Claim, stats: PlanStats, hw: Hardware, opts: SimOptions,
     return f"{claim.key}: {verdict} (predicted {preds} vs {claim.ratio:g}x)"
 
 
-def _bandwidth_what_if(claim: Claim, base: str, stats: PlanStats, hw: Hardware,
-                       opts: SimOptions, owner: StepEstimate) -> dict[str, Any]:
+def _bandwidth_what_if(
+    claim: Claim, base: str, stats: PlanStats, hw: Hardware, opts: SimOptions, owner: StepEstimate
+) -> dict[str, Any]:
     """The bandwidth (fraction of the stated one) at which ``base`` reproduces the claim."""
     assert claim.ratio is not None
     knob = "inter_bw_gbs" if claim.nodes > 1 else "intra_bw_gbs"
@@ -127,14 +151,21 @@ def _bandwidth_what_if(claim: Claim, base: str, stats: PlanStats, hw: Hardware,
     stated = getattr(hw, knob).value
     if sol["reachable"]:
         s = sol["scale"]
-        text = (f"{base}: the claimed {claim.ratio:g}x needs effective {label} bandwidth "
-                f"{s * stated:.3g} GB/s = {s:.3g} x the stated {stated:g} GB/s")
+        text = (
+            f"{base}: the claimed {claim.ratio:g}x needs effective {label} bandwidth "
+            f"{s * stated:.3g} GB/s = {s:.3g} x the stated {stated:g} GB/s"
+        )
         return {"baseline": base, "knob": knob, **sol, "text": text}
     lo_r, hi_r = sol["range"]
-    why = ("redundant compute alone already exceeds it" if claim.ratio < lo_r
-           else "even 10^-4 x the bandwidth does not reach it")
-    text = (f"{base}: no {label} bandwidth reproduces {claim.ratio:g}x: the ratio spans "
-            f"{lo_r:.1f}x-{hi_r:.1f}x over 10^-4..10^4 x the stated bandwidth ({why})")
+    why = (
+        "redundant compute alone already exceeds it"
+        if claim.ratio < lo_r
+        else "even 10^-4 x the bandwidth does not reach it"
+    )
+    text = (
+        f"{base}: no {label} bandwidth reproduces {claim.ratio:g}x: the ratio spans "
+        f"{lo_r:.1f}x-{hi_r:.1f}x over 10^-4..10^4 x the stated bandwidth ({why})"
+    )
     compute_fraction = None
     if claim.ratio < lo_r:
         # Then the compute ratio itself is the issue: how much redundant NS would fit the claim?
@@ -142,15 +173,17 @@ def _bandwidth_what_if(claim: Claim, base: str, stats: PlanStats, hw: Hardware,
         need = claim.ratio * owner.total_s - (b.total_s - b.compute_s)
         if need > 0:
             compute_fraction = need / b.compute_s
-            text += (f"; it would need the baseline's NS compute cut to {compute_fraction:.2f} of "
-                     f"the modelled (e.g. NS repeated on ~{compute_fraction * stats.world_size:.1f}"
-                     f" of {stats.world_size} ranks instead of all)")
-    return {"baseline": base, "knob": knob, **sol, "compute_fraction_needed": compute_fraction,
-            "text": text}
+            text += (
+                f"; it would need the baseline's NS compute cut to {compute_fraction:.2f} of "
+                f"the modelled (e.g. NS repeated on ~{compute_fraction * stats.world_size:.1f}"
+                f" of {stats.world_size} ranks instead of all)"
+            )
+    return {"baseline": base, "knob": knob, **sol, "compute_fraction_needed": compute_fraction, "text": text}
 
 
-def _time_claim(claim: Claim, hw: Hardware, opts: SimOptions,
-                est: Mapping[str, StepEstimate], entry: dict[str, Any]) -> str:
+def _time_claim(
+    claim: Claim, hw: Hardware, opts: SimOptions, est: Mapping[str, StepEstimate], entry: dict[str, Any]
+) -> str:
     """Fill ``entry`` for an absolute-time claim; return its one-line finding."""
     assert claim.baseline_ms is not None and claim.owner_ms is not None
     agree = opts.agree_factor
@@ -161,11 +194,16 @@ def _time_claim(claim: Claim, hw: Hardware, opts: SimOptions,
     rate = owner.max_rank_flops / t_owner
     t_avail = max(1e-12, t_owner - owner.launch_s - owner.elementwise_s)
     eff_needed = (owner.max_rank_flops / peak) / t_avail
-    steps_at_peak = (opts.ns_steps * t_owner * peak / owner.max_rank_flops
-                     if owner.max_rank_flops > 0 else float("inf"))
+    steps_at_peak = opts.ns_steps * t_owner * peak / owner.max_rank_flops if owner.max_rank_flops > 0 else float("inf")
     impossible = " > 1: not physically possible with these FLOPs" if eff_needed > 1 else ""
-    v.update({"strategy": "owner", "implied_tflops": rate / 1e12,
-              "implied_fraction_of_peak": rate / peak, "ns_efficiency_needed": eff_needed})
+    v.update(
+        {
+            "strategy": "owner",
+            "implied_tflops": rate / 1e12,
+            "implied_fraction_of_peak": rate / peak,
+            "ns_efficiency_needed": eff_needed,
+        }
+    )
     v["text"] = (
         f"owner: model predicts {owner.total_s * 1e3:.0f} ms vs claimed {claim.owner_ms:g} ms "
         f"({_within(v, agree)}); the claimed time implies {rate / 1e12:.0f} TFLOP/s on the busiest "
@@ -179,10 +217,12 @@ def _time_claim(claim: Claim, hw: Hardware, opts: SimOptions,
         vb = _verdict(b.total_s * 1e3, claim.baseline_ms, agree)
         t_ns = claim.baseline_ms * 1e-3 - b.comm_s - b.launch_s - b.elementwise_s
         b_rate = b.max_rank_flops / t_ns if t_ns > 0 else float("inf")
-        vb.update({"strategy": base, "implied_tflops": b_rate / 1e12,
-                   "implied_fraction_of_peak": b_rate / peak})
-        implied = (f"{b_rate / 1e12:.0f} TFLOP/s = {_pct(b_rate / peak)} of peak for its NS"
-                   if math.isfinite(b_rate) else "no time left for NS")
+        vb.update({"strategy": base, "implied_tflops": b_rate / 1e12, "implied_fraction_of_peak": b_rate / peak})
+        implied = (
+            f"{b_rate / 1e12:.0f} TFLOP/s = {_pct(b_rate / peak)} of peak for its NS"
+            if math.isfinite(b_rate)
+            else "no time left for NS"
+        )
         vb["text"] = (
             f"{base}: model predicts {b.total_s * 1e3:.0f} ms vs claimed {claim.baseline_ms:g} ms "
             f"({_within(vb, agree)}); after the modelled communication ({b.comm_s * 1e3:.0f} ms) "
@@ -224,10 +264,15 @@ def compare_with_claims(
         stats = cache.get(claim.nodes, claim.gpus_per_node)
         est = estimate_strategies(stats, hardware, options)
         entry: dict[str, Any] = {
-            "key": claim.key, "claim": claim.text, "source": claim.source, "nodes": claim.nodes,
-            "gpus_per_node": claim.gpus_per_node, "world_size": stats.world_size,
+            "key": claim.key,
+            "claim": claim.text,
+            "source": claim.source,
+            "nodes": claim.nodes,
+            "gpus_per_node": claim.gpus_per_node,
+            "world_size": stats.world_size,
             "predicted_ms": {k: v.total_s * 1e3 for k, v in est.items()},
-            "comparisons": [], "what_if": [],
+            "comparisons": [],
+            "what_if": [],
         }
         if claim.ratio is not None:
             findings.append(_ratio_claim(claim, stats, hardware, options, est, entry))
@@ -237,14 +282,22 @@ def compare_with_claims(
 
     for a in claims:
         for b in claims:
-            if (a.ratio is not None and b.baseline_ms and b.owner_ms and a.nodes == b.nodes
-                    and a.gpus_per_node == b.gpus_per_node):
+            if (
+                a.ratio is not None
+                and b.baseline_ms
+                and b.owner_ms
+                and a.nodes == b.nodes
+                and a.gpus_per_node == b.gpus_per_node
+            ):
                 r = b.baseline_ms / b.owner_ms
                 f = _factor(r, a.ratio)
                 findings.append(
                     f"{b.key} ratio {r:.2f}x vs {a.key} {a.ratio:g}x (factor {f:.2f}): "
-                    + ("consistent with the seed figure being that measurement" if f <= 1.05
-                       else "not the same measurement")
+                    + (
+                        "consistent with the seed figure being that measurement"
+                        if f <= 1.05
+                        else "not the same measurement"
+                    )
                 )
     return {
         "agree_factor": options.agree_factor,
@@ -262,8 +315,7 @@ def compare_with_claims(
     }
 
 
-def _model_notes(cache: StatsCache, hw: Hardware, opts: SimOptions,
-                 claims: Sequence[Claim]) -> list[str]:
+def _model_notes(cache: StatsCache, hw: Hardware, opts: SimOptions, claims: Sequence[Claim]) -> list[str]:
     """Computed statements about what the model can and cannot explain."""
     g = claims[0].gpus_per_node if claims else 8
     parts = []

@@ -5,13 +5,13 @@ Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .formulas import hierarchical_all_gather_time, hierarchical_all_reduce_time, owner_routing_phase_time
 from .hardware import Hardware, SimOptions
 from .plan_stats import MatrixInfo, PlanStats
-
 
 STRATEGIES: dict[str, str] = {
     "reconstruction": (
@@ -73,9 +73,7 @@ def _elementwise_s(elems: float, hw: Hardware, opts: SimOptions) -> float:
     return elems * opts.adamw_bytes_per_elem / hw.hbm_bw
 
 
-def estimate_reconstruction(
-    stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()
-) -> StepEstimate:
+def estimate_reconstruction(stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()) -> StepEstimate:
     """Explicit reconstruction: gather each full gradient, NS on every matrix on every rank."""
     N, G, W = stats.nodes, stats.gpus_per_node, stats.world_size
     comm = 0.0
@@ -97,9 +95,7 @@ def estimate_reconstruction(
     )
 
 
-def estimate_reconstruction_dtensor(
-    stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()
-) -> StepEstimate:
+def estimate_reconstruction_dtensor(stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()) -> StepEstimate:
     """``torch.optim.Muon`` on FSDP2 ``Shard(0)`` DTensors, per the torch 2.13 op trace.
 
     Per matrix (k = min(m, n), l = max(m, n), s = NS iterations, b = ns_bytes):
@@ -120,8 +116,9 @@ def estimate_reconstruction_dtensor(
         comm += hierarchical_all_reduce_time(0.0, N, G, hw)  # norm: latency only
         calls += 1
         if mat.m <= mat.n:
-            per_iter = 2 * hierarchical_all_gather_time(k * l * b, N, G, hw) + \
-                hierarchical_all_gather_time(k * k * b, N, G, hw)
+            per_iter = 2 * hierarchical_all_gather_time(k * l * b, N, G, hw) + hierarchical_all_gather_time(
+                k * k * b, N, G, hw
+            )
             comm += s * per_iter
             moved += s * (2 * k * l + k * k) * b * (W - 1) / W
             calls += 3 * s
@@ -145,9 +142,7 @@ def estimate_reconstruction_dtensor(
     )
 
 
-def _busiest_owner_rank(
-    stats: PlanStats, hw: Hardware, opts: SimOptions
-) -> tuple[int, float, float, float]:
+def _busiest_owner_rank(stats: PlanStats, hw: Hardware, opts: SimOptions) -> tuple[int, float, float, float]:
     """The rank whose owner-side work (NS + launches + AdamW) is longest, and its parts."""
     best = (0, 0.0, 0.0, 0.0)
     best_total = -1.0
@@ -160,26 +155,31 @@ def _busiest_owner_rank(
     return best
 
 
-def estimate_all_to_all(
-    stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()
-) -> StepEstimate:
+def estimate_all_to_all(stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()) -> StepEstimate:
     """Stock layout, owner routing: slices to owners, NS once, updated slices back."""
     W, G = stats.world_size, stats.gpus_per_node
     gb = opts.grad_bytes
     phase = owner_routing_phase_time(
-        [x * gb for x in stats.nvlink_send], [x * gb for x in stats.nvlink_recv],
-        [x * gb for x in stats.nic_in], [x * gb for x in stats.nic_out], G, hw,
+        [x * gb for x in stats.nvlink_send],
+        [x * gb for x in stats.nvlink_recv],
+        [x * gb for x in stats.nic_in],
+        [x * gb for x in stats.nic_out],
+        G,
+        hw,
     )
     # phase 2 mirrors phase 1 (send <-> receive), same busiest link, same time
     r, c, ln, _ = _busiest_owner_rank(stats, hw, opts)
     # bytes received: phase 1 the other ranks' slices of owned matrices, phase 2 the updated
     # slices of every matrix owned elsewhere (~2 P/W on an average rank)
     total_elems = sum(m.numel for m in stats.matrices)
-    per_rank = [
-        (stats.rank_owned_matrix_elems[q] * (W - 1) / W
-         + (total_elems - stats.rank_owned_matrix_elems[q]) / W) * gb
-        for q in range(W)
-    ] if W > 1 else [0.0]
+    per_rank = (
+        [
+            (stats.rank_owned_matrix_elems[q] * (W - 1) / W + (total_elems - stats.rank_owned_matrix_elems[q]) / W) * gb
+            for q in range(W)
+        ]
+        if W > 1
+        else [0.0]
+    )
     return StepEstimate(
         "all_to_all",
         compute_s=c,
@@ -197,8 +197,14 @@ def estimate_owner(stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions
     """Owner layout: no collectives; the most loaded rank sets the step time."""
     r, c, ln, e = _busiest_owner_rank(stats, hw, opts)
     return StepEstimate(
-        "owner", compute_s=c, launch_s=ln, elementwise_s=e, comm_s=0.0, comm_bytes_per_rank=0.0,
-        collectives=0, max_rank_flops=stats.rank_matrix_flops[r],
+        "owner",
+        compute_s=c,
+        launch_s=ln,
+        elementwise_s=e,
+        comm_s=0.0,
+        comm_bytes_per_rank=0.0,
+        collectives=0,
+        max_rank_flops=stats.rank_matrix_flops[r],
         flops_imbalance=stats.flops_imbalance,
     )
 
@@ -211,9 +217,7 @@ ESTIMATORS: dict[str, Callable[[PlanStats, Hardware, SimOptions], StepEstimate]]
 }
 
 
-def estimate_strategies(
-    stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()
-) -> dict[str, StepEstimate]:
+def estimate_strategies(stats: PlanStats, hw: Hardware, opts: SimOptions = SimOptions()) -> dict[str, StepEstimate]:
     """All strategies' estimates for one plan, keyed as :data:`STRATEGIES`."""
     return {name: fn(stats, hw, opts) for name, fn in ESTIMATORS.items()}
 
@@ -243,15 +247,14 @@ def estimate_memory(stats: PlanStats, opts: SimOptions = SimOptions()) -> dict[s
     for r in range(W):
         owned_ws = [_ns_workspace_bytes(m, opts) for m in stats.matrices if m.owner == r]
         owner_peak = max(owner_peak, stats.rank_resident_bytes[r] + max(owned_ws, default=0.0))
-    recon = even + max(g + w for g, w in zip(gathered, ws_all))
+    recon = even + max(g + w for g, w in zip(gathered, ws_all, strict=True))
     gather_all = even + sum(gathered) + max(ws_all)
     a2a = even + max(
         stats.rank_owned_matrix_elems[r] * opts.grad_bytes
         + max((_ns_workspace_bytes(m, opts) for m in stats.matrices if m.owner == r), default=0.0)
         for r in range(W)
     )
-    zero1 = (stats.total_param_bytes + stats.total_grad_bytes
-             + max(stats.rank_owned_state_bytes, default=0.0))
+    zero1 = stats.total_param_bytes + stats.total_grad_bytes + max(stats.rank_owned_state_bytes, default=0.0)
     return {
         "owner": owner_peak,
         "reconstruction": recon,

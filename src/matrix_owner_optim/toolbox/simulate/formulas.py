@@ -5,10 +5,9 @@ Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the mo
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .hardware import Hardware
-
 
 FORMULAS: dict[str, str] = {
     "ring_all_gather": "T(n, p) = (p-1) * (alpha + n / (p * beta)); n = gathered bytes; p=1 -> 0",
@@ -38,13 +37,8 @@ FORMULAS: dict[str, str] = {
         "max_node max(nic_in, nic_out) / beta_inter_node) + (G-1) alpha_intra + (W-G) alpha_inter; "
         "two phases (slices to owners, updates back)"
     ),
-    "compute": (
-        "T = NS FLOPs / (peak * efficiency) + kernels * launch + AdamW bytes / HBM bandwidth"
-    ),
-    "step": (
-        "serial: T_step = max over ranks of (communication + compute); collectives do not "
-        "overlap NS"
-    ),
+    "compute": ("T = NS FLOPs / (peak * efficiency) + kernels * launch + AdamW bytes / HBM bandwidth"),
+    "step": ("serial: T_step = max over ranks of (communication + compute); collectives do not overlap NS"),
 }
 
 
@@ -66,9 +60,7 @@ def ring_all_reduce_time(n_bytes: float, p: int, bandwidth: float, latency: floa
     return 2.0 * ring_all_gather_time(n_bytes, p, bandwidth, latency)
 
 
-def hierarchical_all_gather_time(
-    n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware
-) -> float:
+def hierarchical_all_gather_time(n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware) -> float:
     """All-gather of ``n_bytes`` over ``nodes x gpus_per_node`` ranks, two levels.
 
     Inter-node phase: each of the G rails runs a ring across the N nodes; the rails share the
@@ -81,9 +73,7 @@ def hierarchical_all_gather_time(
     return inter + intra
 
 
-def hierarchical_all_reduce_time(
-    n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware
-) -> float:
+def hierarchical_all_reduce_time(n_bytes: float, nodes: int, gpus_per_node: int, hw: Hardware) -> float:
     """Two-level all-reduce: twice the two-level all-gather (reduce-scatter + all-gather)."""
     return 2.0 * hierarchical_all_gather_time(n_bytes, nodes, gpus_per_node, hw)
 
@@ -118,15 +108,13 @@ def owner_routing_phase_time(
     if W <= 1:
         return 0.0
     G = gpus_per_node
-    t_intra = max(max(s, r) for s, r in zip(nvlink_send, nvlink_recv)) / hw.beta_intra
-    t_inter = max((max(i, o) for i, o in zip(nic_in, nic_out)), default=0.0) / hw.beta_inter
+    t_intra = max(max(s, r) for s, r in zip(nvlink_send, nvlink_recv, strict=True)) / hw.beta_intra
+    t_inter = max((max(i, o) for i, o in zip(nic_in, nic_out, strict=True)), default=0.0) / hw.beta_inter
     latency = (min(G, W) - 1) * hw.alpha_intra + (W - min(G, W)) * hw.alpha_inter
     return max(t_intra, t_inter) + latency
 
 
-def group_all_gather_time(
-    n_bytes: float, size: int, stride: int, gpus_per_node: int, hw: Hardware
-) -> float:
+def group_all_gather_time(n_bytes: float, size: int, stride: int, gpus_per_node: int, hw: Hardware) -> float:
     """All-gather of ``n_bytes`` over a sub-group of ``size`` ranks ``stride`` apart.
 
     A ``(replicate, shard)`` mesh laid out row-major has shard groups of ``shard`` consecutive
@@ -138,8 +126,8 @@ def group_all_gather_time(
     """
     if size < 1 or stride < 1 or gpus_per_node < 1:
         raise ValueError(
-            f"group_all_gather_time: size, stride and gpus_per_node must be >= 1, got "
-            f"{size}, {stride}, {gpus_per_node}")
+            f"group_all_gather_time: size, stride and gpus_per_node must be >= 1, got {size}, {stride}, {gpus_per_node}"
+        )
     G = gpus_per_node
     local = 1 if stride >= G else max(1, min(size, G // stride))
     nodes = -(-size // local)
@@ -149,9 +137,7 @@ def group_all_gather_time(
     return inter + intra
 
 
-def replica_all_reduce_time(
-    segment_bytes: Sequence[float], replicate: int, gpus_per_node: int, hw: Hardware
-) -> float:
+def replica_all_reduce_time(segment_bytes: Sequence[float], replicate: int, gpus_per_node: int, hw: Hardware) -> float:
     """The HSDP all-reduce across ``replicate`` replicas of every shard rank's segment at once.
 
     ``segment_bytes[s]`` is what shard rank ``s`` all-reduces (the owner layout: the gradients of
@@ -166,7 +152,7 @@ def replica_all_reduce_time(
     local = 1 if S >= G else max(1, min(replicate, G // S))
     nodes = -(-replicate // local)
     block = min(S, G)
-    node_bytes = max(sum(segment_bytes[i:i + block]) for i in range(0, S, block))
+    node_bytes = max(sum(segment_bytes[i : i + block]) for i in range(0, S, block))
     # the ring formula divides by the ranks per ring; here the node's aggregate crosses its NICs
     inter = ring_all_gather_time(node_bytes, nodes, hw.beta_inter, hw.alpha_inter)
     intra = ring_all_gather_time(max(segment_bytes), local, hw.beta_intra, hw.alpha_intra)

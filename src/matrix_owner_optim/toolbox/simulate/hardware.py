@@ -53,8 +53,15 @@ class Hardware:
     gpu_memory_gb: Constant
 
     FIELDS = (
-        "peak_tflops", "ns_efficiency", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
-        "inter_latency_us", "hbm_bw_gbs", "launch_us", "gpu_memory_gb",
+        "peak_tflops",
+        "ns_efficiency",
+        "intra_bw_gbs",
+        "inter_bw_gbs",
+        "intra_latency_us",
+        "inter_latency_us",
+        "hbm_bw_gbs",
+        "launch_us",
+        "gpu_memory_gb",
     )
 
     # -- SI views used by the formulas -------------------------------------------------------
@@ -87,24 +94,23 @@ class Hardware:
     def launch_s(self) -> float:
         return self.launch_us.value * 1e-6
 
-    def with_overrides(self, **values: float | None) -> "Hardware":
+    def with_overrides(self, **values: float | None) -> Hardware:
         """A copy with some constants replaced; replaced ones are marked ``user override``."""
         changes: dict[str, Any] = {}
         for key, value in values.items():
             if value is None:
                 continue
             if key not in self.FIELDS:
-                raise ValueError(
-                    f"unknown hardware constant {key!r}; known: {', '.join(self.FIELDS)}")
+                raise ValueError(f"unknown hardware constant {key!r}; known: {', '.join(self.FIELDS)}")
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"hardware constant {key} must be a positive number, got {value!r}")
+                raise ValueError(f"hardware constant {key} must be a positive number, got {value!r}")
             old: Constant = getattr(self, key)
-            changes[key] = Constant(float(value), old.unit, "user override",
-                                    f"preset value was {old.value:g} ({old.source})")
+            changes[key] = Constant(
+                float(value), old.unit, "user override", f"preset value was {old.value:g} ({old.source})"
+            )
         return dataclasses.replace(self, **changes) if changes else self
 
-    def scaled(self, **factors: float) -> "Hardware":
+    def scaled(self, **factors: float) -> Hardware:
         """A copy with constants multiplied by factors (used by the what-if solvers)."""
         changes: dict[str, Any] = {}
         for key, f in factors.items():
@@ -113,8 +119,7 @@ class Hardware:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "gpu": self.gpu,
-                "constants": {k: getattr(self, k).to_json() for k in self.FIELDS}}
+        return {"name": self.name, "gpu": self.gpu, "constants": {k: getattr(self, k).to_json() for k in self.FIELDS}}
 
 
 _NS_EFF_NOTE = (
@@ -131,18 +136,28 @@ A100 = Hardware(
     gpu="NVIDIA A100 SXM4 80GB (DGX A100-style node)",
     peak_tflops=Constant(312.0, "TFLOP/s", "vendor spec", "A100 bf16 dense Tensor Core peak"),
     ns_efficiency=Constant(0.5, "fraction", "assumption", _NS_EFF_NOTE),
-    intra_bw_gbs=Constant(300.0, "GB/s per GPU per direction", "vendor spec",
-                          "NVLink3 via NVSwitch: 600 GB/s bidirectional = 300 GB/s per direction; "
-                          "NCCL typically measures ~230-260 GB/s bus bandwidth"),
-    inter_bw_gbs=Constant(100.0, "GB/s per node per direction", "vendor spec",
-                          "4 x 200 Gb/s HDR InfiniBand per node (assumed cluster wiring; the paper "
-                          "summary does not state the NICs; DGX A100 has up to 8 x 200 Gb/s)"),
+    intra_bw_gbs=Constant(
+        300.0,
+        "GB/s per GPU per direction",
+        "vendor spec",
+        "NVLink3 via NVSwitch: 600 GB/s bidirectional = 300 GB/s per direction; "
+        "NCCL typically measures ~230-260 GB/s bus bandwidth",
+    ),
+    inter_bw_gbs=Constant(
+        100.0,
+        "GB/s per node per direction",
+        "vendor spec",
+        "4 x 200 Gb/s HDR InfiniBand per node (assumed cluster wiring; the paper "
+        "summary does not state the NICs; DGX A100 has up to 8 x 200 Gb/s)",
+    ),
     intra_latency_us=Constant(5.0, "us per ring step", "typical measured", _INTRA_LAT_NOTE),
     inter_latency_us=Constant(10.0, "us per ring step", "typical measured", _INTER_LAT_NOTE),
-    hbm_bw_gbs=Constant(2039.0, "GB/s", "vendor spec",
-                        "A100 80GB SXM HBM2e; prices the memory-bound AdamW of non-matrix tensors"),
-    launch_us=Constant(5.0, "us per kernel", "typical measured",
-                       "CUDA kernel launch + PyTorch dispatch per NS kernel (eager mode)"),
+    hbm_bw_gbs=Constant(
+        2039.0, "GB/s", "vendor spec", "A100 80GB SXM HBM2e; prices the memory-bound AdamW of non-matrix tensors"
+    ),
+    launch_us=Constant(
+        5.0, "us per kernel", "typical measured", "CUDA kernel launch + PyTorch dispatch per NS kernel (eager mode)"
+    ),
     gpu_memory_gb=Constant(80.0, "GB", "vendor spec", "A100 80GB HBM capacity"),
 )
 
@@ -151,15 +166,24 @@ H100 = Hardware(
     gpu="NVIDIA H100 SXM5 80GB (DGX H100-style node)",
     peak_tflops=Constant(989.0, "TFLOP/s", "vendor spec", "H100 SXM bf16 dense Tensor Core peak"),
     ns_efficiency=Constant(0.5, "fraction", "assumption", _NS_EFF_NOTE),
-    intra_bw_gbs=Constant(450.0, "GB/s per GPU per direction", "vendor spec",
-                          "NVLink4 via NVSwitch: 900 GB/s bidirectional = 450 GB/s per direction"),
-    inter_bw_gbs=Constant(400.0, "GB/s per node per direction", "vendor spec",
-                          "8 x 400 Gb/s NDR InfiniBand per node (DGX H100 compute fabric)"),
+    intra_bw_gbs=Constant(
+        450.0,
+        "GB/s per GPU per direction",
+        "vendor spec",
+        "NVLink4 via NVSwitch: 900 GB/s bidirectional = 450 GB/s per direction",
+    ),
+    inter_bw_gbs=Constant(
+        400.0,
+        "GB/s per node per direction",
+        "vendor spec",
+        "8 x 400 Gb/s NDR InfiniBand per node (DGX H100 compute fabric)",
+    ),
     intra_latency_us=Constant(5.0, "us per ring step", "typical measured", _INTRA_LAT_NOTE),
     inter_latency_us=Constant(10.0, "us per ring step", "typical measured", _INTER_LAT_NOTE),
     hbm_bw_gbs=Constant(3350.0, "GB/s", "vendor spec", "H100 SXM HBM3"),
-    launch_us=Constant(5.0, "us per kernel", "typical measured",
-                       "CUDA kernel launch + PyTorch dispatch per NS kernel (eager mode)"),
+    launch_us=Constant(
+        5.0, "us per kernel", "typical measured", "CUDA kernel launch + PyTorch dispatch per NS kernel (eager mode)"
+    ),
     gpu_memory_gb=Constant(80.0, "GB", "vendor spec", "H100 80GB HBM capacity"),
 )
 
@@ -178,9 +202,14 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "a100": Preset("a100", A100, 8, 8, "A100 nodes: 8 GPUs on NVLink3, 4 x HDR IB per node"),
     "h100": Preset("h100", H100, 8, 8, "H100 nodes: 8 GPUs on NVLink4, 8 x NDR IB per node"),
-    "paper": Preset("paper", dataclasses.replace(A100, name="paper"), 8, 8,
-                    "the paper's setup: 8 nodes x 8 A100 = 64 GPUs; model 32 layers x 4096 "
-                    "(the seed code's configuration; the paper summary names sizes up to 32B)"),
+    "paper": Preset(
+        "paper",
+        dataclasses.replace(A100, name="paper"),
+        8,
+        8,
+        "the paper's setup: 8 nodes x 8 A100 = 64 GPUs; model 32 layers x 4096 "
+        "(the seed code's configuration; the paper summary names sizes up to 32B)",
+    ),
 }
 
 # Paper / seed model: 32 layers, hidden 4096 (seed code's figure). Vocabulary and context

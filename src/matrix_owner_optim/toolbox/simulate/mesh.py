@@ -32,8 +32,9 @@ every layout.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -44,8 +45,16 @@ from .formulas import group_all_gather_time, replica_all_reduce_time
 from .hardware import Hardware, SimOptions
 from .plan_stats import plan_stats
 
-__all__ = ["MESH_LAYOUTS", "MeshProjection", "StepComm", "step_comm", "project_mesh", "compare_meshes",
-           "mesh_sweep", "group_topology"]
+__all__ = [
+    "MESH_LAYOUTS",
+    "MeshProjection",
+    "StepComm",
+    "step_comm",
+    "project_mesh",
+    "compare_meshes",
+    "mesh_sweep",
+    "group_topology",
+]
 
 MESH_LAYOUTS: dict[str, str] = {
     "stock_fsdp2_muon": "flat stock FSDP2 over W ranks, Muon by reconstruction (paper baseline)",
@@ -95,8 +104,15 @@ class StepComm:
         }
 
 
-def step_comm(plan: ShardingPlan, replicate: int, gpus_per_node: int, hw: Hardware,
-              opts: SimOptions = SimOptions(), *, owner_segments: bool = True) -> StepComm:
+def step_comm(
+    plan: ShardingPlan,
+    replicate: int,
+    gpus_per_node: int,
+    hw: Hardware,
+    opts: SimOptions = SimOptions(),
+    *,
+    owner_segments: bool = True,
+) -> StepComm:
     """Forward/backward collectives of ``plan`` (a plan for the shard dim) on a mesh of
     ``replicate`` replicas. ``owner_segments``: the replica all-reduce carries each rank's owner
     segment (the owner layout); otherwise the even ``1/shard`` slice (stock FSDP2 HSDP)."""
@@ -120,8 +136,9 @@ def step_comm(plan: ShardingPlan, replicate: int, gpus_per_node: int, hw: Hardwa
         ag += 2 * group_all_gather_time(p_bytes, S, 1, G, hw)
         rs += group_all_gather_time(g_elems * opts.grad_bytes, S, 1, G, hw)
         if replicate > 1:
-            segments = ([x * opts.grad_bytes for x in seg[unit]] if owner_segments
-                        else [g_elems / S * opts.grad_bytes] * S)
+            segments = (
+                [x * opts.grad_bytes for x in seg[unit]] if owner_segments else [g_elems / S * opts.grad_bytes] * S
+            )
             ar += replica_all_reduce_time(segments, replicate, G, hw)
             moved += max(segments)
     return StepComm(ag, rs, ar, moved)
@@ -159,31 +176,46 @@ class MeshProjection:
         return out
 
 
-def _owner(layout: str, plan: ShardingPlan, replicate: int, G: int, hw: Hardware,
-           opts: SimOptions) -> MeshProjection:
+def _owner(layout: str, plan: ShardingPlan, replicate: int, G: int, hw: Hardware, opts: SimOptions) -> MeshProjection:
     nodes, g = group_topology(plan.world_size, G)
     est = estimate_owner(plan_stats(plan, nodes, g), hw, opts)
     imb = plan.imbalance()
     return MeshProjection(
-        layout, replicate, plan.world_size, est.total_s, 0.0, step_comm(plan, replicate, G, hw, opts),
-        max(x.resident_bytes for x in plan.loads), imb["bytes_max_over_mean"], imb["flops_max_over_mean"])
+        layout,
+        replicate,
+        plan.world_size,
+        est.total_s,
+        0.0,
+        step_comm(plan, replicate, G, hw, opts),
+        max(x.resident_bytes for x in plan.loads),
+        imb["bytes_max_over_mean"],
+        imb["flops_max_over_mean"],
+    )
 
 
-def _stock(layout: str, plan: ShardingPlan, replicate: int, G: int, hw: Hardware,
-           opts: SimOptions) -> MeshProjection:
+def _stock(layout: str, plan: ShardingPlan, replicate: int, G: int, hw: Hardware, opts: SimOptions) -> MeshProjection:
     nodes, g = group_topology(plan.world_size, G)
     stats = plan_stats(plan, nodes, g)
     rec = estimate_reconstruction(stats, hw, opts)
     dt = estimate_reconstruction_dtensor(stats, hw, opts)
     even = stats.total_resident_bytes / plan.world_size
     return MeshProjection(
-        layout, replicate, plan.world_size, rec.total_s, rec.comm_s,
-        step_comm(plan, replicate, G, hw, opts, owner_segments=False), even, 1.0, 1.0,
-        variant_optimizer_step_s=dt.total_s)
+        layout,
+        replicate,
+        plan.world_size,
+        rec.total_s,
+        rec.comm_s,
+        step_comm(plan, replicate, G, hw, opts, owner_segments=False),
+        even,
+        1.0,
+        1.0,
+        variant_optimizer_step_s=dt.total_s,
+    )
 
 
-def project_mesh(advice: MeshAdvice, gpus_per_node: int, hw: Hardware,
-                 opts: SimOptions = SimOptions()) -> MeshProjection:
+def project_mesh(
+    advice: MeshAdvice, gpus_per_node: int, hw: Hardware, opts: SimOptions = SimOptions()
+) -> MeshProjection:
     """The advised mesh's optimizer step (the busiest owner, zero bytes) and per-step
     communication on ``hw`` with ``gpus_per_node`` GPUs per node."""
     _check_cluster(advice.world_size, gpus_per_node)
@@ -194,7 +226,8 @@ def _check_cluster(world_size: int, gpus_per_node: int) -> None:
     if gpus_per_node < 1 or (world_size > gpus_per_node and world_size % gpus_per_node):
         raise ValueError(
             f"{world_size} GPUs do not fill nodes of {gpus_per_node}: use a world size that is a "
-            "multiple of --gpus-per-node (or at most one node)")
+            "multiple of --gpus-per-node (or at most one node)"
+        )
 
 
 def compare_meshes(
@@ -216,16 +249,20 @@ def compare_meshes(
     G = min(gpus_per_node, world_size)
     _check_cluster(world_size, G)
     if advice is None:
-        advice = plan_mesh(model, world_size, unit_prefixes=unit_prefixes, roles=roles,
-                           preconditioner=preconditioner, max_imbalance=max_imbalance)
-    flat = plan_model(model, world_size, unit_prefixes=unit_prefixes, roles=roles,
-                      preconditioner=preconditioner)
+        advice = plan_mesh(
+            model,
+            world_size,
+            unit_prefixes=unit_prefixes,
+            roles=roles,
+            preconditioner=preconditioner,
+            max_imbalance=max_imbalance,
+        )
+    flat = plan_model(model, world_size, unit_prefixes=unit_prefixes, roles=roles, preconditioner=preconditioner)
     rows = {
         "stock_fsdp2_muon": _stock("stock_fsdp2_muon", flat, 1, G, hardware, options),
         "flat_owner": _owner("flat_owner", flat, 1, G, hardware, options),
         "owner_hsdp": _owner("owner_hsdp", advice.plan, advice.replicate, G, hardware, options),
-        "stock_fsdp2_hsdp": _stock("stock_fsdp2_hsdp", advice.plan, advice.replicate, G,
-                                   hardware, options),
+        "stock_fsdp2_hsdp": _stock("stock_fsdp2_hsdp", advice.plan, advice.replicate, G, hardware, options),
     }
     owner = rows["owner_hsdp"]
     return {
@@ -256,6 +293,15 @@ def mesh_sweep(
     for W in world_sizes:
         advice = plan_mesh(model, W, unit_prefixes=unit_prefixes, max_imbalance=max_imbalance)
         for hw in hardwares:
-            rows.append(compare_meshes(model, W, unit_prefixes=unit_prefixes, gpus_per_node=gpus_per_node,
-                                       hardware=hw, options=options, advice=advice))
+            rows.append(
+                compare_meshes(
+                    model,
+                    W,
+                    unit_prefixes=unit_prefixes,
+                    gpus_per_node=gpus_per_node,
+                    hardware=hw,
+                    options=options,
+                    advice=advice,
+                )
+            )
     return rows

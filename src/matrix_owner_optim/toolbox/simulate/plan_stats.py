@@ -73,10 +73,7 @@ def plan_stats(plan: ShardingPlan, nodes: int, gpus_per_node: int) -> PlanStats:
     """
     W = nodes * gpus_per_node
     if plan.world_size != W:
-        raise ValueError(
-            f"plan is for world size {plan.world_size}, but {nodes} nodes x {gpus_per_node} "
-            f"GPUs = {W}"
-        )
+        raise ValueError(f"plan is for world size {plan.world_size}, but {nodes} nodes x {gpus_per_node} GPUs = {W}")
     G = gpus_per_node
     cost = get_cost_model(plan.preconditioner)
     node_of = [r // G for r in range(W)]
@@ -140,14 +137,24 @@ def plan_stats(plan: ShardingPlan, nodes: int, gpus_per_node: int) -> PlanStats:
 
     flops_all = [float(x.optimizer_flops) for x in plan.loads]
     return PlanStats(
-        world_size=W, nodes=nodes, gpus_per_node=G, matrices=matrices,
+        world_size=W,
+        nodes=nodes,
+        gpus_per_node=G,
+        matrices=matrices,
         total_matrix_flops=sum(m.flops for m in matrices),
-        rank_matrix_flops=rank_flops, rank_matrices=rank_count, rank_owned_matrix_elems=rank_elems,
+        rank_matrix_flops=rank_flops,
+        rank_matrices=rank_count,
+        rank_owned_matrix_elems=rank_elems,
         rank_elementwise_elems_owner=elementwise_owner,
         elementwise_elems_even=nonmatrix_elems / W,
-        nvlink_send=nv_send, nvlink_recv=nv_recv, nic_in=nic_in, nic_out=nic_out,
-        rank_resident_bytes=rank_resident, total_resident_bytes=sum(rank_resident),
-        total_param_bytes=param_bytes, total_grad_bytes=grad_bytes,
+        nvlink_send=nv_send,
+        nvlink_recv=nv_recv,
+        nic_in=nic_in,
+        nic_out=nic_out,
+        rank_resident_bytes=rank_resident,
+        total_resident_bytes=sum(rank_resident),
+        total_param_bytes=param_bytes,
+        total_grad_bytes=grad_bytes,
         rank_owned_state_bytes=rank_state,
         planner_flops_max=max(flops_all) if flops_all else 0.0,
         planner_flops_mean=sum(flops_all) / len(flops_all) if flops_all else 0.0,

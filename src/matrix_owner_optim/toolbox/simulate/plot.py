@@ -5,8 +5,8 @@ Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the mo
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _PLOT_STYLE = {
     "reconstruction": ("tab:red", "-", "o"),

@@ -5,7 +5,8 @@ Part of :mod:`matrix_owner_optim.toolbox.simulate`; see its docstring for the mo
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -34,7 +35,8 @@ def _row(stats: PlanStats, hw: Hardware, opts: SimOptions) -> dict[str, Any]:
             "all_to_all_over_owner": ratio("all_to_all"),
         },
         "comm_share_of_reconstruction": est["reconstruction"].comm_s / est["reconstruction"].total_s
-        if est["reconstruction"].total_s > 0 else 0.0,
+        if est["reconstruction"].total_s > 0
+        else 0.0,
         "planner": {
             "max_rank_optimizer_flops": stats.planner_flops_max,
             "mean_rank_optimizer_flops": stats.planner_flops_mean,
@@ -49,8 +51,7 @@ def _row(stats: PlanStats, hw: Hardware, opts: SimOptions) -> dict[str, Any]:
 class StatsCache:
     """Plans a model once per world size (planning is the only non-trivial cost)."""
 
-    def __init__(self, model: nn.Module, unit_prefixes: Sequence[str] | None,
-                 preconditioner: str = "muon") -> None:
+    def __init__(self, model: nn.Module, unit_prefixes: Sequence[str] | None, preconditioner: str = "muon") -> None:
         self.model = model
         self.unit_prefixes = list(unit_prefixes) if unit_prefixes is not None else None
         self.preconditioner = preconditioner
@@ -59,8 +60,9 @@ class StatsCache:
     def get(self, nodes: int, gpus_per_node: int) -> PlanStats:
         key = (nodes, gpus_per_node)
         if key not in self._stats:
-            plan = plan_model(self.model, nodes * gpus_per_node, preconditioner=self.preconditioner,
-                              unit_prefixes=self.unit_prefixes)
+            plan = plan_model(
+                self.model, nodes * gpus_per_node, preconditioner=self.preconditioner, unit_prefixes=self.unit_prefixes
+            )
             self._stats[key] = plan_stats(plan, nodes, gpus_per_node)
         return self._stats[key]
 
