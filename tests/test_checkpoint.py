@@ -146,7 +146,7 @@ def test_errors(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"model\.extra.*strict=False"):
         ckpt.load(path, extra)
     assert torch.equal(extra.wte.weight, before)  # nothing was read before the error
-    assert ckpt.load(path, extra, strict=True) == ["model.extra"]
+    assert ckpt.load(path, extra, strict=False) == ["model.extra"]
     assert torch.equal(extra.wte.weight, model.wte.weight)
     assert torch.equal(extra.extra, torch.ones(3))
 
@@ -173,5 +173,5 @@ def test_checkpoint_entries_the_model_lacks_are_an_error_unless_not_strict(tmp_p
         match=r"no parameter or buffer for: \['model\.1\.bias', 'model\.1\.weight'\]",
     ):
         ckpt.load(tmp_path / "big", small)
-    assert ckpt.load(tmp_path / "big", small, strict=True) == ["model.1.bias", "model.1.weight"]
+    assert ckpt.load(tmp_path / "big", small, strict=False) == ["model.1.bias", "model.1.weight"]
     assert torch.equal(small[0].weight, big[0].weight)
