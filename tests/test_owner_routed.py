@@ -337,3 +337,17 @@ def test_muon_from_package_matches_torch_muon_defaults() -> None:
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
     _train_alongside(model, opt, ref, [opt2], 3)
     assert max_rel_diff(model, ref) == 0.0
+
+
+def test_child_groups_read_and_write_the_parent_groups() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = OwnerRoutedOptimizer(model.named_parameters(), matrix_options={"lr": 0.02})
+    parent, child = opt.param_groups[0], opt.matrix_optimizer.param_groups[0]
+    assert child["params"] is not parent["params"]  # its own list: this rank's proxies
+    assert "param_names" in parent and "param_names" not in child and "role" not in child
+    parent["lr"] = 0.5  # a scheduler's write: the child reads it, nothing is copied
+    assert child["lr"] == 0.5 and child.get("lr") == 0.5 and dict(child)["lr"] == 0.5
+    child["d"] = 3.0  # a value the child sets itself (Prodigy's d): in the parent at once
+    assert parent["d"] == 3.0 and "d" in child
+    assert opt.state_dict()["param_groups"][0]["d"] == 3.0
+    assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role"})

@@ -17,7 +17,7 @@ is set, saved and loaded with it; nothing is copied either way.
 from __future__ import annotations
 
 import math
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 from typing import Any, NoReturn
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from ..planning.cost import CostModel
 from ..planning.metadata import Role
 from .layouts import LayoutConfig, UpdateLayout, layout_for
-from .registry import ChosenOptimizer
+from .registry import ChosenOptimizer, OptimizerFactory
 from .routing import RoutedParam
 
 __all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "optimizer_role", "probe_defaults"]
@@ -154,7 +154,9 @@ class ChildGroup(dict):  # type: ignore[type-arg]
         return (dict, (self.copy(),))
 
 
-def probe_defaults(factory: Any, options: Mapping[str, Any], what: str) -> tuple[dict[str, Any], Any]:
+def probe_defaults(
+    factory: OptimizerFactory, options: Mapping[str, Any], what: str
+) -> tuple[dict[str, Any], torch.optim.Optimizer]:
     """The hyperparameters ``factory`` fills into a group, and the optimizer it built to tell
     (on a probe tensor, so that its configured ``cost_model`` can price the plan)."""
     probe_param = torch.nn.Parameter(torch.zeros(2, 2))
@@ -278,7 +280,7 @@ class RoleOptimizer:
         for layout in self.layouts.values():
             layout.zero_grad(set_to_none)
 
-    def link_state(self, state: Any) -> None:
+    def link_state(self, state: MutableMapping[torch.Tensor, Any]) -> None:
         """Share the child's per-proxy state dicts as ``state[param]`` (``state`` the parent's).
         Linked after the child's step creates them, so a fresh optimizer's state is empty, as
         torch's is (``get_optimizer_state_dict`` relies on that to initialise it)."""

@@ -14,6 +14,7 @@ The functions here work on the routed parameters and their layouts; the optimize
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -98,7 +99,9 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
             state[idx] = entry
 
 
-def gather_owner_state(ordered: list[RoutedParam], state: Any, to: int | None) -> dict[int, Any] | int:
+def gather_owner_state(
+    ordered: list[RoutedParam], state: Mapping[torch.Tensor, Any], to: int | None
+) -> dict[int, Any] | int:
     """Collective: every rank's owner-held state of ``ordered`` (plain CPU tensors, by index),
     merged on rank ``to`` (every rank with ``None``); ``to`` itself on the other ranks."""
     mine = {
@@ -166,8 +169,8 @@ def local_state(
     saved_groups: list[dict[str, Any]],
     routed: list[RoutedParam],
     layout_of: LayoutOf,
-    current: Any,
-    label: Any,
+    current: Mapping[torch.Tensor, Any],
+    label: Callable[[RoutedParam], str],
 ) -> dict[int, dict[str, Any]]:
     """This rank's state of each parameter it updates, by ``id(RoutedParam)``, from a saved
     state dict (``current`` the optimizer's state now, read in place when DCP wrote into it;
