@@ -351,3 +351,17 @@ def test_child_groups_read_and_write_the_parent_groups() -> None:
     assert parent["d"] == 3.0 and "d" in child
     assert opt.state_dict()["param_groups"][0]["d"] == 3.0
     assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role"})
+
+
+def test_load_keeps_live_values_a_saved_group_lacks() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = OwnerRoutedOptimizer(model.named_parameters())
+    sd = copy.deepcopy(opt.state_dict())
+    assert [g["role"] for g in sd["param_groups"]] == ["matrix", "tail"]
+    for g in sd["param_groups"]:
+        del g["role"]
+    del sd["param_groups"][1]["eps"]  # saved before the tail optimizer had this hyperparameter
+    opt.load_state_dict(sd)
+    assert opt.param_groups[1]["eps"] == 1e-8 and opt.param_groups[1]["role"] == "tail"
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()  # the child still reads every hyperparameter it needs

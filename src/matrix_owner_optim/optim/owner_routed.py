@@ -471,7 +471,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         loaded = sd_.local_state(
             saved_state, groups, saved_groups, self._routed, self._layout_of(), self.state, self._label
         )
-        sd_.restore_groups(groups, saved_groups)  # in place: the child groups read them there
+        needed = [set(self._roles[Role(g["role"])].defaults) for g in groups]
+        sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there
         for rp in self._routed:
             ropt = self._roles[optimizer_role(rp.role)]
             values = loaded.get(id(rp))

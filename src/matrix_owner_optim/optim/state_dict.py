@@ -245,13 +245,16 @@ def _load_value(rp: RoutedParam, layout: UpdateLayout, key: str, value: Any, cur
     return local.to(device=device, copy=True)
 
 
-def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
+def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], needed: list[set[str]]) -> None:
     """Set every param group's values to the saved ones, in place (the child groups read them
-    there), keeping the live ``params`` and, where the save has none, the live ``param_names``."""
-    for g, sg in zip(groups, saved_groups, strict=True):
-        params_, names = g["params"], g.get("param_names")
+    there), keeping the live ``params`` and, where the save has none, the live ``param_names``,
+    ``role`` and values of the keys in ``needed[i]`` (the hyperparameters group ``i``'s child
+    optimizer reads: a state dict saved by an older version may lack one, as torch's
+    ``__setstate__`` fills defaults in for)."""
+    for g, sg, keys in zip(groups, saved_groups, needed, strict=True):
+        live = {k: v for k, v in g.items() if k not in sg and (k in keys or k in ("param_names", "role"))}
+        params_ = g["params"]
         g.clear()
         g.update(sg)
         g["params"] = params_
-        if names is not None and "param_names" not in sg:  # saved names win, as in torch
-            g["param_names"] = names
+        g.update(live)  # saved names win, as in torch
