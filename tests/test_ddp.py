@@ -117,7 +117,7 @@ def ddp_job(rank: int, world_size: int) -> dict:
             "P": p_all,
             "state_keys": sum(1 for st in opt.state.values() if st),  # state held here
             "lr": [g["lr"] for g in opt.param_groups],
-            "placement_bytes": sum(pl.bytes_per_step() for pl in opt._placements.values()),
+            "placement_bytes": sum(pl.bytes_per_step() for pl in opt.layouts()),
             "layouts": sorted({r["layout"] for r in routes}),
         }
     # ranks that disagree on the parameters get a clear error naming the first difference

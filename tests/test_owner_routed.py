@@ -61,6 +61,7 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
         loss = model(x, y)
         loss.backward()
         opt.step()
+        child_lr = opt.matrix_optimizer.param_groups[0]["lr"]  # the lr the child stepped with
         opt.zero_grad()
         sched.step()
         ref_loss = ref(x, y)
@@ -85,10 +86,11 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
             sched.load_state_dict(sched_sd)
     assert all(a == b for a, b in losses), losses
     assert max_rel_diff(model, ref) == 0.0
-    # the schedule moved the parent's lr, and the children used it (synced at each step)
+    # the schedule moved the parent's lr, and the children used it (their groups read the parent's)
     assert opt.param_groups[0]["lr"] == ref_opts[0].param_groups[0]["lr"]
     assert opt.param_groups[1]["lr"] == ref_opts[1].param_groups[0]["lr"]
-    assert 0 < opt.matrix_optimizer.param_groups[0]["lr"] < 0.02 * 0.01
+    assert 0 < child_lr < 0.02 * 0.01
+    assert opt.matrix_optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # one value, no copy
 
 
 def test_param_groups_have_the_same_structure_and_split_by_role() -> None:
@@ -335,3 +337,31 @@ def test_muon_from_package_matches_torch_muon_defaults() -> None:
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
     _train_alongside(model, opt, ref, [opt2], 3)
     assert max_rel_diff(model, ref) == 0.0
+
+
+def test_child_groups_read_and_write_the_parent_groups() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = OwnerRoutedOptimizer(model.named_parameters(), matrix_options={"lr": 0.02})
+    parent, child = opt.param_groups[0], opt.matrix_optimizer.param_groups[0]
+    assert child["params"] is not parent["params"]  # its own list: this rank's proxies
+    assert "param_names" in parent and "param_names" not in child and "role" not in child
+    parent["lr"] = 0.5  # a scheduler's write: the child reads it, nothing is copied
+    assert child["lr"] == 0.5 and child.get("lr") == 0.5 and dict(child)["lr"] == 0.5
+    child["d"] = 3.0  # a value the child sets itself (Prodigy's d): in the parent at once
+    assert parent["d"] == 3.0 and "d" in child
+    assert opt.state_dict()["param_groups"][0]["d"] == 3.0
+    assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role"})
+
+
+def test_load_keeps_live_values_a_saved_group_lacks() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = OwnerRoutedOptimizer(model.named_parameters())
+    sd = copy.deepcopy(opt.state_dict())
+    assert [g["role"] for g in sd["param_groups"]] == ["matrix", "tail"]
+    for g in sd["param_groups"]:
+        del g["role"]
+    del sd["param_groups"][1]["eps"]  # saved before the tail optimizer had this hyperparameter
+    opt.load_state_dict(sd)
+    assert opt.param_groups[1]["eps"] == 1e-8 and opt.param_groups[1]["role"] == "tail"
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()  # the child still reads every hyperparameter it needs

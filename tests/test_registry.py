@@ -96,3 +96,31 @@ def test_builtins_load_lazily() -> None:
         "assert 'torch_optimizer' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_one_entry_holds_the_factory_and_its_cost() -> None:
+    from matrix_owner_optim.planning import ADAMW_COST, SHAMPOO_COST, FunctionCostModel, get_cost_model
+    from matrix_owner_optim.planning.registry import lookup
+
+    assert get_cost_model("adamw") is ADAMW_COST and get_cost_model("torch_optimizer_shampoo") is SHAMPOO_COST
+    code = (  # pricing a built-in by name imports no optimizer
+        "import sys\n"
+        "from matrix_owner_optim.planning import get_cost_model\n"
+        "assert get_cost_model('torch_optimizer_shampoo').name == 'shampoo'\n"
+        "assert 'torch_optimizer' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    class Half(torch.optim.SGD):
+        pass
+
+    cost = FunctionCostModel("moo_priced", lambda shape, dtype: 1, lambda shape: 1.0)
+    register_preconditioner("moo_priced", Half, cost_model=cost, overwrite=True)
+    entry = lookup("MOO_PRICED")
+    assert entry is not None and entry.factory is Half and entry.cost is cost
+    assert resolve_optimizer("moo_priced") is Half
+    assert get_cost_model("moo_priced") is cost and get_cost_model(Half) is cost  # by name or by class
+    with pytest.raises(TypeError, match="cost_model must have"):
+        register_preconditioner("moo_priced", Half, cost_model=object(), overwrite=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no cost model for preconditioner 'moo_nowhere'"):
+        get_cost_model("moo_nowhere")

@@ -225,7 +225,7 @@ def _run(rank: int, W: int, run: str, mesh, measure: bool) -> dict:
             out["groups_equal_after_resume"] = old_groups == [
                 {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
             ]
-    placement = next(pl for pl in opt._placements.values() if pl.name == "dtensor")
+    placement = next(pl for pl in opt.layouts() if pl.name == "dtensor")
     out["resyncs"] = placement.resyncs
     out["matrix_bytes"] = _matrix_bytes(opt, model)
     out["owner_copy_bytes"] = placement.owner_copy_bytes()

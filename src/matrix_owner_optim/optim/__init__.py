@@ -1,24 +1,27 @@
-"""The optimizer layer: routing, the registry, and ``OwnerRoutedOptimizer``."""
+"""The optimizer layer: routing, the registry, update layouts and ``OwnerRoutedOptimizer``."""
 
-from .dtensor_placement import DTensorPlacement
+from .dtensor_layout import DTensorLayout
+from .layouts import LAYOUTS, LocalLayout, UpdateLayout, register_layout
 from .owner_routed import OwnerRoutedOptimizer
-from .placements import PLACEMENTS, LocalPlacement, Placement, register_placement
 from .registry import ENTRY_POINT_GROUP, available_preconditioners, register_preconditioner, resolve_optimizer
-from .replicated_placement import ReplicatedPlacement
+from .replicated_layout import ReplicatedLayout
+from .role_optimizer import ChildGroup, RoleOptimizer
 from .simulation import simulated_parameters
 
 # Layouts beyond one process / owner-shaped: stock FSDP2 DTensors and replicated (DDP) tensors.
-register_placement(DTensorPlacement)
-register_placement(ReplicatedPlacement)
+register_layout(DTensorLayout)
+register_layout(ReplicatedLayout)
 
 __all__ = [
     "OwnerRoutedOptimizer",
-    "PLACEMENTS",
-    "LocalPlacement",
-    "Placement",
-    "register_placement",
-    "DTensorPlacement",
-    "ReplicatedPlacement",
+    "RoleOptimizer",
+    "ChildGroup",
+    "LAYOUTS",
+    "LocalLayout",
+    "UpdateLayout",
+    "register_layout",
+    "DTensorLayout",
+    "ReplicatedLayout",
     "ENTRY_POINT_GROUP",
     "available_preconditioners",
     "register_preconditioner",

@@ -2,8 +2,8 @@
 
 The planner balances what these functions report. Each preconditioner states its own cost
 (``Muon.cost_model`` and so on point at the objects below), and a third-party optimizer can
-bring its own by registering a :class:`CostModel` under its name with
-:func:`register_cost_model` (``register_preconditioner`` does this when the factory carries a
+bring its own: each name's cost is part of its entry in the one preconditioner registry
+(:mod:`.registry`; ``register_preconditioner(name, factory, cost_model=...)``, or the factory's
 ``cost_model`` attribute). Costs are estimates for balancing, not measurements.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -269,50 +269,32 @@ ADAMW_COST = FunctionCostModel(
 )
 SGD_COST = FunctionCostModel("sgd", lambda shape, dtype: numel(shape) * itemsize(dtype), lambda s: 3.0 * numel(s))
 
-_COST_MODELS: dict[str, CostModel] = {
-    "muon": MUON_COST,
-    "torch_muon": MUON_COST,
-    "shampoo": SHAMPOO_COST,
-    "torch_optimizer_shampoo": SHAMPOO_COST,
-    "soap": SOAP_COST,
-    "adamw": ADAMW_COST,
-    "adam": ADAMW_COST,
-    "sgd": SGD_COST,
-}
+# --- the registry: one entry per preconditioner name (planning/registry.py) holds its cost -----
 
 
 def register_cost_model(name: str, model: CostModel) -> None:
-    """Make ``plan_model(..., preconditioner=name)`` use ``model``."""
-    if not isinstance(model, CostModel):
-        raise TypeError(f"cost model for {name!r} must have name, state_bytes(shape, dtype) and flops(shape)")
-    _COST_MODELS[name.lower()] = model
+    """Make ``plan_model(..., preconditioner=name)`` use ``model`` (the cost of the registry
+    entry ``name``; :func:`matrix_owner_optim.register_preconditioner` takes ``cost_model=``)."""
+    from .registry import register_cost_model as register  # the registry reads this module's costs
+
+    register(name, model)
 
 
 def available_cost_models() -> list[str]:
-    return sorted(_COST_MODELS)
+    """Every name :func:`get_cost_model` accepts."""
+    from .registry import available_cost_models as available
+
+    return available()
 
 
-def get_cost_model(preconditioner: str | CostModel | type | None) -> CostModel:
-    """Resolve a name, a :class:`CostModel`, or an optimizer class carrying ``cost_model``.
+def get_cost_model(preconditioner: str | CostModel | Callable[..., Any] | None) -> CostModel:
+    """Resolve a registered name (the cost of its registry entry), a :class:`CostModel`, or an
+    optimizer class carrying ``cost_model`` (or registered in code with one).
 
-    An optimizer class without a stated cost is charged like Muon (one state buffer of the
-    parameter's size plus an orthogonalisation): a conservative estimate, never zero.
+    An optimizer without a stated cost is charged like Muon (one state buffer of the
+    parameter's size plus an orthogonalisation): a conservative estimate, never zero. An unknown
+    name raises ``ValueError`` listing the known ones.
     """
-    if preconditioner is None:
-        return MUON_COST
-    if isinstance(preconditioner, str):
-        try:
-            return _COST_MODELS[preconditioner.lower()]
-        except KeyError:
-            raise ValueError(
-                f"no cost model for preconditioner {preconditioner!r}; known: "
-                f"{', '.join(available_cost_models())}. Register one with "
-                "matrix_owner_optim.register_preconditioner (factory.cost_model) or "
-                "planning.register_cost_model."
-            ) from None
-    if isinstance(preconditioner, CostModel):
-        return preconditioner
-    stated = getattr(preconditioner, "cost_model", None)
-    if isinstance(stated, CostModel):
-        return stated
-    return MUON_COST
+    from .registry import cost_model_of
+
+    return cost_model_of(preconditioner)

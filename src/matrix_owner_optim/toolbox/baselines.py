@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..optim.owner_routed import push_group_values
+from ..optim.role_optimizer import ChildGroup
 from ..planning.metadata import chunk_row_range
 from ..preconditioners.muon import adjust_lr, newton_schulz
 
@@ -136,12 +136,12 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(options))
         self._replicas: dict[torch.Tensor, torch.Tensor] = {}
         inner_groups = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             replicas = []
             for p in group["params"]:
                 self._replicas[p] = _gather_rows(_local(p).detach(), p).clone()
                 replicas.append(self._replicas[p])
-            inner_groups.append({"params": replicas})
+            inner_groups.append(ChildGroup(self, index, replicas))  # values: this group's (lr schedulers)
         self.inner = inner(inner_groups, **options)
 
     @torch.no_grad()
@@ -153,8 +153,6 @@ class ReconstructionOptimizer(torch.optim.Optimizer):
         with comm.comm_phase("optimizer"):
             for p, replica in self._replicas.items():
                 replica.grad = None if p.grad is None else _gather_rows(_local(p.grad), p)
-            for outer, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
-                push_group_values(outer, inner_group)  # e.g. an lr scheduler's lr
             self.inner.step()
             for p, replica in self._replicas.items():
                 start, stop = _own_rows(p)

@@ -18,7 +18,7 @@ Matrix optimizer state lives only on the owner under ``"owner"``: for the usual 
 ``OwnerRoutedOptimizer.consolidate_state_dict()`` (as with ``ZeroRedundancyOptimizer``);
 ``state_dict()`` refuses otherwise rather than return a part of the state.
 
-:func:`plan_owners` (shared with the DTensor placement) plans owners for a batch of matrices,
+:func:`plan_owners` (shared with the DTensor layout) plans owners for a batch of matrices,
 checks that every rank of the group computed the same plan, and balances successive batches
 (param groups) against each other.
 """
@@ -37,10 +37,10 @@ from ..planning import Role, TensorSpec, plan_tensors
 from ..planning.cost import itemsize
 from ..planning.metadata import get_shard_rank
 from ..tensors import is_dtensor
-from .placements import Placement, RouterConfig, is_multi_rank, matrix_view
+from .layouts import LayoutConfig, UpdateLayout, is_multi_rank, matrix_view
 from .routing import RoutedParam
 
-__all__ = ["ReplicatedPlacement", "plan_owners"]
+__all__ = ["ReplicatedLayout", "plan_owners"]
 
 
 def plan_owners(
@@ -101,7 +101,7 @@ def plan_owners(
     return owners
 
 
-class ReplicatedPlacement(Placement):
+class ReplicatedLayout(UpdateLayout):
     """Plain tensors replicated on every rank of a multi-rank job (DDP)."""
 
     name = "replicated"
@@ -110,7 +110,7 @@ class ReplicatedPlacement(Placement):
     def accepts(param: torch.Tensor) -> bool:
         return not is_dtensor(param) and get_shard_rank(param) is None and is_multi_rank()
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self, config: LayoutConfig | None = None) -> None:
         super().__init__(config)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -128,7 +128,7 @@ class ReplicatedPlacement(Placement):
             [rp.param.dtype for rp in matrices],
             self.world_size,
             self._loads,
-            preconditioner=self.config.matrix_factory,
+            preconditioner=self.config.matrix_cost,
         )
         owner_of = {id(rp): o for rp, o in zip(matrices, owners, strict=True)}
         for rp in entries:

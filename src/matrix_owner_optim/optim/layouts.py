@@ -1,14 +1,14 @@
-"""Placements: how parameters of one layout reach the rank that updates them.
+"""Update layouts: how the parameters of one layout reach the rank that updates them.
 
-A placement decides, for each parameter, whether this rank updates it and through which
+An :class:`UpdateLayout` decides, for each parameter, whether this rank updates it and through which
 tensor (its ``proxy``), and moves what the layout forces before and after the local step:
 
-* :class:`LocalPlacement` — one process, and owner-shaped parameters after
+* :class:`LocalLayout` — one process, and owner-shaped parameters after
   :func:`matrix_owner_optim.fully_shard`: the owner holds the tensor whole, so the step is
   local and moves zero bytes.
 
 Other layouts (stock FSDP2 DTensors, replicated DDP parameters) register their own classes in
-:data:`PLACEMENTS`; the first whose ``accepts`` says yes takes a parameter.
+:data:`LAYOUTS`; the first whose ``accepts`` says yes takes a parameter.
 """
 
 from __future__ import annotations
@@ -22,17 +22,18 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..owner_dtensor import as_owner_dtensor, is_owner_dtensor
+from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
 __all__ = [
-    "RouterConfig",
-    "Placement",
-    "LocalPlacement",
-    "PLACEMENTS",
-    "register_placement",
-    "placement_for",
+    "LayoutConfig",
+    "UpdateLayout",
+    "LocalLayout",
+    "LAYOUTS",
+    "register_layout",
+    "layout_for",
     "is_multi_rank",
     "plain_local",
 ]
@@ -48,31 +49,33 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """What every placement of one optimizer may need to know.
+class LayoutConfig:
+    """What every update layout of one optimizer may need to know.
 
-    ``matrix_factory`` prices matrices for owner planning (its ``cost_model``, else Muon's);
-    ``replicated`` is ``"owner"`` (each replicated matrix updated by one owner, results shared)
-    or ``"redundant"`` (every rank updates every replicated matrix, no communication).
+    ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
+    model; None: Muon's); ``replicated`` is ``"owner"`` (each replicated matrix updated by one
+    owner, results shared) or ``"redundant"`` (every rank updates every replicated matrix, no
+    communication).
     """
 
-    matrix_factory: Any = None
+    matrix_cost: CostModel | None = None
     replicated: str = "owner"
 
 
-class Placement(ABC):
-    """Base class: one instance per layout per optimizer."""
+class UpdateLayout(ABC):
+    """Base class: one instance per layout kind per role of an optimizer
+    (:class:`~.role_optimizer.RoleOptimizer` keeps them)."""
 
-    name: ClassVar[str] = "placement"
+    name: ClassVar[str] = "layout"
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
-        self.config = config or RouterConfig()
+    def __init__(self, config: LayoutConfig | None = None) -> None:
+        self.config = config or LayoutConfig()
         self.entries: list[RoutedParam] = []
 
     @staticmethod
     @abstractmethod
     def accepts(param: torch.Tensor) -> bool:
-        """Whether this placement handles ``param``."""
+        """Whether this layout handles ``param``."""
 
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
@@ -85,7 +88,7 @@ class Placement(ABC):
         """Write the proxies' new values where the layout keeps them."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: B027 (a hook with a no-op default)
-        """Clear gradients the placement made for its proxies."""
+        """Clear gradients the layout made for its proxies."""
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends and receives in one step (0 when the step is local)."""
@@ -131,7 +134,7 @@ def plain_local(value: Any, what: str) -> Any:
     return value
 
 
-class LocalPlacement(Placement):
+class LocalLayout(UpdateLayout):
     """Parameters this process can update without talking to anyone.
 
     In one process every parameter is local. After owner-shaped ``fully_shard`` a parameter is
@@ -255,26 +258,26 @@ class LocalPlacement(Placement):
         return plain_local(value, what)
 
 
-PLACEMENTS: list[type[Placement]] = [LocalPlacement]
+LAYOUTS: list[type[UpdateLayout]] = [LocalLayout]
 
 
-def register_placement(cls: type[Placement], *, first: bool = True) -> None:
+def register_layout(cls: type[UpdateLayout], *, first: bool = True) -> None:
     """Add a layout; ``first`` puts it ahead of the existing ones."""
-    if cls in PLACEMENTS:
+    if cls in LAYOUTS:
         return
     if first:
-        PLACEMENTS.insert(0, cls)
+        LAYOUTS.insert(0, cls)
     else:
-        PLACEMENTS.append(cls)
+        LAYOUTS.append(cls)
 
 
-def placement_for(param: torch.Tensor, label: str) -> type[Placement]:
-    for cls in PLACEMENTS:
+def layout_for(param: torch.Tensor, label: str) -> type[UpdateLayout]:
+    for cls in LAYOUTS:
         if cls.accepts(param):
             return cls
     kind = type(param).__name__
     raise ValueError(
         f"parameter {label!r} ({kind}, shape {tuple(param.shape)}) is in a multi-rank job but "
         "is neither owner-sharded (matrix_owner_optim.fully_shard) nor a layout this optimizer "
-        f"knows ({', '.join(c.name for c in PLACEMENTS)})"
+        f"knows ({', '.join(c.name for c in LAYOUTS)})"
     )

@@ -2,7 +2,7 @@
 
 ``torch.distributed.fsdp.fully_shard`` leaves every parameter as a DTensor split by rows
 (``Shard(0)``, ``torch.chunk`` sizes: the last ranks may be short or empty). A matrix optimizer
-needs the whole matrix, so this placement routes:
+needs the whole matrix, so this update layout routes:
 
 * **matrices**: the planner (``planning.plan_tensors``, priced by the matrix optimizer's cost
   model) gives each matrix an owner within the shard group (the ``Shard(0)`` mesh dim; under
@@ -49,11 +49,11 @@ from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
-from .placements import Placement, RouterConfig
-from .replicated_placement import plan_owners
+from .layouts import LayoutConfig, UpdateLayout
+from .replicated_layout import plan_owners
 from .routing import RoutedParam
 
-__all__ = ["DTensorPlacement"]
+__all__ = ["DTensorLayout"]
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,7 @@ class _Bucket:
         self.param_recv = [sum(m.numel_of(s) for m in self.mine) for s in range(W)]
 
 
-class DTensorPlacement(Placement):
+class DTensorLayout(UpdateLayout):
     """DTensor parameters (stock FSDP2, HSDP): owner-routed matrices, shard-local tail."""
 
     name = "dtensor"
@@ -185,7 +185,7 @@ class DTensorPlacement(Placement):
     def accepts(param: torch.Tensor) -> bool:
         return isinstance(param, DTensor) and not is_owner_dtensor(param)  # stock FSDP2's
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self, config: LayoutConfig | None = None) -> None:
         super().__init__(config)
         self._buckets: dict[tuple[Any, int, torch.dtype], _Bucket] = {}
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
@@ -231,7 +231,7 @@ class DTensorPlacement(Placement):
                 [dtype] * len(rps),
                 W,
                 bucket.loads,
-                preconditioner=self.config.matrix_factory,
+                preconditioner=self.config.matrix_cost,
                 group=bucket.group,
             )
             for rp, owner in zip(rps, owners, strict=True):
@@ -386,7 +386,7 @@ class DTensorPlacement(Placement):
         return rp.owner, self._group_of[id(rp)]
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        from .placements import plain_local
+        from .layouts import plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
         value = as_owner_dtensor(value)

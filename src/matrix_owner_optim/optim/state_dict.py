@@ -1,0 +1,260 @@
+"""``OwnerRoutedOptimizer``'s state dicts: torch's layout, in pieces of global tensors.
+
+``state`` is keyed by parameter index in param-group order, as any torch optimizer's, and
+``param_groups`` are the parent groups. Where a layout partitions state (owner-held matrices,
+row blocks of ``sharded`` tensors, stock FSDP2's owners), each rank's entry is its piece of the
+global tensor (an owner-layout DTensor, a ``Shard(0)`` DTensor), so that
+``get_optimizer_state_dict`` and DCP reshard it across world sizes and layouts; every rank lists
+every parameter, with empty pieces for state another rank holds alone. Loading takes those
+forms, full tensors, and fqn-keyed state, and keeps on each rank what it updates.
+
+The functions here work on the routed parameters and their layouts; the optimizer's methods
+(:meth:`~.owner_routed.OwnerRoutedOptimizer.state_dict` and the others) call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import comm
+from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..pieces import placement_of
+from ..tensors import is_dtensor
+from .layouts import UpdateLayout, is_multi_rank
+from .routing import RoutedParam
+
+__all__ = [
+    "as_pieces",
+    "check_saved_groups",
+    "gather_owner_state",
+    "local_state",
+    "merge_consolidated",
+    "restore_groups",
+]
+
+LayoutOf = dict[int, UpdateLayout]  # id(RoutedParam) -> its layout
+
+
+def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutOf) -> dict[str, Any]:
+    """torch's state dict ``sd`` of the routed parameters ``ordered`` with each state value as its
+    layout's state-dict entry, an entry (of empty pieces) for state held on another rank, an
+    empty entry for stateless parameters, sorted by index: the same keys on every rank.
+    Collective where some state is held by one rank (see :func:`_list_held_elsewhere`)."""
+    for idx, st in list(sd["state"].items()):
+        rp = ordered[idx]
+        layout = layout_of[id(rp)]
+        sd["state"][idx] = {k: layout.state_entry(rp, k, v) for k, v in st.items()}
+    _list_held_elsewhere(sd["state"], ordered, layout_of)
+    for idx in range(len(ordered)):  # stateless: an empty entry, so every rank's keys cover
+        sd["state"].setdefault(idx, {})  # every parameter (DSD needs that)
+    sd["state"] = dict(sorted(sd["state"].items()))  # one order on every rank, whoever holds what
+    return sd
+
+
+def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layout_of: LayoutOf) -> None:
+    """Give this rank an entry, of empty pieces, for every state its owner alone holds, so
+    that every rank's state dict has the same keys and shapes (torch's full_state_dict and
+    DCP go through them in the same order on every rank). Collective when any state is
+    held by one rank: one all-gather of the (key, shape, dtype) lists."""
+    holders = {idx: layout_of[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
+    if not is_multi_rank() or all(h is None for h in holders.values()):
+        return
+
+    def spec(v: Any) -> tuple[Any, ...]:
+        if not isinstance(v, torch.Tensor):
+            return ("value", v)
+        if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
+            return ("value", v.detach().cpu().clone())
+        return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
+
+    mine = {
+        idx: {k: spec(v) for k, v in state[idx].items()}
+        for idx, h in holders.items()
+        if h is not None and state.get(idx)
+    }
+    for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
+        for idx, keys in theirs.items():
+            held = holders[idx]
+            if state.get(idx) or held is None:
+                continue
+            owner, group = held
+            shard = ordered[idx].shard
+            entry: dict[str, Any] = {}
+            for k, s in keys.items():
+                if s[0] == "value":
+                    entry[k] = s[1]
+                    continue
+                shape, dtype, device = s
+                empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
+                mesh = mesh_of_group(group, device)
+                if shard is not None and shard.is_split:  # no experts here: an empty row range
+                    entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
+                else:
+                    entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
+            state[idx] = entry
+
+
+def gather_owner_state(
+    ordered: list[RoutedParam], state: Mapping[torch.Tensor, Any], to: int | None
+) -> dict[int, Any] | int:
+    """Collective: every rank's owner-held state of ``ordered`` (plain CPU tensors, by index),
+    merged on rank ``to`` (every rank with ``None``); ``to`` itself on the other ranks."""
+    mine = {
+        i: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state[rp.param].items()}
+        for i, rp in enumerate(ordered)
+        if rp.owner is not None and rp.proxy is not None and state.get(rp.param)
+    }
+    gathered = (
+        comm.all_gather_object(mine, name="consolidate_state_dict")
+        if to is None
+        else comm.gather_object(mine, to, name="consolidate_state_dict")
+    )
+    if gathered is None:
+        assert to is not None
+        return to
+    merged: dict[int, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def merge_consolidated(sd: dict[str, Any], consolidated: dict[int, Any] | int | None) -> dict[str, Any]:
+    """torch's state dict ``sd`` completed with the owners' state gathered by
+    :func:`gather_owner_state`; raises where there is none on this rank."""
+    if consolidated is None:
+        raise RuntimeError(
+            "OwnerRoutedOptimizer.state_dict(): under DDP with replicated='owner' each rank keeps "
+            "the matrix state of the matrices it owns only; call optimizer.consolidate_state_dict() "
+            "on every rank first (to=0 for a rank-0 torch.save, to=None for every rank, e.g. "
+            "before get_optimizer_state_dict), as with ZeroRedundancyOptimizer"
+        )
+    if isinstance(consolidated, int):
+        raise RuntimeError(
+            f"OwnerRoutedOptimizer.state_dict(): the state was consolidated on rank "
+            f"{consolidated}, not on this rank; call it there, or consolidate_state_dict(to=None)"
+        )
+    for idx, st in consolidated.items():
+        if not sd["state"].get(idx):
+            sd["state"][idx] = st
+    return sd
+
+
+def check_saved_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
+    """Refuse saved param groups that do not match the optimizer's (count, sizes, roles)."""
+    if len(groups) != len(saved_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+            f"{len(groups)}; build OwnerRoutedOptimizer with the same param groups and roles"
+        )
+    for i, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(
+                f"loaded state dict's parameter group {i} has {len(sg['params'])} "
+                f"parameters, the optimizer's {len(g['params'])}"
+            )
+        if "role" in sg and sg["role"] != g.get("role"):
+            raise ValueError(
+                f"loaded state dict's parameter group {i} has role {sg['role']!r}, the optimizer's {g.get('role')!r}"
+            )
+
+
+def local_state(
+    saved_state: dict[Any, Any],
+    groups: list[dict[str, Any]],
+    saved_groups: list[dict[str, Any]],
+    routed: list[RoutedParam],
+    layout_of: LayoutOf,
+    current: Mapping[torch.Tensor, Any],
+    label: Callable[[RoutedParam], str],
+) -> dict[int, dict[str, Any]]:
+    """This rank's state of each parameter it updates, by ``id(RoutedParam)``, from a saved
+    state dict (``current`` the optimizer's state now, read in place when DCP wrote into it;
+    ``label(rp)`` names a parameter). Raises ``KeyError`` naming the trainable parameters this
+    rank updates whose state is missing while others of their param group have state."""
+    by_param = {id(rp.param): rp for rp in routed}
+    pairs = [
+        (key, param, any(saved_state.get(k) for k in sg["params"]))
+        for sg, g in zip(saved_groups, groups, strict=True)
+        for key, param in zip(sg["params"], g["params"], strict=True)
+    ]
+    saved_state = _whole_where_cut_elsewhere(saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs], layout_of)
+    loaded: dict[int, dict[str, Any]] = {}
+    missing: list[str] = []
+    for key, param, group_has_state in pairs:
+        rp = by_param[id(param)]
+        if rp.proxy is None:
+            continue
+        st = saved_state.get(key)
+        if not st:
+            if param.requires_grad and group_has_state:
+                missing.append(key if isinstance(key, str) else label(rp))
+            continue
+        now = current.get(param, {})
+        loaded[id(rp)] = {k: _load_value(rp, layout_of[id(rp)], k, v, now.get(k)) for k, v in st.items()}
+    if missing:
+        raise KeyError(
+            f"optimizer state dict has no state for {', '.join(repr(m) for m in missing)} "
+            f"(which this rank updates) but has state for others of its param group; load a state dict "
+            "saved from the whole optimizer (under DDP, after consolidate_state_dict())"
+        )
+    return loaded
+
+
+def _whole_where_cut_elsewhere(
+    saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]], layout_of: LayoutOf
+) -> dict[Any, Any]:
+    """State of owner-held tensors that arrives cut as ``torch.chunk`` rows (torch's
+    ``set_optimizer_state_dict(full_state_dict=True)`` re-distributes full tensors with
+    ``distribute_tensor``, which splits every ``Shard`` placement that way) made whole again:
+    every rank gathers each such piece, in the state dict's order (collective, symmetric:
+    every rank holds the same keys), and keeps its own part later as from a full tensor."""
+    out = dict(saved)
+    for key, rp in keyed:
+        entry = saved.get(key)
+        if not entry or layout_of[id(rp)].state_holder(rp) is None:
+            continue
+        fixed = dict(entry)
+        for k, v in entry.items():
+            if isinstance(v, DTensor) and not is_owner_dtensor(v) and any(type(p) is Shard for p in v.placements):
+                fixed[k] = v.full_tensor()
+        out[key] = fixed
+    return out
+
+
+def _load_value(rp: RoutedParam, layout: UpdateLayout, key: str, value: Any, current: Any) -> Any:
+    """This rank's copy of one saved state value (no copy when DCP already wrote it in place)."""
+    local = layout.state_local(rp, key, value)
+    if not isinstance(local, torch.Tensor):
+        return deepcopy(local)
+    local = local.detach()
+    if (
+        isinstance(current, torch.Tensor)
+        and current.dtype == local.dtype
+        and current.shape == local.shape
+        and current.device == local.device
+        and (current.numel() == 0 or current.data_ptr() == local.data_ptr())
+    ):
+        return current  # read in place through a piece of this optimizer's own state_dict()
+    assert rp.proxy is not None
+    device = local.device if key == "step" else rp.proxy.device
+    return local.to(device=device, copy=True)
+
+
+def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], needed: list[set[str]]) -> None:
+    """Set every param group's values to the saved ones, in place (the child groups read them
+    there), keeping the live ``params`` and, where the save has none, the live ``param_names``,
+    ``role`` and values of the keys in ``needed[i]`` (the hyperparameters group ``i``'s child
+    optimizer reads: a state dict saved by an older version may lack one, as torch's
+    ``__setstate__`` fills defaults in for)."""
+    for g, sg, keys in zip(groups, saved_groups, needed, strict=True):
+        live = {k: v for k, v in g.items() if k not in sg and (k in keys or k in ("param_names", "role"))}
+        params_ = g["params"]
+        g.clear()
+        g.update(sg)
+        g["params"] = params_
+        g.update(live)  # saved names win, as in torch
