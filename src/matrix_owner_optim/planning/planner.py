@@ -178,8 +178,8 @@ def plan_tensors(
         band_of: dict[int, tuple[str, int]] = {}
         for s in band_candidates:
             first = item_of[s.fqn]
-            for k, rows in enumerate(block_sizes(int(s.shape[0]), row_block)):
-                band = dataclasses.replace(s, shape=(rows, int(s.shape[1])))
+            for k, band_rows in enumerate(block_sizes(int(s.shape[0]), row_block)):
+                band = dataclasses.replace(s, shape=(band_rows, int(s.shape[1])))
                 it = _Item(
                     first if k == 0 else len(banded),
                     [s.fqn],
@@ -188,7 +188,7 @@ def plan_tensors(
                     True,
                 )
                 it.score = it.bytes / bt + it.flops / ft
-                band_of[it.index] = (s.fqn, rows)
+                band_of[it.index] = (s.fqn, band_rows)
                 if k == 0:
                     banded[first] = it
                 else:

@@ -90,6 +90,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..planning.bands import RowBand, row_band_of
 from ..planning.cost import (
     SHAMPOO_COST,
     FunctionCostModel,
@@ -152,6 +153,7 @@ class Shampoo(MatrixOptimizer):
 
     _NAME = "Shampoo"
     cost_model: FunctionCostModel = SHAMPOO_COST
+    accepts_row_bands = True  # blocks are independent: a band of whole blocks steps as in the matrix
 
     def __init__(
         self,
@@ -235,6 +237,9 @@ class Shampoo(MatrixOptimizer):
             "root_dtype": root_dtype,
         }
         super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._band(p, group)
         # This instance's own price (blocks, caps, frequency), for planners given the instance.
         self.cost_model = shampoo_cost(
             max_preconditioner_dim=max_preconditioner_dim,
@@ -247,13 +252,29 @@ class Shampoo(MatrixOptimizer):
 
     # -- blocks ----------------------------------------------------------------------------------
     @staticmethod
-    def block_keys(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> list[Block]:
+    def block_keys(
+        shape: torch.Size | tuple[int, ...], group: dict[str, Any], band: RowBand | None = None
+    ) -> list[Block]:
         """Per block: ``(key suffix, row slice, column slice, has left, has right)``.
 
         The suffix is ``""`` when the matrix is a single block (state keys ``L``, ``R``, ...)
-        and ``"_i_j"`` for block ``(i, j)`` otherwise (see :func:`shampoo_blocks`).
+        and ``"_i_j"`` for block ``(i, j)`` otherwise (see :func:`shampoo_blocks`); for a band
+        (rows of a matrix cut between owners), ``i`` counts the whole matrix's block rows.
         """
-        return shampoo_blocks(shape, group["max_preconditioner_dim"], group["max_aspect_ratio"])
+        first, rows = (band.start, band.rows) if band is not None else (0, None)
+        return shampoo_blocks(
+            shape, group["max_preconditioner_dim"], group["max_aspect_ratio"], first_row=first, total_rows=rows
+        )
+
+    def _band(self, p: Tensor, group: dict[str, Any]) -> RowBand | None:
+        """``p``'s band, checked against the group's block size (recorded on the band)."""
+        band = row_band_of(p)
+        if band is not None:
+            if not self.matrix_layout(p).single:
+                raise ValueError(f"Shampoo: a band of rows must be one plain matrix, got {self.matrix_layout(p)}")
+            band.check_block(group["max_preconditioner_dim"], "Shampoo")
+            band.block = group["max_preconditioner_dim"]
+        return band
 
     def _init_state(self, p: Tensor, group: dict[str, Any], layout: MatrixLayout) -> dict[str, Any]:
         state = self.state[p]
@@ -261,7 +282,7 @@ class Shampoo(MatrixOptimizer):
         state["step"] = 0
         for run, (count, m, n) in enumerate(layout.matrix_shapes()):
             lead = () if layout.single else (count,)  # a stack keeps one factor per matrix
-            for suffix, rs, cs, left, right in self.block_keys((m, n), group):
+            for suffix, rs, cs, left, right in self.block_keys((m, n), group, row_band_of(p)):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 for side, size, has in (("L", r, left), ("R", c, right)):
                     if not has:
@@ -285,8 +306,10 @@ class Shampoo(MatrixOptimizer):
         grads: list[Tensor] = []
         states: list[dict[str, Any]] = []
         layouts: list[MatrixLayout] = []
+        bands: list[tuple[int, int] | None] = []
         for p, grad in self._grads(group):
             layout = self.matrix_layout(p)
+            band = self._band(p, group)
             state = self.state[p]
             if "step" not in state:
                 state = self._init_state(p, group, layout)
@@ -294,6 +317,7 @@ class Shampoo(MatrixOptimizer):
             grads.append(grad)
             states.append(state)
             layouts.append(layout)
+            bands.append(None if band is None else (band.start, band.rows))
         shampoo(
             params,
             grads,
@@ -314,6 +338,7 @@ class Shampoo(MatrixOptimizer):
             use_bias_correction=group["use_bias_correction"],
             root_dtype=group["root_dtype"],
             layouts=layouts,
+            bands=bands,
         )
 
 
@@ -322,7 +347,12 @@ Block = tuple[str, slice, slice, bool, bool]
 
 
 def shampoo_blocks(
-    shape: torch.Size | tuple[int, ...], max_preconditioner_dim: int, max_aspect_ratio: float | None
+    shape: torch.Size | tuple[int, ...],
+    max_preconditioner_dim: int,
+    max_aspect_ratio: float | None,
+    *,
+    first_row: int = 0,
+    total_rows: int | None = None,
 ) -> list[Block]:
     """The blocks of an ``m x n`` matrix: ``(key suffix, row slice, column slice, has left, has
     right)`` per block, row-major.
@@ -330,13 +360,19 @@ def shampoo_blocks(
     Blocks have at most ``max_preconditioner_dim`` rows and columns (the last of each side
     smaller); a block whose side ratio exceeds ``max_aspect_ratio`` keeps only its small side's
     factor. The suffix is ``""`` for a single block (state keys ``L``, ``R``, ...) and
-    ``"_i_j"`` for block ``(i, j)`` otherwise.
+    ``"_i_j"`` for block ``(i, j)`` otherwise. ``first_row``/``total_rows``: the tensor is rows
+    ``[first_row, first_row + m)`` of a ``total_rows``-row matrix (a band, cut at a multiple of
+    the block size): the slices are the band's, the suffixes the whole matrix's.
     """
     m, n = int(shape[0]), int(shape[1])
-    rows, cols = _block_slices(m, max_preconditioner_dim), _block_slices(n, max_preconditioner_dim)
-    single = len(rows) == 1 and len(cols) == 1
+    size = max_preconditioner_dim
+    total = m if total_rows is None else int(total_rows)
+    if first_row % size or (first_row + m != total and m % size):
+        raise ValueError(f"rows [{first_row}, {first_row + m}) of {total} are not whole blocks of {size} rows")
+    rows, cols = _block_slices(m, size), _block_slices(n, size)
+    single = total <= size and len(cols) == 1
     out = []
-    for i, rs in enumerate(rows):
+    for i, rs in enumerate(rows, start=first_row // size):
         for j, cs in enumerate(cols):
             left, right = shampoo_sides(rs.stop - rs.start, cs.stop - cs.start, max_aspect_ratio)
             out.append(("" if single else f"_{i}_{j}", rs, cs, left, right))
@@ -364,6 +400,7 @@ def shampoo(
     use_bias_correction: bool,
     root_dtype: torch.dtype,
     layouts: list[MatrixLayout] | None = None,
+    bands: list[tuple[int, int] | None] | None = None,
 ) -> None:
     """One Shampoo step of ``params`` in place (the computation :class:`Shampoo` gathers for).
 
@@ -374,14 +411,21 @@ def shampoo(
     the hyperparameters are :class:`Shampoo`'s arguments after validation
     (``start_preconditioning_step`` resolved, ``grafting_beta2``/``grafting_eps`` filled in).
     ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout` (default: declared on
-    the parameter, else its shape's).
+    the parameter, else its shape's). ``bands``: per parameter None, or ``(first row, rows of
+    the whole matrix)`` when it is a band of a matrix cut between owners at block boundaries: its
+    blocks are the whole matrix's (state keys with the whole matrix's block indices), each
+    stepped exactly as in the whole matrix, since blocks share nothing (factors, roots and the
+    graft norm are per block; the rest is per element).
     """
     if not len(params) == len(grads) == len(states):
         raise ValueError("shampoo: params, grads and states must have the same length")
     if layouts is None:
         layouts = [matrix_layout_of(p) for p in params]
+    if bands is None:
+        bands = [None] * len(params)
     beta1, beta2 = betas
-    for p, grad, state, layout in zip(params, grads, states, layouts, strict=True):
+    for p, grad, state, layout, band in zip(params, grads, states, layouts, bands, strict=True):
+        first, total = band if band is not None else (0, None)
         state["step"] += 1
         t: int = state["step"]
         dtype = state_dtype_for(p)
@@ -391,7 +435,7 @@ def shampoo(
             (
                 gm,
                 MatrixState(state, layout, run, index),
-                shampoo_blocks(gm.shape, max_preconditioner_dim, max_aspect_ratio),
+                shampoo_blocks(gm.shape, max_preconditioner_dim, max_aspect_ratio, first_row=first, total_rows=total),
             )
             for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout), strict=True)
         ]
