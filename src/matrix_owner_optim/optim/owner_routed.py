@@ -40,7 +40,7 @@ from ..planning.roles import RoleOverrides, conv_params
 from ..planning.views import MatrixView, ViewOverrides
 from ..tensors import is_dtensor, local_tensor
 from . import report
-from .placements import Placement, RouterConfig, is_multi_rank, placement_for
+from .placements import NOT_HELD, Placement, RouterConfig, is_multi_rank, placement_for
 from .registry import OptimizerFactory, resolve_optimizer
 from .replicated_placement import ReplicatedPlacement
 from .routing import (
@@ -49,6 +49,7 @@ from .routing import (
     check_matrix_views,
     declare_matrix_views,
     normalize_params,
+    priced_by,
     resolve_roles,
     swapped_in,
 )
@@ -187,6 +188,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for k, v in d.items()
             if isinstance(v, float) and math.isinf(v) and k not in self._options[role]
         }
+        # what prices a plan this optimizer fixes: its matrix optimizer as configured (block size)
+        self._pricing = priced_by(self._factories[Role.MATRIX], self._options[Role.MATRIX])
         self._names = {
             Role.MATRIX: matrix if isinstance(matrix, str) else getattr(matrix, "__name__", str(matrix)),
             Role.TAIL: tail if isinstance(tail, str) else getattr(tail, "__name__", str(tail)),
@@ -212,7 +215,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             self._overrides,
             check_globs=False,
             views=self._views,
-            preconditioner=self._factories[Role.MATRIX],
+            preconditioner=self._pricing,
             convs=conv_params(params) if isinstance(params, torch.nn.Module) else None,
         )
         self._pending: list[UserGroup] = user_groups
@@ -242,7 +245,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 self._overrides,
                 check_globs=False,
                 views=self._views,
-                preconditioner=self._factories[Role.MATRIX],
+                preconditioner=self._pricing,
             )
         if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
             have = "with" if "param_names" in self.param_groups[0] else "without"
@@ -609,7 +612,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 return ("value", v)
             if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
                 return ("value", v.detach().cpu().clone())
-            return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
+            holder = v.holder if is_owner_dtensor(v) else None  # a band's block: held by one rank
+            return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type, holder)
 
         mine = {
             idx: {k: spec(v) for k, v in state[idx].items()}
@@ -619,23 +623,29 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
             for idx, keys in theirs.items():
                 held = holders[idx]
-                if state.get(idx) or held is None:
+                shard = ordered[idx].shard
+                # a matrix cut into bands: each owner holds its blocks' keys, so every rank lists all
+                banded = shard is not None and shard.is_split and len(shard.shape) == 2
+                if (state.get(idx) and not banded) or held is None:
                     continue
                 owner, group = held
-                shard = ordered[idx].shard
-                entry: dict[str, Any] = {}
+                entry: dict[str, Any] = dict(state.get(idx) or {})
                 for k, s in keys.items():
+                    if k in entry:
+                        continue
                     if s[0] == "value":
                         entry[k] = s[1]
                         continue
-                    shape, dtype, device = s
+                    shape, dtype, device, holder = s
                     empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                     mesh = mesh_of_group(group, device)
-                    if shard is not None and shard.is_split:  # no experts here: an empty row range
+                    if banded and holder is not None:  # another owner's block
+                        entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)
+                    elif shard is not None and shard.is_split:  # no experts here: an empty row range
                         entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
                     else:
                         entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
-                state[idx] = entry
+                state[idx] = dict(sorted(entry.items())) if banded else entry
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collective (every rank): gather the owners' matrix state of a DDP job
@@ -742,7 +752,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                     missing.append(key if isinstance(key, str) else self._label(rp))
                 continue
             current = self.state.get(param, {})
-            loaded[id(rp)] = {k: self._load_value(rp, placement[id(rp)], k, v, current.get(k)) for k, v in st.items()}
+            here = {k: self._load_value(rp, placement[id(rp)], k, v, current.get(k)) for k, v in st.items()}
+            loaded[id(rp)] = {k: v for k, v in here.items() if v is not NOT_HELD}  # another owner's block
         if missing:
             raise KeyError(
                 f"optimizer state dict has no state for {', '.join(repr(m) for m in missing)} "
