@@ -5,7 +5,9 @@ parameter ``W`` (``m x n``) with gradient ``G``, per step ``t = 1, 2, ...``:
 
 1. **Blocking.** ``W`` is cut into blocks of at most ``max_preconditioner_dim`` rows and columns
    (the last block of each side smaller). Every block has its own Kronecker factors, roots and
-   graft norm; all blocks of a matrix stay with the matrix (on its owner).
+   graft norm, so a plan may give bands of whole block rows to different owners: a band
+   (:mod:`~..planning.bands`) steps exactly as those rows of the whole matrix, its state keyed
+   by the whole matrix's block indices.
 2. **Factors** (raw gradient, every step), per block ``B``::
 
        L_B <- L_B + B B^T                                   beta2 == 1 (AdaGrad-style sum)
