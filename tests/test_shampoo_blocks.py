@@ -32,7 +32,7 @@ from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.optim.routing import priced_by
 from matrix_owner_optim.planning import get_matrix_shard, plan_model
 from matrix_owner_optim.planning.bands import declare_row_band
-from matrix_owner_optim.planning.cost import MUON_COST, row_block_of, shampoo_cost
+from matrix_owner_optim.planning.cost import MUON_COST, row_block_of, shampoo_cost, soap_cost
 from matrix_owner_optim.preconditioners import Muon, Shampoo
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
@@ -132,10 +132,10 @@ def test_no_cut_where_whole_matrices_balance() -> None:
 
 
 def test_no_cut_for_an_optimizer_that_steps_whole_matrices() -> None:
-    for cost in (MUON_COST, shampoo_cost(max_preconditioner_dim=1024)):
+    for cost in (MUON_COST, soap_cost(), shampoo_cost(max_preconditioner_dim=1024)):
         plan = plan_model(_model(), 2, preconditioner=cost)
         assert not any(s.is_split for s in plan), cost.name
-    assert row_block_of(MUON_COST) is None
+    assert row_block_of(MUON_COST) is None and row_block_of(soap_cost()) is None
 
 
 def test_the_optimizers_block_size_reaches_the_plan() -> None:
