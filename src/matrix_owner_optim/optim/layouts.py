@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ..owner_dtensor import as_owner_dtensor, is_owner_dtensor
+from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
+from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..tensors import is_dtensor, local_tensor
@@ -36,7 +37,22 @@ __all__ = [
     "layout_for",
     "is_multi_rank",
     "plain_local",
+    "NOT_HELD",
 ]
+
+
+class _NotHeld:
+    """What :meth:`Placement.state_local` returns for a saved state entry another rank holds
+    (a block of a matrix cut into bands between owners): the loader keeps nothing of it."""
+
+    def __repr__(self) -> str:
+        return "NOT_HELD"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _NotHeld:
+        return self
+
+
+NOT_HELD = _NotHeld()
 
 
 def is_multi_rank() -> bool:
@@ -210,6 +226,15 @@ class LocalLayout(UpdateLayout):
         shard, rank, group = info
         if value.dim() == 0 and shard.holds_rows:
             return value
+        band = row_band_of(rp.proxy) if rp.proxy is not None else None
+        if band is not None and band_holds_key(band, key) is not None:  # a block of this band
+            return OwnerDTensor.owned(value, rank, mesh_of_group(group, value.device.type), tuple(value.shape))
+        if band is not None and tuple(value.shape) != tuple(shard.local_shape(rank)):
+            raise ValueError(
+                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; state of a band of "
+                f"rows must be per element (rows {tuple(shard.local_shape(rank))}), a scalar, or per block "
+                "(keys ending in _<block row>_<block column>)"
+            )
         if shard.is_split:  # this rank's experts: their state keeps the experts on dim 0
             return piece_of(value, shard, rank, group)
         if shard.role is Role.SHARDED:
@@ -234,6 +259,12 @@ class LocalLayout(UpdateLayout):
         info = self._sharded(rp)
         what = f"optimizer state {key!r} of {rp.label!r}"
         value = as_owner_dtensor(value)
+        band = row_band_of(rp.proxy) if rp.proxy is not None else None
+        mine = band_holds_key(band, key) if band is not None else None
+        if info is not None and mine is not None:  # a block's state: held whole by its band's owner
+            if is_owner_dtensor(value) and value.holder is not None:
+                return local_tensor(value) if value.holder == info[1] else NOT_HELD
+            return plain_local(value, what) if mine else NOT_HELD
         if info is not None and is_owner_dtensor(value) and value.holder is not None:
             if value.holder != info[0].owner:
                 raise ValueError(

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..planning.bands import declare_row_band
 from ..planning.metadata import MatrixShard, Role, ensure_sharded, get_shard_rank, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, router_fqns, validate_role
 from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
@@ -247,7 +248,16 @@ def resolve_roles(
 
 def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> None:
     """Refuse a stack or fused tensor for a matrix optimizer that steps whole 2D tensors only
-    (it would orthogonalise the ``(out, rest)`` concatenation of the experts)."""
+    (it would orthogonalise the ``(out, rest)`` concatenation of the experts), and a band of a
+    matrix cut between owners for one that does not step bands (``accepts_row_bands``)."""
+    if not getattr(factory, "accepts_row_bands", False):
+        for rp in rps:
+            if rp.role is Role.MATRIX and _is_band(rp):
+                raise ValueError(
+                    f"parameter {rp.label!r} is cut into bands of rows between owners (a plan priced for "
+                    f"blocked Shampoo), but the matrix optimizer {name!r} steps whole matrices; plan with "
+                    "its own cost model (fully_shard(preconditioner=...)) or use matrix='shampoo'"
+                )
     if getattr(factory, "accepts_matrix_views", False):
         return
     for rp in rps:
@@ -264,14 +274,23 @@ def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> N
             )
 
 
+def _is_band(rp: RoutedParam) -> bool:
+    """A 2D matrix whose rows a plan split between owners (blocked Shampoo's bands; a split
+    3D stack holds whole experts instead)."""
+    return rp.shard is not None and rp.shard.is_split and len(rp.shard.shape) == 2
+
+
 def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
-    """Record every matrix's view on the tensor its optimizer updates (its ``proxy``)."""
+    """Record every matrix's view on the tensor its optimizer updates (its ``proxy``), and on a
+    band of a matrix split between owners which rows it is (:mod:`~..planning.bands`)."""
     for rp in rps:
         if rp.role is Role.MATRIX and rp.view is not None and rp.proxy is not None:
             shape = tuple(rp.global_shape)
-            if rp.shard is not None and rp.shard.is_split:  # this rank's experts only
+            if rp.shard is not None and rp.shard.is_split:  # this rank's experts (or band) only
                 start, stop = rp.shard.row_range(get_shard_rank(rp.param) or 0)
                 shape = (stop - start, *shape[1:])
+                if _is_band(rp):
+                    declare_row_band(rp.proxy, start, stop, int(rp.shard.shape[0]))
             declare_matrix_view(rp.proxy, rp.view, shape=shape, name=rp.label)
 
 

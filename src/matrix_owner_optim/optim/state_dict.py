@@ -25,7 +25,7 @@ from .. import comm
 from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
 from ..pieces import placement_of
 from ..tensors import is_dtensor
-from .layouts import UpdateLayout, is_multi_rank
+from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
 from .routing import RoutedParam
 
 __all__ = [
@@ -70,7 +70,8 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
             return ("value", v)
         if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
             return ("value", v.detach().cpu().clone())
-        return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type)
+        holder = v.holder if is_owner_dtensor(v) else None  # a band's block: held by one rank
+        return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type, holder)
 
     mine = {
         idx: {k: spec(v) for k, v in state[idx].items()}
@@ -80,23 +81,29 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
     for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
         for idx, keys in theirs.items():
             held = holders[idx]
-            if state.get(idx) or held is None:
+            shard = ordered[idx].shard
+            # a matrix cut into bands: each owner holds its blocks' keys, so every rank lists all
+            banded = shard is not None and shard.is_split and len(shard.shape) == 2
+            if (state.get(idx) and not banded) or held is None:
                 continue
             owner, group = held
-            shard = ordered[idx].shard
-            entry: dict[str, Any] = {}
+            entry: dict[str, Any] = dict(state.get(idx) or {})
             for k, s in keys.items():
+                if k in entry:
+                    continue
                 if s[0] == "value":
                     entry[k] = s[1]
                     continue
-                shape, dtype, device = s
+                shape, dtype, device, holder = s
                 empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                 mesh = mesh_of_group(group, device)
-                if shard is not None and shard.is_split:  # no experts here: an empty row range
+                if banded and holder is not None:  # another owner's block
+                    entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)
+                elif shard is not None and shard.is_split:  # no experts here: an empty row range
                     entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
                 else:
                     entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
-            state[idx] = entry
+            state[idx] = dict(sorted(entry.items())) if banded else entry
 
 
 def gather_owner_state(
@@ -195,7 +202,8 @@ def local_state(
                 missing.append(key if isinstance(key, str) else label(rp))
             continue
         now = current.get(param, {})
-        loaded[id(rp)] = {k: _load_value(rp, layout_of[id(rp)], k, v, now.get(k)) for k, v in st.items()}
+        here = {k: _load_value(rp, layout_of[id(rp)], k, v, now.get(k)) for k, v in st.items()}
+        loaded[id(rp)] = {k: v for k, v in here.items() if v is not NOT_HELD}  # another owner's block
     if missing:
         raise KeyError(
             f"optimizer state dict has no state for {', '.join(repr(m) for m in missing)} "

@@ -26,6 +26,8 @@ __all__ = [
     "SHAMPOO_COST",
     "SOAP_COST",
     "shampoo_cost",
+    "BlockedCostModel",
+    "row_block_of",
     "soap_cost",
     "shampoo_sides",
     "soap_working_shape",
@@ -154,6 +156,24 @@ def shampoo_sides(rows: int, cols: int, max_aspect_ratio: float | None) -> tuple
     return (True, True)
 
 
+@dataclass(frozen=True)
+class BlockedCostModel(FunctionCostModel):
+    """A :class:`FunctionCostModel` of an optimizer that steps bands of ``row_block`` rows of a
+    matrix independently (blocked Shampoo: every block keeps its own factors, roots and graft
+    norm), so a planner may give the bands of one matrix to different owners, cut at
+    multiples of ``row_block`` (:func:`row_block_of`)."""
+
+    row_block: int = 0
+
+
+def row_block_of(cost: object) -> int | None:
+    """The rows of the bands a cost model's optimizer steps independently (a
+    :class:`BlockedCostModel`'s ``row_block``, or any model's ``row_block`` attribute), or None
+    when a matrix must stay whole."""
+    block = getattr(cost, "row_block", None)
+    return block if isinstance(block, int) and block >= 1 else None
+
+
 def shampoo_cost(
     *,
     max_preconditioner_dim: int = SHAMPOO_MAX_PRECONDITIONER_DIM,
@@ -170,6 +190,10 @@ def shampoo_cost(
     ``G G^T``, ``G^T G``, the preconditioning products and, every ``precondition_frequency``
     steps, two eigendecompositions. Per-element state: the filtered gradient (``beta1 > 0``),
     the momentum buffer and the grafting accumulator, as configured.
+
+    Blocks are independent, so the model is a :class:`BlockedCostModel` with ``row_block =
+    max_preconditioner_dim``: the planner may split a heavy matrix between owners into bands of
+    whole blocks, and a band costs exactly the sum over its blocks.
     """
 
     def blocks(shape: Shape) -> list[tuple[int, int]]:
@@ -194,7 +218,7 @@ def shampoo_cost(
             total += outer + precondition + roots / precondition_frequency
         return total + 10.0 * numel(shape)
 
-    return FunctionCostModel("shampoo", state_bytes, flops)
+    return BlockedCostModel("shampoo", state_bytes, flops, row_block=max_preconditioner_dim)
 
 
 SHAMPOO_COST = shampoo_cost()

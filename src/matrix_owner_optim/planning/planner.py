@@ -10,13 +10,24 @@ lowers the maximum. Ties break on item index and rank, so every process computes
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from .cost import ADAMW_COST, CostModel, get_cost_model, itemsize, matrix_flops, matrix_state_bytes, numel
+from .cost import (
+    ADAMW_COST,
+    CostModel,
+    block_sizes,
+    get_cost_model,
+    itemsize,
+    matrix_flops,
+    matrix_state_bytes,
+    numel,
+    row_block_of,
+)
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
 from .roles import TensorSpec, specs_from_module
 from .views import MatrixView, default_matrix_view
@@ -131,6 +142,7 @@ def plan_tensors(
     # -- experts as ownable units: a stack of matrices of about half a fair share or more is
     # placed expert by expert (whole experts only), so balance holds when experts outnumber ranks
     split_of: dict[int, tuple[str, int]] = {}  # item index -> (fqn of the stack, experts in it)
+    stacks: set[str] = set()
     if W > 1 and split_stacks:
         for s in specs:
             if s.role is not Role.MATRIX or s.fqn not in item_of or not _splits_by_expert(s):
@@ -141,51 +153,67 @@ def plan_tensors(
             experts = int(s.shape[0])
             it.bytes, it.flops, it.score = it.bytes / experts, it.flops / experts, it.score / experts
             split_of[it.index] = (s.fqn, 1)
+            stacks.add(s.fqn)
             for _ in range(experts - 1):
                 extra = _Item(len(items), [s.fqn], it.bytes, it.flops, True)
                 extra.score = it.score
                 split_of[extra.index] = (s.fqn, 1)
                 items.append(extra)
 
-    ranks = [_Rank(base_bytes[r], base_flops[r]) for r in range(W)]
-
     def level(b: float, f: float) -> tuple[float, float]:
         nb, nf = b / bt, f / ft
         return (max(nb, nf), nb + nf)
 
-    # -- LPT: largest first onto the rank whose resulting level is lowest ---------------------
-    # A heap keyed by the rank's current level finds candidates fast at W=1024; the exact
-    # choice checks the few lowest ranks, since the level after adding depends on the item.
-    order = sorted(items, key=lambda i: (-i.score, i.index))
-    heap = [(level(r.bytes, r.flops), idx) for idx, r in enumerate(ranks)]
-    heapq.heapify(heap)
-    probe = min(W, 8)
-    for it in order:
-        popped = [heapq.heappop(heap) for _ in range(probe)]
-        best = min(
-            popped,
-            key=lambda e: (level(ranks[e[1]].bytes + it.bytes, ranks[e[1]].flops + it.flops), e[1]),
-        )
-        r = best[1]
-        ranks[r].bytes += it.bytes
-        ranks[r].flops += it.flops
-        ranks[r].items.append(it.index)
-        for e in popped:
-            if e[1] == r:
-                heapq.heappush(heap, (level(ranks[r].bytes, ranks[r].flops), r))
-            else:
-                heapq.heappush(heap, e)
+    ranks = _place(items, base_bytes, base_flops, level, refine_iterations)
 
-    _refine(ranks, items, level, refine_iterations)
+    # -- blocks as ownable units: a heavy matrix whose optimizer steps bands of whole blocks
+    # independently (blocked Shampoo) may be cut into bands between owners, when that lowers the
+    # busiest rank's level (the stacks above are split whenever heavy; bands only where it helps)
+    row_block = row_block_of(matrix_cost) if W > 1 and split_stacks else None
+    band_candidates = [s for s in specs if row_block is not None and s.fqn in item_of and _splits_by_band(s, row_block)]
+    band_candidates = [s for s in band_candidates if items[item_of[s.fqn]].score > 1.0]
+    if band_candidates:
+        assert row_block is not None
+        banded = list(items)
+        band_of: dict[int, tuple[str, int]] = {}
+        for s in band_candidates:
+            first = item_of[s.fqn]
+            for k, band_rows in enumerate(block_sizes(int(s.shape[0]), row_block)):
+                band = dataclasses.replace(s, shape=(band_rows, int(s.shape[1])))
+                it = _Item(
+                    first if k == 0 else len(banded),
+                    [s.fqn],
+                    tensor_resident_bytes(band, matrix_cost),
+                    tensor_flops(band, matrix_cost),
+                    True,
+                )
+                it.score = it.bytes / bt + it.flops / ft
+                band_of[it.index] = (s.fqn, band_rows)
+                if k == 0:
+                    banded[first] = it
+                else:
+                    banded.append(it)
+        banded_ranks = _place(banded, base_bytes, base_flops, level, refine_iterations)
+
+        def busiest(rs: list[_Rank]) -> float:
+            return max(level(r.bytes, r.flops)[0] for r in rs)
+
+        if busiest(banded_ranks) < busiest(ranks) * (1 - 1e-9):
+            items, ranks = banded, banded_ranks
+            _align_bands(ranks, items, band_of, row_block)
+            split_of.update(band_of)
 
     owner_of_item = {i: r for r, rk in enumerate(ranks) for i in rk.items}
     # a split stack: each rank's experts as one contiguous row range, ranks in order (experts of
-    # one stack cost the same, so only how many each rank holds matters)
+    # one stack cost the same, so only how many each rank holds matters); a banded matrix the
+    # same, in rows (its short last band on the last rank holding bands, see _align_bands)
     row_owners: dict[str, tuple[tuple[int, int, int], ...]] = {}
     counts: dict[str, list[int]] = {}
     for i, (fqn, n) in split_of.items():
         counts.setdefault(fqn, [0] * W)[owner_of_item[i]] += n
     for fqn, per_rank in counts.items():
+        if fqn not in stacks and sum(1 for n in per_rank if n) == 1:
+            continue  # every band on one rank: the matrix stays whole, owned by that rank
         start, ranges = 0, []
         for r in range(W):
             ranges.append((start, start + per_rank[r], r))
@@ -240,6 +268,79 @@ def _splits_by_expert(s: TensorSpec) -> bool:
         return False
     view = s.view if s.view is not None else default_matrix_view(s.shape, name=s.fqn)
     return view is not None and view.kind == "stack"
+
+
+def _place(
+    items: list[_Item],
+    base_bytes: list[float],
+    base_flops: list[float],
+    level: Callable[[float, float], tuple[float, float]],
+    refine_iterations: int,
+) -> list[_Rank]:
+    """LPT (largest first onto the rank whose resulting level is lowest), then :func:`_refine`.
+
+    A heap keyed by the rank's current level finds candidates fast at W=1024; the exact choice
+    checks the few lowest ranks, since the level after adding depends on the item."""
+    W = len(base_bytes)
+    ranks = [_Rank(base_bytes[r], base_flops[r]) for r in range(W)]
+    order = sorted(items, key=lambda i: (-i.score, i.index))
+    heap = [(level(r.bytes, r.flops), idx) for idx, r in enumerate(ranks)]
+    heapq.heapify(heap)
+    probe = min(W, 8)
+    for it in order:
+        popped = [heapq.heappop(heap) for _ in range(probe)]
+        best = min(
+            popped,
+            key=lambda e: (level(ranks[e[1]].bytes + it.bytes, ranks[e[1]].flops + it.flops), e[1]),
+        )
+        r = best[1]
+        ranks[r].bytes += it.bytes
+        ranks[r].flops += it.flops
+        ranks[r].items.append(it.index)
+        for e in popped:
+            if e[1] == r:
+                heapq.heappush(heap, (level(ranks[r].bytes, ranks[r].flops), r))
+            else:
+                heapq.heappush(heap, e)
+    _refine(ranks, items, level, refine_iterations)
+    return ranks
+
+
+def _splits_by_band(s: TensorSpec, row_block: int) -> bool:
+    """A trainable plain 2D matrix of more than one band of ``row_block`` rows (a fused
+    ``wqkv`` read as several matrices, a conv kernel or a stack is not cut into bands)."""
+    if not s.requires_grad or len(s.shape) != 2 or int(s.shape[0]) <= row_block:
+        return False
+    view = s.view if s.view is not None else default_matrix_view(s.shape, name=s.fqn)
+    return view is not None and view.kind == "matrix" and view.resolve(s.shape, s.fqn).single
+
+
+def _align_bands(ranks: list[_Rank], items: list[_Item], band_of: dict[int, tuple[str, int]], row_block: int) -> None:
+    """Rows are handed out per rank in rank order, so every cut falls on a multiple of
+    ``row_block`` only if a matrix's short last band sits on the last rank holding its bands:
+    swap it there with a whole band (and the loads with it) when the placement put it elsewhere."""
+    owner = {i: r for r, rk in enumerate(ranks) for i in rk.items}
+    by_fqn: dict[str, list[int]] = {}
+    for i, (fqn, _) in band_of.items():
+        by_fqn.setdefault(fqn, []).append(i)
+    for indices in by_fqn.values():
+        short = [i for i in indices if band_of[i][1] < row_block]
+        if not short:
+            continue
+        last = max(owner[i] for i in indices)
+        s = short[0]
+        if owner[s] == last:
+            continue
+        full = min(i for i in indices if owner[i] == last)
+        a, b = items[s], items[full]
+        here, there = ranks[owner[s]], ranks[last]
+        here.items[here.items.index(s)] = full
+        there.items[there.items.index(full)] = s
+        here.bytes += b.bytes - a.bytes
+        here.flops += b.flops - a.flops
+        there.bytes += a.bytes - b.bytes
+        there.flops += a.flops - b.flops
+        owner[s], owner[full] = last, owner[s]
 
 
 def _refine(ranks: list[_Rank], items: list[_Item], level, iterations: int) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..planning.bands import row_band_of
 from ..planning.views import MatrixLayout, matrix_layout_of
 
 __all__ = [
@@ -161,12 +162,22 @@ class MatrixOptimizer(Optimizer):
 
     _NAME: str = "Muon/Shampoo/SOAP"
     accepts_matrix_views: bool = True
+    # Whether a band of a matrix (rows a plan gave this owner, planning.bands) steps exactly as
+    # those rows of the whole matrix: only for blocked optimizers (Shampoo's blocks).
+    accepts_row_bands: bool = False
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
                 self._check_shape(p, group, self._param_name(group, i), "parameter")
+                if not self.accepts_row_bands and row_band_of(p) is not None:
+                    name = self._param_name(group, i)
+                    raise ValueError(
+                        f"{self._NAME} steps whole matrices, but {'parameter ' + repr(name) if name else 'a parameter'} "
+                        "is a band of a matrix cut between owners (a plan priced for blocked Shampoo); "
+                        "plan with this optimizer's cost model"
+                    )
 
     def _check_shape(self, tensor: Tensor, group: Mapping[str, Any], name: str | None, what: str) -> None:
         """Raise unless ``tensor`` reads as matrices (its layout, :meth:`matrix_layout`; SOAP widens it)."""

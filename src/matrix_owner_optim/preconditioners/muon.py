@@ -50,10 +50,10 @@ import torch
 from torch import Tensor
 
 from ..planning.cost import MUON_COST, FunctionCostModel
-from ..planning.views import MatrixLayout
+from ..planning.views import MatrixLayout, matrix_layout_of
 from ._common import MatrixOptimizer, as_float
 
-__all__ = ["Muon", "newton_schulz", "newton_schulz_batched", "adjust_lr", "ns_dtype_name", "resolve_ns_dtype"]
+__all__ = ["Muon", "muon", "newton_schulz", "newton_schulz_batched", "adjust_lr", "ns_dtype_name", "resolve_ns_dtype"]
 
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -230,52 +230,118 @@ class Muon(MatrixOptimizer):
         super().__init__(params, defaults)
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr = as_float(group["lr"])
-        weight_decay = group["weight_decay"]
-        momentum = group["momentum"]
-        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"], group["ns_dtype"])
-        # Every matrix of every tensor (see MatrixLayout): one piece per run of same-shape
-        # matrices of a tensor, as a (k, m, n) stack of its updates.
-        pieces: list[tuple[Tensor, MatrixLayout, int, Tensor]] = []
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        momentum_buffers: list[Tensor] = []
+        layouts: list[MatrixLayout] = []
         for p, grad in self._grads(group):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf: Tensor = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            layout = self.matrix_layout(p)
-            if layout.single:
-                pieces.append((p, layout, 0, update.view(1, layout.rows, layout.cols)))
-            else:
-                for r, run_view in enumerate(layout.run_views(update)):
-                    pieces.append((p, layout, r, run_view.flatten(0, 1)))
-        decayed: set[int] = set()
+            params.append(p)
+            grads.append(grad)
+            momentum_buffers.append(state["momentum_buffer"])
+            layouts.append(self.matrix_layout(p))
+        muon(
+            params,
+            grads,
+            momentum_buffers,
+            lr=as_float(group["lr"]),
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"],
+            eps=group["eps"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+            ns_dtype=group["ns_dtype"],
+            batched=bool(group.get("batched", False)),
+            layouts=layouts,
+        )
 
-        def apply(p: Tensor, layout: MatrixLayout, run: int, ortho: Tensor) -> None:
-            if id(p) not in decayed:  # decoupled weight decay, once per tensor
-                decayed.add(id(p))
-                p.mul_(1 - lr * weight_decay)
-            target = p.view(1, 1, layout.rows, layout.cols) if layout.single else layout.run_views(p)[run]
-            adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], tuple(target.shape[-2:]))
-            target.add_(ortho.view(target.shape).to(p.dtype), alpha=-adjusted_lr)
 
-        if not group.get("batched", False):
-            for p, layout, run, updates in pieces:
-                each = [newton_schulz(u, *ns_args) for u in updates.unbind(0)]
-                apply(p, layout, run, each[0] if len(each) == 1 else torch.stack(each))
-            return
-        buckets: dict[tuple[Any, ...], list[tuple[Tensor, MatrixLayout, int, Tensor]]] = {}
-        for piece in pieces:
-            updates = piece[3]
-            key = (tuple(updates.shape[1:]), updates.dtype, updates.device)
-            buckets.setdefault(key, []).append(piece)
-        for bucket in buckets.values():
-            if len(bucket) == 1 and bucket[0][3].size(0) == 1:  # one matrix: torch's exact path
-                p, layout, run, updates = bucket[0]
-                apply(p, layout, run, newton_schulz(updates[0], *ns_args))
-                continue
-            stacked = torch.cat([u for *_, u in bucket]) if len(bucket) > 1 else bucket[0][3]
-            orthos = newton_schulz_batched(stacked, *ns_args)
-            for (p, layout, run, _), ortho in zip(bucket, orthos.split([u.size(0) for *_, u in bucket]), strict=True):
-                apply(p, layout, run, ortho)
+def muon(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    ns_dtype: torch.dtype | str,
+    batched: bool,
+    layouts: list[MatrixLayout] | None = None,
+) -> None:
+    """One Muon step of ``params`` in place (the computation :class:`Muon` gathers for).
+
+    As torch's ``torch.optim._muon.muon``: a pure function of lists of tensors and explicit
+    hyperparameters, with no optimizer object. Every matrix of each parameter's
+    :class:`~..planning.views.MatrixLayout` (``layouts``, default: the one declared on the
+    parameter, else its shape's) is orthogonalised alone; ``batched`` groups same-shape matrices
+    into one stacked Newton-Schulz (see the module docstring).
+
+    Args:
+        params: the tensors to update (in place).
+        grads: their gradients, one per parameter.
+        momentum_buffers: their momentum buffers (updated in place), zeros at the first step.
+        lr: learning rate (a float).
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay``.
+        momentum: momentum factor.
+        nesterov: Nesterov momentum.
+        ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``.
+        ns_steps: Newton-Schulz iterations.
+        eps: floor on the Frobenius norm before Newton-Schulz.
+        adjust_lr_fn: None, ``"original"`` or ``"match_rms_adamw"`` (see :func:`adjust_lr`).
+        ns_dtype: precision of the Newton-Schulz iteration (a dtype or its name).
+        batched: one stacked Newton-Schulz per same-shape bucket.
+        layouts: each parameter's matrix layout (default: :func:`matrix_layout_of`).
+    """
+    if not len(params) == len(grads) == len(momentum_buffers):
+        raise ValueError("muon: params, grads and momentum_buffers must have the same length")
+    if layouts is None:
+        layouts = [matrix_layout_of(p) for p in params]
+    ns_args = (ns_coefficients, ns_steps, eps, ns_dtype)
+    # Every matrix of every tensor (see MatrixLayout): one piece per run of same-shape
+    # matrices of a tensor, as a (k, m, n) stack of its updates.
+    pieces: list[tuple[Tensor, MatrixLayout, int, Tensor]] = []
+    for p, grad, buf, layout in zip(params, grads, momentum_buffers, layouts, strict=True):
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if nesterov else buf
+        if layout.single:
+            pieces.append((p, layout, 0, update.view(1, layout.rows, layout.cols)))
+        else:
+            for r, run_view in enumerate(layout.run_views(update)):
+                pieces.append((p, layout, r, run_view.flatten(0, 1)))
+    decayed: set[int] = set()
+
+    def apply(p: Tensor, layout: MatrixLayout, run: int, ortho: Tensor) -> None:
+        if id(p) not in decayed:  # decoupled weight decay, once per tensor
+            decayed.add(id(p))
+            p.mul_(1 - lr * weight_decay)
+        target = p.view(1, 1, layout.rows, layout.cols) if layout.single else layout.run_views(p)[run]
+        target.add_(ortho.view(target.shape).to(p.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, tuple(target.shape[-2:])))
+
+    if not batched:
+        for p, layout, run, updates in pieces:
+            each = [newton_schulz(u, *ns_args) for u in updates.unbind(0)]
+            apply(p, layout, run, each[0] if len(each) == 1 else torch.stack(each))
+        return
+    buckets: dict[tuple[Any, ...], list[tuple[Tensor, MatrixLayout, int, Tensor]]] = {}
+    for piece in pieces:
+        updates = piece[3]
+        key = (tuple(updates.shape[1:]), updates.dtype, updates.device)
+        buckets.setdefault(key, []).append(piece)
+    for bucket in buckets.values():
+        if len(bucket) == 1 and bucket[0][3].size(0) == 1:  # one matrix: torch's exact path
+            p, layout, run, updates = bucket[0]
+            apply(p, layout, run, newton_schulz(updates[0], *ns_args))
+            continue
+        stacked = torch.cat([u for *_, u in bucket]) if len(bucket) > 1 else bucket[0][3]
+        orthos = newton_schulz_batched(stacked, *ns_args)
+        for (p, layout, run, _), ortho in zip(bucket, orthos.split([u.size(0) for *_, u in bucket]), strict=True):
+            apply(p, layout, run, ortho)

@@ -5,7 +5,9 @@ parameter ``W`` (``m x n``) with gradient ``G``, per step ``t = 1, 2, ...``:
 
 1. **Blocking.** ``W`` is cut into blocks of at most ``max_preconditioner_dim`` rows and columns
    (the last block of each side smaller). Every block has its own Kronecker factors, roots and
-   graft norm; all blocks of a matrix stay with the matrix (on its owner).
+   graft norm, so a plan may give bands of whole block rows to different owners: a band
+   (:mod:`~..planning.bands`) steps exactly as those rows of the whole matrix, its state keyed
+   by the whole matrix's block indices.
 2. **Factors** (raw gradient, every step), per block ``B``::
 
        L_B <- L_B + B B^T                                   beta2 == 1 (AdaGrad-style sum)
@@ -90,6 +92,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..planning.bands import RowBand, row_band_of
 from ..planning.cost import (
     SHAMPOO_COST,
     FunctionCostModel,
@@ -97,10 +100,10 @@ from ..planning.cost import (
     shampoo_cost,
     shampoo_sides,
 )
-from ..planning.views import MatrixLayout
+from ..planning.views import MatrixLayout, matrix_layout_of
 from ._common import MatrixOptimizer, MatrixState, matrix_inverse_root, matrix_positions, state_dtype_for
 
-__all__ = ["Shampoo", "GRAFTING_TYPES"]
+__all__ = ["Shampoo", "shampoo", "shampoo_blocks", "GRAFTING_TYPES"]
 
 GRAFTING_TYPES = (None, "sgd", "adagrad", "rmsprop", "adam")
 _GRAFTING_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rmsprop": 1e-8, "adam": 1e-8}
@@ -152,6 +155,7 @@ class Shampoo(MatrixOptimizer):
 
     _NAME = "Shampoo"
     cost_model: FunctionCostModel = SHAMPOO_COST
+    accepts_row_bands = True  # blocks are independent: a band of whole blocks steps as in the matrix
 
     def __init__(
         self,
@@ -235,6 +239,9 @@ class Shampoo(MatrixOptimizer):
             "root_dtype": root_dtype,
         }
         super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._band(p, group)
         # This instance's own price (blocks, caps, frequency), for planners given the instance.
         self.cost_model = shampoo_cost(
             max_preconditioner_dim=max_preconditioner_dim,
@@ -248,24 +255,28 @@ class Shampoo(MatrixOptimizer):
     # -- blocks ----------------------------------------------------------------------------------
     @staticmethod
     def block_keys(
-        shape: torch.Size | tuple[int, ...], group: dict[str, Any]
-    ) -> list[tuple[str, slice, slice, bool, bool]]:
+        shape: torch.Size | tuple[int, ...], group: dict[str, Any], band: RowBand | None = None
+    ) -> list[Block]:
         """Per block: ``(key suffix, row slice, column slice, has left, has right)``.
 
         The suffix is ``""`` when the matrix is a single block (state keys ``L``, ``R``, ...)
-        and ``"_i_j"`` for block ``(i, j)`` otherwise.
+        and ``"_i_j"`` for block ``(i, j)`` otherwise (see :func:`shampoo_blocks`); for a band
+        (rows of a matrix cut between owners), ``i`` counts the whole matrix's block rows.
         """
-        m, n = int(shape[0]), int(shape[1])
-        size = group["max_preconditioner_dim"]
-        rows, cols = _block_slices(m, size), _block_slices(n, size)
-        single = len(rows) == 1 and len(cols) == 1
-        out = []
-        for i, rs in enumerate(rows):
-            for j, cs in enumerate(cols):
-                r, c = rs.stop - rs.start, cs.stop - cs.start
-                left, right = shampoo_sides(r, c, group["max_aspect_ratio"])
-                out.append(("" if single else f"_{i}_{j}", rs, cs, left, right))
-        return out
+        first, rows = (band.start, band.rows) if band is not None else (0, None)
+        return shampoo_blocks(
+            shape, group["max_preconditioner_dim"], group["max_aspect_ratio"], first_row=first, total_rows=rows
+        )
+
+    def _band(self, p: Tensor, group: dict[str, Any]) -> RowBand | None:
+        """``p``'s band, checked against the group's block size (recorded on the band)."""
+        band = row_band_of(p)
+        if band is not None:
+            if not self.matrix_layout(p).single:
+                raise ValueError(f"Shampoo: a band of rows must be one plain matrix, got {self.matrix_layout(p)}")
+            band.check_block(group["max_preconditioner_dim"], "Shampoo")
+            band.block = group["max_preconditioner_dim"]
+        return band
 
     def _init_state(self, p: Tensor, group: dict[str, Any], layout: MatrixLayout) -> dict[str, Any]:
         state = self.state[p]
@@ -273,7 +284,7 @@ class Shampoo(MatrixOptimizer):
         state["step"] = 0
         for run, (count, m, n) in enumerate(layout.matrix_shapes()):
             lead = () if layout.single else (count,)  # a stack keeps one factor per matrix
-            for suffix, rs, cs, left, right in self.block_keys((m, n), group):
+            for suffix, rs, cs, left, right in self.block_keys((m, n), group, row_band_of(p)):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 for side, size, has in (("L", r, left), ("R", c, right)):
                     if not has:
@@ -291,144 +302,241 @@ class Shampoo(MatrixOptimizer):
             state["graft_state"] = torch.zeros(p.shape, dtype=dtype, device=device)
         return state
 
-    # -- the step --------------------------------------------------------------------------------
+    # -- the step: gather, then the pure function -------------------------------------------------
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        beta1 = group["betas"][0]
-        grafting = group["grafting"]
-        bias_correction = group["use_bias_correction"]
-        start = group["start_preconditioning_step"]
-        frequency = group["precondition_frequency"]
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        states: list[dict[str, Any]] = []
+        layouts: list[MatrixLayout] = []
+        bands: list[tuple[int, int] | None] = []
         for p, grad in self._grads(group):
-            state = self.state[p]
             layout = self.matrix_layout(p)
+            band = self._band(p, group)
+            state = self.state[p]
             if "step" not in state:
                 state = self._init_state(p, group, layout)
-            state["step"] += 1
-            t: int = state["step"]
-            dtype = state_dtype_for(p)
-            g = grad.to(dtype)
-            # Every matrix of the layout: its gradient view and its factors.
-            mats = [
-                (gm, MatrixState(state, layout, run, index), self.block_keys(gm.shape, group))
-                for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout), strict=True)
-            ]
+            params.append(p)
+            grads.append(grad)
+            states.append(state)
+            layouts.append(layout)
+            bands.append(None if band is None else (band.start, band.rows))
+        shampoo(
+            params,
+            grads,
+            states,
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            max_preconditioner_dim=group["max_preconditioner_dim"],
+            precondition_frequency=group["precondition_frequency"],
+            start_preconditioning_step=group["start_preconditioning_step"],
+            max_aspect_ratio=group["max_aspect_ratio"],
+            grafting=group["grafting"],
+            grafting_beta2=group["grafting_beta2"],
+            grafting_eps=group["grafting_eps"],
+            use_bias_correction=group["use_bias_correction"],
+            root_dtype=group["root_dtype"],
+            layouts=layouts,
+            bands=bands,
+        )
 
-            # 1. Factors (raw gradient, every step), per matrix.
-            for gm, ms, blocks in mats:
-                self._update_factors(gm, ms, blocks, group)
 
-            # 2. Grafting state (raw gradient, per element).
-            graft_beta2 = group["grafting_beta2"]
-            if grafting == "adagrad":
-                state["graft_state"].addcmul_(g, g)
-            elif grafting in ("rmsprop", "adam"):
-                state["graft_state"].mul_(graft_beta2).addcmul_(g, g, value=1 - graft_beta2)
+# (key suffix, row slice, column slice, has left factor, has right factor)
+Block = tuple[str, slice, slice, bool, bool]
 
-            # 3. Filtered gradient.
-            if beta1 > 0:
-                filtered: Tensor = state["filtered_grad"]
-                filtered.lerp_(g, 1 - beta1)
-                gf = filtered / (1 - beta1**t) if bias_correction else filtered
+
+def shampoo_blocks(
+    shape: torch.Size | tuple[int, ...],
+    max_preconditioner_dim: int,
+    max_aspect_ratio: float | None,
+    *,
+    first_row: int = 0,
+    total_rows: int | None = None,
+) -> list[Block]:
+    """The blocks of an ``m x n`` matrix: ``(key suffix, row slice, column slice, has left, has
+    right)`` per block, row-major.
+
+    Blocks have at most ``max_preconditioner_dim`` rows and columns (the last of each side
+    smaller); a block whose side ratio exceeds ``max_aspect_ratio`` keeps only its small side's
+    factor. The suffix is ``""`` for a single block (state keys ``L``, ``R``, ...) and
+    ``"_i_j"`` for block ``(i, j)`` otherwise. ``first_row``/``total_rows``: the tensor is rows
+    ``[first_row, first_row + m)`` of a ``total_rows``-row matrix (a band, cut at a multiple of
+    the block size): the slices are the band's, the suffixes the whole matrix's.
+    """
+    m, n = int(shape[0]), int(shape[1])
+    size = max_preconditioner_dim
+    total = m if total_rows is None else int(total_rows)
+    if first_row % size or (first_row + m != total and m % size):
+        raise ValueError(f"rows [{first_row}, {first_row + m}) of {total} are not whole blocks of {size} rows")
+    rows, cols = _block_slices(m, size), _block_slices(n, size)
+    single = total <= size and len(cols) == 1
+    out = []
+    for i, rs in enumerate(rows, start=first_row // size):
+        for j, cs in enumerate(cols):
+            left, right = shampoo_sides(rs.stop - rs.start, cs.stop - cs.start, max_aspect_ratio)
+            out.append(("" if single else f"_{i}_{j}", rs, cs, left, right))
+    return out
+
+
+def shampoo(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Any]],
+    *,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    max_preconditioner_dim: int,
+    precondition_frequency: int,
+    start_preconditioning_step: int,
+    max_aspect_ratio: float | None,
+    grafting: str | None,
+    grafting_beta2: float,
+    grafting_eps: float,
+    use_bias_correction: bool,
+    root_dtype: torch.dtype,
+    layouts: list[MatrixLayout] | None = None,
+    bands: list[tuple[int, int] | None] | None = None,
+) -> None:
+    """One Shampoo step of ``params`` in place (the computation :class:`Shampoo` gathers for).
+
+    As torch's ``torch.optim._muon.muon``: a pure function of lists and explicit hyperparameters,
+    no optimizer object. ``states[k]`` is parameter ``k``'s state dict, initialised (factors
+    zero, roots identity, per-element buffers zero, ``step`` 0, as :class:`Shampoo` makes it);
+    it is updated in place (``step`` incremented first). The step is the module docstring's;
+    the hyperparameters are :class:`Shampoo`'s arguments after validation
+    (``start_preconditioning_step`` resolved, ``grafting_beta2``/``grafting_eps`` filled in).
+    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout` (default: declared on
+    the parameter, else its shape's). ``bands``: per parameter None, or ``(first row, rows of
+    the whole matrix)`` when it is a band of a matrix cut between owners at block boundaries: its
+    blocks are the whole matrix's (state keys with the whole matrix's block indices), each
+    stepped exactly as in the whole matrix, since blocks share nothing (factors, roots and the
+    graft norm are per block; the rest is per element).
+    """
+    if not len(params) == len(grads) == len(states):
+        raise ValueError("shampoo: params, grads and states must have the same length")
+    if layouts is None:
+        layouts = [matrix_layout_of(p) for p in params]
+    if bands is None:
+        bands = [None] * len(params)
+    beta1, beta2 = betas
+    for p, grad, state, layout, band in zip(params, grads, states, layouts, bands, strict=True):
+        first, total = band if band is not None else (0, None)
+        state["step"] += 1
+        t: int = state["step"]
+        dtype = state_dtype_for(p)
+        g = grad.to(dtype)
+        # Every matrix of the layout: its gradient view, its factors and its blocks.
+        mats = [
+            (
+                gm,
+                MatrixState(state, layout, run, index),
+                shampoo_blocks(gm.shape, max_preconditioner_dim, max_aspect_ratio, first_row=first, total_rows=total),
+            )
+            for gm, (run, index) in zip(layout.matrices(g), matrix_positions(layout), strict=True)
+        ]
+
+        # 1. Factors (raw gradient, every step), per matrix.
+        for gm, ms, blocks in mats:
+            _update_factors(gm, ms, blocks, beta2)
+
+        # 2. Grafting state (raw gradient, per element).
+        if grafting == "adagrad":
+            state["graft_state"].addcmul_(g, g)
+        elif grafting in ("rmsprop", "adam"):
+            state["graft_state"].mul_(grafting_beta2).addcmul_(g, g, value=1 - grafting_beta2)
+
+        # 3. Filtered gradient.
+        if beta1 > 0:
+            filtered: Tensor = state["filtered_grad"]
+            filtered.lerp_(g, 1 - beta1)
+            gf = filtered / (1 - beta1**t) if use_bias_correction else filtered
+        else:
+            gf = g
+
+        # 4. The graft's direction.
+        graft: Tensor | None = None
+        if grafting == "sgd":
+            graft = gf
+        elif grafting is not None:
+            v = state["graft_state"]
+            if grafting == "adam" and use_bias_correction:
+                v = v / (1 - grafting_beta2**t)
+            graft = gf / (v.sqrt() + grafting_eps)
+
+        # 5. Roots (Distributed Shampoo's schedule) and the search direction, per matrix.
+        if t < start_preconditioning_step:
+            direction = graft if graft is not None else gf
+        else:
+            direction = torch.empty_like(gf)
+            grafts = layout.matrices(graft) if graft is not None else [None] * len(mats)
+            for (_, ms, blocks), gfm, graft_m, dm in zip(
+                mats, layout.matrices(gf), grafts, layout.matrices(direction), strict=True
+            ):
+                if t == start_preconditioning_step or t % precondition_frequency == 0:
+                    correction = 1.0 - beta2**t if use_bias_correction and beta2 < 1.0 else 1.0
+                    _compute_roots(ms, blocks, correction, eps, root_dtype)
+                _precondition(gfm, graft_m, dm, ms, blocks)
+
+        # 6. Decoupled weight decay, momentum, update.
+        if weight_decay != 0:
+            direction = direction + weight_decay * p.to(dtype)
+        if momentum > 0:
+            buf: Tensor = state["momentum_buffer"]
+            buf.mul_(momentum).add_(direction)
+            direction = direction + momentum * buf if nesterov else buf
+        if isinstance(lr, Tensor):
+            p.sub_((direction * lr.to(direction.device)).to(p.dtype))
+        else:
+            p.add_(direction.to(p.dtype), alpha=-lr)
+
+
+def _update_factors(gm: Tensor, ms: MatrixState, blocks: list[Block], beta2: float) -> None:
+    """``L += B B^T`` and ``R += B^T B`` per block (an EMA with ``beta2 < 1``)."""
+    for suffix, rs, cs, left, right in blocks:
+        gb = gm[rs, cs]
+        outers = []
+        if left:
+            outers.append((ms.get(f"L{suffix}"), gb @ gb.T))
+        if right:
+            outers.append((ms.get(f"R{suffix}"), gb.T @ gb))
+        for factor, outer in outers:
+            if beta2 == 1.0:
+                factor.add_(outer)
             else:
-                gf = g
+                factor.mul_(beta2).add_(outer, alpha=1 - beta2)
 
-            # 4. The graft's direction.
-            graft: Tensor | None = None
-            if grafting == "sgd":
-                graft = gf
-            elif grafting is not None:
-                v = state["graft_state"]
-                if grafting == "adam" and bias_correction:
-                    v = v / (1 - graft_beta2**t)
-                graft = gf / (v.sqrt() + group["grafting_eps"])
 
-            # 5. Roots (Distributed Shampoo's schedule) and the search direction, per matrix.
-            if t < start:
-                direction = graft if graft is not None else gf
-            else:
-                direction = torch.empty_like(gf)
-                grafts = layout.matrices(graft) if graft is not None else [None] * len(mats)
-                for (_, ms, blocks), gfm, graft_m, dm in zip(
-                    mats, layout.matrices(gf), grafts, layout.matrices(direction), strict=True
-                ):
-                    if t == start or t % frequency == 0:
-                        self._compute_roots(ms, blocks, group, t)
-                    self._precondition(gfm, graft_m, dm, ms, blocks)
+def _precondition(gfm: Tensor, graft_m: Tensor | None, dm: Tensor, ms: MatrixState, blocks: list[Block]) -> None:
+    """``L_root Gf R_root`` per block of one matrix, grafted per block, written into ``dm``."""
+    for suffix, rs, cs, left, right in blocks:
+        d = gfm[rs, cs]
+        if left:
+            d = ms.get(f"L_root{suffix}") @ d
+        if right:
+            d = d @ ms.get(f"R_root{suffix}")
+        if graft_m is not None:
+            scale = torch.linalg.matrix_norm(graft_m[rs, cs]) / (torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS)
+            d = d * scale
+        dm[rs, cs] = d
 
-            # 6. Decoupled weight decay, momentum, update.
-            if group["weight_decay"] != 0:
-                direction = direction + group["weight_decay"] * p.to(dtype)
-            if group["momentum"] > 0:
-                buf: Tensor = state["momentum_buffer"]
-                buf.mul_(group["momentum"]).add_(direction)
-                direction = direction + group["momentum"] * buf if group["nesterov"] else buf
-            if isinstance(lr, Tensor):
-                p.sub_((direction * lr.to(direction.device)).to(p.dtype))
-            else:
-                p.add_(direction.to(p.dtype), alpha=-lr)
 
-    @staticmethod
-    def _update_factors(
-        gm: Tensor,
-        ms: MatrixState,
-        blocks: list[tuple[str, slice, slice, bool, bool]],
-        group: dict[str, Any],
-    ) -> None:
-        beta2 = group["betas"][1]
-        for suffix, rs, cs, left, right in blocks:
-            gb = gm[rs, cs]
-            outers = []
-            if left:
-                outers.append((ms.get(f"L{suffix}"), gb @ gb.T))
-            if right:
-                outers.append((ms.get(f"R{suffix}"), gb.T @ gb))
-            for factor, outer in outers:
-                if beta2 == 1.0:
-                    factor.add_(outer)
-                else:
-                    factor.mul_(beta2).add_(outer, alpha=1 - beta2)
-
-    @staticmethod
-    def _precondition(
-        gfm: Tensor,
-        graft_m: Tensor | None,
-        dm: Tensor,
-        ms: MatrixState,
-        blocks: list[tuple[str, slice, slice, bool, bool]],
-    ) -> None:
-        """``L_root Gf R_root`` per block of one matrix, grafted, written into ``dm``."""
-        for suffix, rs, cs, left, right in blocks:
-            d = gfm[rs, cs]
-            if left:
-                d = ms.get(f"L_root{suffix}") @ d
-            if right:
-                d = d @ ms.get(f"R_root{suffix}")
-            if graft_m is not None:
-                scale = torch.linalg.matrix_norm(graft_m[rs, cs]) / (torch.linalg.matrix_norm(d) + _GRAFT_NORM_EPS)
-                d = d * scale
-            dm[rs, cs] = d
-
-    @staticmethod
-    def _compute_roots(
-        ms: MatrixState,
-        blocks: list[tuple[str, slice, slice, bool, bool]],
-        group: dict[str, Any],
-        t: int,
-    ) -> None:
-        beta2 = group["betas"][1]
-        correction = 1.0
-        if group["use_bias_correction"] and beta2 < 1.0:
-            correction = 1.0 - beta2**t
-        for suffix, _, _, left, right in blocks:
-            exponent = 4.0 if (left and right) else 2.0
-            for side, has in (("L", left), ("R", right)):
-                if not has:
-                    continue
-                factor = ms.get(f"{side}{suffix}")
-                if correction != 1.0:
-                    factor = factor / correction
-                ms.set(
-                    f"{side}_root{suffix}",
-                    matrix_inverse_root(factor, exponent, group["eps"], root_dtype=group["root_dtype"]),
-                )
+def _compute_roots(
+    ms: MatrixState, blocks: list[Block], correction: float, eps: float, root_dtype: torch.dtype
+) -> None:
+    """Every block's inverse roots from its (bias-corrected by ``correction``) factors."""
+    for suffix, _, _, left, right in blocks:
+        exponent = 4.0 if (left and right) else 2.0
+        for side, has in (("L", left), ("R", right)):
+            if not has:
+                continue
+            factor = ms.get(f"{side}{suffix}")
+            if correction != 1.0:
+                factor = factor / correction
+            ms.set(f"{side}_root{suffix}", matrix_inverse_root(factor, exponent, eps, root_dtype=root_dtype))

@@ -63,10 +63,10 @@ import torch
 from torch import Tensor
 
 from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
-from ..planning.views import MatrixLayout
+from ..planning.views import MatrixLayout, matrix_layout_of
 from ._common import MatrixOptimizer, MatrixState, as_float, matrix_positions, state_dtype_for
 
-__all__ = ["SOAP"]
+__all__ = ["SOAP", "soap", "soap_layout"]
 
 # The reference adds 1e-30 * I before eigh (numerical guard only; eigenvectors are unchanged).
 _EIGH_EPS = 1e-30
@@ -188,46 +188,23 @@ class SOAP(MatrixOptimizer):
 
     @staticmethod
     def layout(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> tuple[tuple[int, int], bool, bool]:
-        """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates.
+        """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates
+        (see :func:`soap_layout`)."""
+        return soap_layout(shape, group["max_precond_dim"], bool(group["merge_dims"]), bool(group["precondition_1d"]))
 
-        ``(a, b)`` is the parameter itself, or ``(k, 1)`` for a vector (a 1D parameter, or a
-        matrix that ``merge_dims`` merged into one vector); a side is rotated when it has at
-        most ``max_precond_dim`` elements (and, for a 1D parameter, ``precondition_1d``).
-        """
-        cap = group["max_precond_dim"]
-        if len(shape) == 1:
-            k = int(shape[0])
-            return (k, 1), bool(group["precondition_1d"]) and k <= cap, False
-        m, n = int(shape[0]), int(shape[1])
-        work = soap_working_shape(m, n, cap, bool(group["merge_dims"]))
-        if len(work) == 1:
-            return (m * n, 1), work[0] <= cap, False
-        return (m, n), m <= cap, n <= cap
-
-    def _matrices(
-        self, p: Tensor, group: dict[str, Any]
-    ) -> tuple[MatrixLayout | None, list[tuple[tuple[int, ...], int, int]]]:
-        """``p``'s matrix layout (None for a 1D parameter) and, per matrix, its shape, run and
-        index within the run."""
-        if p.ndim == 1:
-            return None, [(tuple(p.shape), 0, 0)]
-        layout = self.matrix_layout(p)
-        shapes = [(m, n) for count, m, n in layout.matrix_shapes() for _ in range(count)]
-        return layout, [(shape, run, i) for shape, (run, i) in zip(shapes, matrix_positions(layout), strict=True)]
-
-    @staticmethod
-    def _views(layout: MatrixLayout | None, tensor: Tensor) -> list[Tensor]:
-        return [tensor] if layout is None else layout.matrices(tensor)
+    def _layout_of(self, p: Tensor) -> MatrixLayout | None:
+        """``p``'s matrix layout (None for a 1D parameter)."""
+        return None if p.ndim == 1 else self.matrix_layout(p)
 
     def _init_state(self, p: Tensor, grad: Tensor, group: dict[str, Any], shampoo_beta: float) -> None:
         """First step: build the factors and bases from this gradient (no update)."""
         state = self.state[p]
         dtype, device = state_dtype_for(p), p.device
-        layout, mats = self._matrices(p, group)
+        layout = self._layout_of(p)
         state["step"] = torch.tensor(0, dtype=torch.int64)
         state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
-        for (shape, run, index), gm in zip(mats, self._views(layout, grad), strict=True):
+        for (shape, run, index), gm in zip(_matrices(p, layout), _views(layout, grad), strict=True):
             (a, b), left, right = self.layout(shape, group)
             g = gm.to(dtype).reshape(a, b)
             ms = MatrixState(state, layout, run, index)
@@ -245,69 +222,158 @@ class SOAP(MatrixOptimizer):
                 ms.get(side).lerp_(outer, 1 - shampoo_beta)
                 ms.set(f"Q{side}", _eigh_basis(ms.get(side)))
 
+    # -- the step: gather, then the pure function -------------------------------------------------
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr = as_float(group["lr"])
-        beta1, beta2 = group["betas"]
         shampoo_beta = group["shampoo_beta"]
         if shampoo_beta is None:
-            shampoo_beta = beta2
+            shampoo_beta = group["betas"][1]
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        states: list[dict[str, Any]] = []
+        layouts: list[MatrixLayout | None] = []
         for p, grad in self._grads(group):
-            state = self.state[p]
-            if "exp_avg" not in state:
+            if "exp_avg" not in self.state[p]:
                 # First step: build the factors and bases from this gradient, do not update.
                 self._init_state(p, grad, group, shampoo_beta)
                 continue
+            params.append(p)
+            grads.append(grad)
+            states.append(self.state[p])
+            layouts.append(self._layout_of(p))
+        soap(
+            params,
+            grads,
+            states,
+            lr=as_float(group["lr"]),
+            betas=group["betas"],
+            shampoo_beta=shampoo_beta,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            precondition_frequency=group["precondition_frequency"],
+            correct_bias=group["correct_bias"],
+            max_precond_dim=group["max_precond_dim"],
+            merge_dims=bool(group["merge_dims"]),
+            precondition_1d=bool(group["precondition_1d"]),
+            normalize_grads=group["normalize_grads"],
+            layouts=layouts,
+        )
 
-            exp_avg: Tensor = state["exp_avg"]
-            state["step"] += 1
-            step = int(state["step"])
-            exp_avg.mul_(beta1).add_(grad.to(exp_avg.dtype), alpha=1 - beta1)
-            step_size = lr
-            if group["correct_bias"]:
-                bias_correction1 = 1.0 - beta1**step
-                bias_correction2 = 1.0 - beta2**step
-                step_size = lr * (bias_correction2**0.5) / bias_correction1
-            layout, mats = self._matrices(p, group)
-            direction = torch.empty_like(exp_avg)
-            refresh = step % group["precondition_frequency"] == 0
-            for (shape, run, index), gm, mm, sq_m, dm in zip(
-                mats,
-                self._views(layout, grad),
-                self._views(layout, exp_avg),
-                self._views(layout, state["exp_avg_sq"]),
-                self._views(layout, direction),
-                strict=True,
-            ):
-                (a, b), _, _ = self.layout(shape, group)
-                ms = MatrixState(state, layout, run, index)
-                ql: Tensor | None = ms.get("QL") if ms.has("QL") else None
-                qr: Tensor | None = ms.get("QR") if ms.has("QR") else None
-                g = gm.to(exp_avg.dtype).reshape(a, b)
 
-                g_rot = _project(g, ql, qr)
-                exp_avg_sq = sq_m.view(a, b)
-                exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
-                denom = exp_avg_sq.sqrt().add_(group["eps"])
-                m_rot = _project(mm.view(a, b), ql, qr)
-                d = _project_back(m_rot / denom, ql, qr)
-                if group["normalize_grads"]:
-                    d = d / (1e-30 + d.square().mean().sqrt())
-                dm.copy_(d.view(dm.shape))
+def soap_layout(
+    shape: torch.Size | tuple[int, ...], max_precond_dim: int, merge_dims: bool, precondition_1d: bool
+) -> tuple[tuple[int, int], bool, bool]:
+    """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates.
 
-                # Update the factors after the step, so the current gradient never shapes its
-                # own projection; refresh the bases every precondition_frequency Adam steps.
+    ``(a, b)`` is the matrix itself, or ``(k, 1)`` for a vector (a 1D parameter, or a matrix
+    that ``merge_dims`` merged into one vector); a side is rotated when it has at most
+    ``max_precond_dim`` elements (and, for a 1D parameter, ``precondition_1d``).
+    """
+    cap = max_precond_dim
+    if len(shape) == 1:
+        k = int(shape[0])
+        return (k, 1), precondition_1d and k <= cap, False
+    m, n = int(shape[0]), int(shape[1])
+    work = soap_working_shape(m, n, cap, merge_dims)
+    if len(work) == 1:
+        return (m * n, 1), work[0] <= cap, False
+    return (m, n), m <= cap, n <= cap
+
+
+def _matrices(p: Tensor, layout: MatrixLayout | None) -> list[tuple[tuple[int, ...], int, int]]:
+    """Per matrix of ``p``: its shape, run and index within the run (``layout`` None: ``p``
+    itself, a 1D parameter)."""
+    if layout is None:
+        return [(tuple(p.shape), 0, 0)]
+    shapes = [(m, n) for count, m, n in layout.matrix_shapes() for _ in range(count)]
+    return [(shape, run, i) for shape, (run, i) in zip(shapes, matrix_positions(layout), strict=True)]
+
+
+def _views(layout: MatrixLayout | None, tensor: Tensor) -> list[Tensor]:
+    return [tensor] if layout is None else layout.matrices(tensor)
+
+
+def soap(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Any]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    shampoo_beta: float,
+    eps: float,
+    weight_decay: float,
+    precondition_frequency: int,
+    correct_bias: bool,
+    max_precond_dim: int,
+    merge_dims: bool,
+    precondition_1d: bool,
+    normalize_grads: bool,
+    layouts: list[MatrixLayout | None] | None = None,
+) -> None:
+    """One SOAP step (step 2 of the module docstring) of ``params`` in place.
+
+    As torch's ``torch.optim._muon.muon``: a pure function of lists and explicit hyperparameters,
+    no optimizer object; :class:`SOAP` gathers for it. ``states[k]`` is parameter ``k``'s state,
+    already initialised by a first call (factors, bases, zero moments; :class:`SOAP` does that
+    and updates nothing then); it is updated in place. ``shampoo_beta`` is resolved (not None).
+    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D
+    parameter (default: declared on the parameter, else its shape's).
+    """
+    if not len(params) == len(grads) == len(states):
+        raise ValueError("soap: params, grads and states must have the same length")
+    if layouts is None:
+        layouts = [None if p.ndim == 1 else matrix_layout_of(p) for p in params]
+    beta1, beta2 = betas
+    for p, grad, state, layout in zip(params, grads, states, layouts, strict=True):
+        exp_avg: Tensor = state["exp_avg"]
+        state["step"] += 1
+        step = int(state["step"])
+        exp_avg.mul_(beta1).add_(grad.to(exp_avg.dtype), alpha=1 - beta1)
+        step_size = lr
+        if correct_bias:
+            bias_correction1 = 1.0 - beta1**step
+            bias_correction2 = 1.0 - beta2**step
+            step_size = lr * (bias_correction2**0.5) / bias_correction1
+        direction = torch.empty_like(exp_avg)
+        refresh = step % precondition_frequency == 0
+        for (shape, run, index), gm, mm, sq_m, dm in zip(
+            _matrices(p, layout),
+            _views(layout, grad),
+            _views(layout, exp_avg),
+            _views(layout, state["exp_avg_sq"]),
+            _views(layout, direction),
+            strict=True,
+        ):
+            (a, b), _, _ = soap_layout(shape, max_precond_dim, merge_dims, precondition_1d)
+            ms = MatrixState(state, layout, run, index)
+            ql: Tensor | None = ms.get("QL") if ms.has("QL") else None
+            qr: Tensor | None = ms.get("QR") if ms.has("QR") else None
+            g = gm.to(exp_avg.dtype).reshape(a, b)
+
+            g_rot = _project(g, ql, qr)
+            exp_avg_sq = sq_m.view(a, b)
+            exp_avg_sq.mul_(beta2).add_(g_rot.square(), alpha=1 - beta2)
+            denom = exp_avg_sq.sqrt().add_(eps)
+            m_rot = _project(mm.view(a, b), ql, qr)
+            d = _project_back(m_rot / denom, ql, qr)
+            if normalize_grads:
+                d = d / (1e-30 + d.square().mean().sqrt())
+            dm.copy_(d.view(dm.shape))
+
+            # Update the factors after the step, so the current gradient never shapes its
+            # own projection; refresh the bases every precondition_frequency Adam steps.
+            if ql is not None:
+                ms.get("L").lerp_(g @ g.T, 1 - shampoo_beta)
+            if qr is not None:
+                ms.get("R").lerp_(g.T @ g, 1 - shampoo_beta)
+            if refresh:
                 if ql is not None:
-                    ms.get("L").lerp_(g @ g.T, 1 - shampoo_beta)
+                    new_ql, exp_avg_sq = _refresh_basis(ms.get("L"), ql, exp_avg_sq, 0)
+                    ms.set("QL", new_ql)
                 if qr is not None:
-                    ms.get("R").lerp_(g.T @ g, 1 - shampoo_beta)
-                if refresh:
-                    if ql is not None:
-                        new_ql, exp_avg_sq = _refresh_basis(ms.get("L"), ql, exp_avg_sq, 0)
-                        ms.set("QL", new_ql)
-                    if qr is not None:
-                        new_qr, exp_avg_sq = _refresh_basis(ms.get("R"), qr, exp_avg_sq, 1)
-                        ms.set("QR", new_qr)
-                    sq_m.copy_(exp_avg_sq.view(sq_m.shape))
-            p.add_(direction.to(p.dtype), alpha=-step_size)
-            if group["weight_decay"] > 0.0:
-                p.mul_(1 - lr * group["weight_decay"])
+                    new_qr, exp_avg_sq = _refresh_basis(ms.get("R"), qr, exp_avg_sq, 1)
+                    ms.set("QR", new_qr)
+                sq_m.copy_(exp_avg_sq.view(sq_m.shape))
+        p.add_(direction.to(p.dtype), alpha=-step_size)
+        if weight_decay > 0.0:
+            p.mul_(1 - lr * weight_decay)
