@@ -42,7 +42,7 @@ __all__ = [
 
 
 class _NotHeld:
-    """What :meth:`Placement.state_local` returns for a saved state entry another rank holds
+    """What :meth:`UpdateLayout.state_local` returns for a saved state entry another rank holds
     (a block of a matrix cut into bands between owners): the loader keeps nothing of it."""
 
     def __repr__(self) -> str:
