@@ -322,7 +322,8 @@ def _prefetch(rank: int, W: int) -> dict:
                 block.__class__ = CkptBlock
         _shard(model)
         setup(model)
-        ctx = model._moo_units()[0].ctx
+        model.fix_plan()
+        ctx = model._moo_context()
         per_step = []
 
         def grab(step, m):

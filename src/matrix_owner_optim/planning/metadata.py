@@ -12,7 +12,7 @@ import enum
 import hashlib
 import json
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,52 +331,15 @@ def get_shard_group(param: torch.Tensor) -> Any:
 
 
 def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
-    """The :class:`MatrixShard` of a parameter, or None for a parameter no plan covers.
-
-    A parameter of a module passed to ``fully_shard`` whose plan is not fixed yet is sharded
-    now (reading the metadata fixes the lazy plan, see :func:`ensure_sharded`)."""
-    return ensure_sharded(param)
-
-
-def peek_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
-    """The :class:`MatrixShard` recorded on ``param`` now, without fixing a pending plan."""
+    """The :class:`MatrixShard` recorded on ``param``, or None: a parameter no plan covers, or
+    one whose lazy plan is not fixed yet (reading metadata never fixes it: the first forward,
+    ``unshard()``, ``fix_plan()`` or the optimizer's construction does)."""
     return getattr(param, _SHARD_ATTR, None)
 
 
 def get_shard_rank(param: torch.Tensor) -> int | None:
     """This process's rank in the group ``param`` is sharded over (None if unsharded)."""
     return getattr(param, _RANK_ATTR, None)
-
-
-_PENDING_PARAM_ATTR = "_moo_awaiting_shard"
-
-
-def mark_awaiting_shard(param: torch.Tensor, shard_now: Callable[[Any], None]) -> None:
-    """Flag a parameter of a module passed to ``fully_shard`` whose plan is not fixed yet.
-
-    Sharding is lazy (the plan covers every unit, so it waits for the first forward or the
-    first reader of the metadata). ``shard_now`` fixes the plan and shards; a reader that
-    needs the :class:`MatrixShard` (the optimizer) calls :func:`ensure_sharded` instead of
-    importing the runtime. The parameter object itself stays the same: only its data changes.
-    """
-    setattr(param, _PENDING_PARAM_ATTR, shard_now)
-
-
-def is_awaiting_shard(param: torch.Tensor) -> bool:
-    return getattr(param, _PENDING_PARAM_ATTR, None) is not None and peek_matrix_shard(param) is None
-
-
-def ensure_sharded(param: torch.Tensor, preconditioner: Any = None) -> MatrixShard | None:
-    """Shard ``param``'s model now if it waits for lazy sharding; return its MatrixShard.
-
-    ``preconditioner`` (a name, a cost model or an optimizer class) prices the matrices of a plan
-    fixed now, unless ``fully_shard(preconditioner=...)`` named one: the optimizer that fixes
-    the plan passes its own, so a Shampoo run is balanced for Shampoo's cost."""
-    if is_awaiting_shard(param):
-        getattr(param, _PENDING_PARAM_ATTR)(preconditioner)
-    if hasattr(param, _PENDING_PARAM_ATTR):
-        delattr(param, _PENDING_PARAM_ATTR)
-    return peek_matrix_shard(param)
 
 
 # Units of a sharded model, by the module that holds them all (the planning root). Kept here, not
