@@ -230,8 +230,8 @@ def resolve_roles(
             if rp.shard is not None and rp.shard.role is Role.SHARDED and role is Role.MATRIX:
                 raise ValueError(
                     f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot "
-                    "be routed to the matrix optimizer; re-plan with roles={...: 'matrix'} in "
-                    "fully_shard"
+                    "be routed to the matrix optimizer; re-plan with "
+                    "fully_shard(..., plan=plan_model(model, W, roles={...: 'matrix'}))"
                 )
             rp.role = role
     if by_shape:
@@ -311,7 +311,8 @@ def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
     if rp.shard is not None and rp.shard.role is Role.SHARDED and rp.role is Role.MATRIX:
         raise ValueError(
             f"parameter {rp.label!r} was routed to the matrix optimizer, but the tensor swapped into "
-            "param_groups in its place is sharded by rows; re-plan with roles={...: 'matrix'} in fully_shard"
+            "param_groups in its place is sharded by rows; re-plan with "
+            "fully_shard(..., plan=plan_model(model, W, roles={...: 'matrix'}))"
         )
     if rp.role is Role.MATRIX:
         _require_matrix_view(rp)

@@ -217,27 +217,13 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int)
 
 
 def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixShard]:
-    """The plan's owners and roles with units and segment offsets of these fully_shard calls."""
-    cursor: dict[tuple[int, int | None], int] = {}
-    out: dict[str, MatrixShard] = {}
-    for s in specs:
-        shard = plan[s.fqn]
-        if shard.holds_rows:
-            offset = length = 0
-        else:
-            length = shard.numel
-            offset = cursor.get((s.unit, shard.owner), 0)
-            cursor[(s.unit, shard.owner)] = offset + length
-        out[s.fqn] = dataclasses.replace(
-            shard,
-            fqn=s.fqn,
-            unit=s.unit,
-            segment_offset=offset,
-            segment_length=length,
-            aliases=tuple(s.aliases),
-            requires_grad=s.requires_grad,
+    """The plan's owners and roles with the units, names and flags of these fully_shard calls."""
+    return {
+        s.fqn: dataclasses.replace(
+            plan[s.fqn], fqn=s.fqn, unit=s.unit, aliases=tuple(s.aliases), requires_grad=s.requires_grad
         )
-    return out
+        for s in specs
+    }
 
 
 def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
