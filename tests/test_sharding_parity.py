@@ -240,7 +240,7 @@ def _frozen(rank: int, W: int) -> dict:
         params[n].requires_grad_(False)
         dict(ref.named_parameters())[n].requires_grad_(False)
     frozen = set(frozen_before) | set(frozen_after)
-    plan = model.sharding_plan
+    plan = model.fix_plan()
     reduce_recv = []
 
     def check(step, m):
@@ -374,7 +374,7 @@ def _hsdp(rank: int, W: int) -> dict:
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=5)
     _shard(model, mesh=mesh)
-    plan = model.sharding_plan
+    plan = model.fix_plan()
     assert plan.world_size == W // 2
     # every rank of both replicas checks its own gradients, losses and full parameters; the
     # gradients are clipped (2-norm, then 1-norm) below the reference norm every step
