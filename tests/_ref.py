@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from matrix_owner_optim.lazy_plan import fix_lazy_plans
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
@@ -73,7 +74,9 @@ def reference_optimizers(ref: torch.nn.Module, roles: dict[str, Role], kind: str
 
 
 def owner_optimizers(model: torch.nn.Module, kind: str = "muon") -> list[torch.optim.Optimizer]:
-    """Plain torch optimizers over what this rank updates (owned tensors, local row blocks)."""
+    """Plain torch optimizers over what this rank updates (owned tensors, local row blocks);
+    fixes the model's pending plan first, as building ``OwnerRoutedOptimizer`` does."""
+    fix_lazy_plans(model.parameters())
     mats, rest = [], []
     for p in model.parameters():
         shard, rank = get_matrix_shard(p), get_shard_rank(p)

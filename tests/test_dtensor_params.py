@@ -209,9 +209,9 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
 def _list_unit(rank: int, W: int) -> dict:
     model, ref = _models()
     _shard(model, group_embedding=True)
-    units = model._moo_units()
-    grouped = [u for u in units if len(u.members) == 2]
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
+    units = model._moo_units()  # the optimizer fixed the plan
+    grouped = [u for u in units if len(u.members) == 2]
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     for step in range(STEPS):
         _backward(model, step, rank, W)

@@ -186,7 +186,7 @@ def _exception_in_backward(rank: int, W: int) -> None:
     model.layers[0].register_forward_hook(arm)
     _shard(model)
     _train(rank, W, model, ref, steps=5, fail=lambda s: "backward" if s == 1 else "", trap=trap)
-    ctx = model._moo_units()[0].ctx
+    ctx = model._moo_context()
     assert ctx.interrupted_backwards == 1
     _compare_params(model, ref, "exception in backward")
 
@@ -199,7 +199,7 @@ def _exception_in_forward(rank: int, W: int) -> None:
     _shard(model)
     issued = []
     model.layers[1].register_forward_pre_hook(
-        lambda m, a: issued.append(list(model._moo_units()[0].ctx.prefetch_log)), prepend=True
+        lambda m, a: issued.append(list(model._moo_context().prefetch_log)), prepend=True
     )
     _train(rank, W, model, ref, steps=5, fail=lambda s: "forward" if s == 2 else "", trap=trap)
     assert ("forward", 0, 1) in issued[-1]  # the automatic prefetch was on
@@ -240,7 +240,8 @@ def _meta_init(rank: int, W: int) -> dict:
     model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight  # to_empty unties, as on an unsharded model
     init(model)
-    opt = _opts(model.parameters())  # fixes the plan: non-owners drop what they do not own
+    model.fix_plan()  # non-owners drop what they do not own
+    opt = _opts(model.parameters())
     kept = 0
     for p in model.parameters():
         shard = get_matrix_shard(p)
@@ -326,7 +327,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
     assert handle is not None
     assert any(u.state is ShardedState.GATHERING for u in model._moo_units())
     handle.wait()
-    assert all(u.state is ShardedState.UNSHARDED for u in model._moo_units())
+    assert all(u.state is ShardedState.HELD for u in model._moo_units())
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
     model.reshard()
@@ -379,7 +380,8 @@ def _reduce_overlaps_backward(rank: int, W: int) -> dict:
     # summation order's floor, not this scenario's subject
     model, ref = _pair(seed=1)
     _shard(model)
-    ctx = model._moo_units()[0].ctx
+    model.fix_plan()
+    ctx = model._moo_context()
     seen: list[bool] = []
 
     def probe(module: nn.Module, args: Any, out: torch.Tensor) -> None:

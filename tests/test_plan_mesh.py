@@ -304,7 +304,7 @@ def _advised_run(rank: int, W: int) -> dict:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert model.sharding_plan.digest() == advice.plan.digest()  # the runtime plans what was advised
+    assert model.fix_plan().digest() == advice.plan.digest()  # the runtime plans what was advised
     roles = roles_by_fqn(model)
     opts, ref_opts = owner_optimizers(model, "muon"), reference_optimizers(ref, roles, "muon")
     ref_params = dict(ref.named_parameters())

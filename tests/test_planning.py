@@ -5,6 +5,7 @@ Everything here runs in one process on meta tensors, at simulated world sizes up
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from matrix_owner_optim import MatrixShard, Role, ShardingPlan, plan_model
+from matrix_owner_optim import Role, ShardingPlan, plan_model
 from matrix_owner_optim.planning import TensorSpec, plan_tensors
+from matrix_owner_optim.sharding.collectives import SegmentLayout
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 WORLD_SIZES = [1, 2, 3, 7, 8, 64, 1024]
@@ -196,15 +198,14 @@ def test_frozen_parameters_are_placed_without_state() -> None:
 def test_segments_are_contiguous_per_owner() -> None:
     model = small_gpt()
     plan = plan_model(model, 3, unit_prefixes=model.unit_prefixes())
-    by_segment: dict[tuple[int, int], list[MatrixShard]] = {}
-    for s in plan:
-        if s.owner is not None:
-            by_segment.setdefault((s.unit, s.owner), []).append(s)
-    for shards in by_segment.values():
-        offset = 0
-        for s in shards:
-            assert s.segment_offset == offset and s.segment_length == s.numel
-            offset += s.numel
+    for unit in plan.units():  # every owner's tensors of a unit, contiguous, in model order
+        shards = [s for s in plan if s.unit == unit]
+        layout = SegmentLayout.build(shards, 3)
+        for r in range(3):
+            owned = [s for s in shards if s.owner == r]
+            entries = [e for e in layout.entries[r] if e.rows is None]
+            assert [shards[e.index].fqn for e in entries] == [s.fqn for s in owned]
+            assert [e.offset for e in entries] == list(itertools.accumulate([0] + [s.numel for s in owned]))[:-1]
     # a unit's tail is packed on one owner
     for unit in plan.units():
         tails = {s.owner for s in plan if s.unit == unit and s.role is Role.TAIL}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim import checkpoint as ckpt
-from matrix_owner_optim.sharding.api import _state
+from matrix_owner_optim.sharding.state import state_of as _state
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
@@ -122,7 +122,7 @@ def _resident(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, i
         ),
         "gathered": 0,
     }
-    for unit in _state(model).unit.ctx.units:
+    for unit in _state(model).root.context.units:
         for h in unit.handles:
             if not h.aliases_resident:
                 out["gathered"] += h.unsharded.untyped_storage().nbytes()

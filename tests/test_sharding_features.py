@@ -35,7 +35,6 @@ from _ref import (
 )
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
-from matrix_owner_optim.planning.metadata import peek_matrix_shard
 from matrix_owner_optim.sharding import (
     MixedPrecisionPolicy,
     OwnerShardedModule,
@@ -205,7 +204,8 @@ def _accumulation_and_clip(rank: int, W: int) -> dict:
     errs = {}
     for k in range(4):
         model.set_requires_gradient_sync(k == 3)  # on the root: propagates to every block unit
-        assert all(u.requires_gradient_sync == (k == 3) for u in model._moo_units())
+        states = model._moo_states(recurse=True)  # a setter records options, it needs no plan
+        assert len(states) == n_units and all(st.options.requires_gradient_sync == (k == 3) for st in states)
         with CommCounter() as cc:
             (model(*local_batch(100 + k, rank, W)) / 4).backward()
         reduces = cc.by_op("backward").get("reduce_scatter_v", 0)
@@ -261,17 +261,17 @@ def _plan_errors(rank: int, W: int) -> dict:
     with pytest.raises(ValueError, match=want) as info:
         model(*local_batch(0, rank, W))  # before any data moves
     with pytest.raises(RuntimeError, match="failed earlier"):
-        _ = model.sharding_plan
+        model.fix_plan()
     # a plan that does not describe the model
     other = plan_model(torch.nn.Linear(4, 4), W)
     model, _ = make_models()
     fully_shard(model, plan=other)
     with pytest.raises(ValueError, match="does not cover parameter 'wte.weight'"):
-        _ = model.sharding_plan
+        model.fix_plan()
     # the same valid plan on every rank is accepted (units follow the fully_shard calls)
     model, ref = make_models()
     _shard_gpt(model, plan=plan_model(fresh, W))
-    assert {s.unit for s in model.sharding_plan} == {0}  # the given plan, kept as given...
+    assert {s.unit for s in model.fix_plan()} == {0}  # the given plan, kept as given...
     units = {get_matrix_shard(p).unit for p in model.parameters()}
     assert units == set(range(len(model.layers) + 1))  # ...attached with this model's units
     model(*local_batch(0, rank, W)).backward()
@@ -281,11 +281,15 @@ def _plan_errors(rank: int, W: int) -> dict:
 
 
 def _layouts(rank: int, W: int) -> dict:
-    # root-only call: one unit, sharded when its metadata is first read
+    # root-only call: one unit, sharded when the plan is fixed (reading metadata does not fix it)
     model, ref = make_models(seed=7)
     fully_shard(model, reshard_after_forward=False)
     assert isinstance(model, OwnerShardedModule) and type(model).__name__ == "OwnerShardedGPT"
     assert all(p.numel() == q.numel() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    assert all(get_matrix_shard(p) is None for p in model.parameters())  # pending
+    with pytest.raises(RuntimeError, match="not fixed yet"):
+        _ = model.sharding_plan  # a getter: it never fixes the plan
+    model.fix_plan()
     assert all(get_matrix_shard(p) is not None for p in model.parameters())
     assert {get_matrix_shard(p).unit for p in model.parameters()} == {0}
     with CommCounter() as cc:
@@ -299,17 +303,30 @@ def _layouts(rank: int, W: int) -> dict:
     assert all(p.shape == q.shape for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     model.reshard()
 
-    # blocks without a root call: pending until the first forward, then sharded together
+    # blocks without a root call: pending until the first forward; each block is its own
+    # tree (FSDP2: a module with no enclosing fully_shard is a root), planned on its own
     model, _ = make_models(seed=7)
     for block in model.layers:
         fully_shard(block)
-    assert all(peek_matrix_shard(p) is None for p in model.parameters())
+    assert all(get_matrix_shard(p) is None for p in model.parameters())
     model(*local_batch(0, rank, W)).backward()
-    block_params = [p for b in model.layers for p in b.parameters()]
-    assert all(get_matrix_shard(p) is not None for p in block_params)
-    owners = {get_matrix_shard(p).owner for p in block_params if get_matrix_shard(p).role is Role.MATRIX}
-    assert len(owners) == min(W, 8)  # balanced across both blocks, not per block
+    for block in model.layers:
+        params = list(block.parameters())
+        assert all(get_matrix_shard(p) is not None for p in params)
+        owners = {get_matrix_shard(p).owner for p in params if get_matrix_shard(p).role is Role.MATRIX}
+        assert len(owners) == min(W, 4)  # a block's four matrices balanced over the ranks
+    assert len({id(b.sharding_plan) for b in model.layers}) == len(model.layers)  # one plan per tree
     assert get_matrix_shard(model.wte.weight) is None  # outside every unit: untouched
+    # a root call adopts the blocks called before it: one tree, one plan over both blocks
+    model, _ = make_models(seed=7)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.layers[0].fix_plan()  # any module of the tree fixes the whole tree
+    assert all(get_matrix_shard(p) is not None for p in model.parameters())
+    assert model.layers[1].sharding_plan is model.sharding_plan
+    matrices = [p for p in model.parameters() if get_matrix_shard(p).role is Role.MATRIX]
+    assert len({get_matrix_shard(p).owner for p in matrices}) == min(W, 8)  # balanced across blocks
     with pytest.raises(ValueError, match="already"):
         fully_shard(model.layers[0])
     return {}

@@ -367,7 +367,8 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
         for block in model.layers:
             fully_shard(block, mesh=group)
         fully_shard(model, mesh=group)
-        assert model._moo_units()[0].ctx.group is group and model.sharding_plan.world_size == W
+        model.fix_plan()
+        assert model._moo_context().groups.group is group and model.sharding_plan.world_size == W
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard

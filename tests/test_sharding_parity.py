@@ -240,7 +240,7 @@ def _frozen(rank: int, W: int) -> dict:
         params[n].requires_grad_(False)
         dict(ref.named_parameters())[n].requires_grad_(False)
     frozen = set(frozen_before) | set(frozen_after)
-    plan = model.sharding_plan
+    plan = model.fix_plan()
     reduce_recv = []
 
     def check(step, m):
@@ -322,7 +322,8 @@ def _prefetch(rank: int, W: int) -> dict:
                 block.__class__ = CkptBlock
         _shard(model)
         setup(model)
-        ctx = model._moo_units()[0].ctx
+        model.fix_plan()
+        ctx = model._moo_context()
         per_step = []
 
         def grab(step, m):
@@ -373,7 +374,7 @@ def _hsdp(rank: int, W: int) -> dict:
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=5)
     _shard(model, mesh=mesh)
-    plan = model.sharding_plan
+    plan = model.fix_plan()
     assert plan.world_size == W // 2
     # every rank of both replicas checks its own gradients, losses and full parameters; the
     # gradients are clipped (2-norm, then 1-norm) below the reference norm every step

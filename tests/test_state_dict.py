@@ -98,7 +98,7 @@ def _owner(seed: int) -> GPT:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    _ = model.sharding_plan  # fix the lazy plan (the optimizer or a forward would too)
+    model.fix_plan()  # fix the lazy plan (the optimizer or a forward would too)
     return model
 
 

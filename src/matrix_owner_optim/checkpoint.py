@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from . import comm
+
 __all__ = ["save", "load", "CheckpointError", "MODEL_KEY", "OPTIM_KEY"]
 
 MODEL_KEY = "model"
@@ -91,7 +93,7 @@ def _coordinator(process_group: Any) -> bool:
 
 def _barrier(process_group: Any) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=process_group)
+        comm.barrier(group=process_group)
 
 
 def _fsync_dir(path: str) -> None:

@@ -242,6 +242,12 @@ def all_gather_into_tensor(
     _all_gather_single(output, input, group)
 
 
+def barrier(group: Any = None, name: str = "barrier") -> None:
+    """Every rank of ``group`` reached this point (no data: counted as a call of 0 bytes)."""
+    dist.barrier(group=group)
+    record(name, 0, 0)
+
+
 def broadcast(tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast") -> None:
     """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: the source sends
     ``W - 1`` copies, every other rank receives one."""

@@ -30,8 +30,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..lazy_plan import fix_lazy_plans
 from ..planning.bands import declare_row_band
-from ..planning.metadata import MatrixShard, Role, ensure_sharded, get_shard_rank, parse_role
+from ..planning.metadata import MatrixShard, Role, get_matrix_shard, get_shard_rank, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, router_fqns, validate_role
 from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
@@ -187,10 +188,12 @@ def resolve_roles(
     """
     by_shape: list[str] = []
     views = views if views is not None else ViewOverrides(None)
+    # a module passed to fully_shard is sharded lazily: the optimizer fixes the plan of every
+    # pending tree its parameters belong to, priced by its matrix optimizer
+    fix_lazy_plans((rp.param for g in groups for rp in g.params), preconditioner)
     for g in groups:
         for rp in g.params:
-            # a module passed to fully_shard is sharded lazily: reading its metadata fixes the plan
-            rp.shard = ensure_sharded(rp.param, preconditioner)  # priced by the matrix optimizer
+            rp.shard = get_matrix_shard(rp.param)
     routers = router_fqns(
         n
         for g in groups
@@ -228,8 +231,8 @@ def resolve_roles(
             if rp.shard is not None and rp.shard.role is Role.SHARDED and role is Role.MATRIX:
                 raise ValueError(
                     f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot "
-                    "be routed to the matrix optimizer; re-plan with roles={...: 'matrix'} in "
-                    "fully_shard"
+                    "be routed to the matrix optimizer; re-plan with "
+                    "fully_shard(..., plan=plan_model(model, W, roles={...: 'matrix'}))"
                 )
             rp.role = role
     if by_shape:
@@ -322,11 +325,13 @@ def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
     rp = RoutedParam(param, previous.name, previous.index, role=previous.role)
-    rp.shard = ensure_sharded(param)
+    fix_lazy_plans([param])
+    rp.shard = get_matrix_shard(param)
     if rp.shard is not None and rp.shard.role is Role.SHARDED and rp.role is Role.MATRIX:
         raise ValueError(
             f"parameter {rp.label!r} was routed to the matrix optimizer, but the tensor swapped into "
-            "param_groups in its place is sharded by rows; re-plan with roles={...: 'matrix'} in fully_shard"
+            "param_groups in its place is sharded by rows; re-plan with "
+            "fully_shard(..., plan=plan_model(model, W, roles={...: 'matrix'}))"
         )
     if rp.role is Role.MATRIX:
         _require_matrix_view(rp)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +84,6 @@ class MatrixShard:
         role: :class:`Role`.
         owner: the rank that holds the tensor whole and updates it; ``None`` for ``sharded``.
         unit: index of the ``fully_shard`` unit (0 when the model has one unit).
-        segment_offset: element offset of this tensor inside its owner's segment of the
-            unit's flat buffer (for ``sharded``: offset of this rank-independent row block
-            start inside each rank's segment; see :meth:`row_range`).
-        segment_length: number of elements this tensor occupies in the owner's segment
-            (for ``sharded``: the padded per-rank row-block length in elements).
         aliases: other fqns that name the same tensor (tied parameters).
         requires_grad: frozen parameters are placed but carry no optimizer state.
         world_size: the data-parallel size the plan was made for.
@@ -101,8 +95,6 @@ class MatrixShard:
     role: Role
     owner: int | None
     unit: int = 0
-    segment_offset: int = 0
-    segment_length: int = 0
     aliases: tuple[str, ...] = ()
     requires_grad: bool = True
     world_size: int = 1
@@ -171,8 +163,6 @@ class MatrixShard:
             "role": self.role.value,
             "owner": self.owner,
             "unit": self.unit,
-            "segment_offset": self.segment_offset,
-            "segment_length": self.segment_length,
             "aliases": list(self.aliases),
             "requires_grad": self.requires_grad,
             **({"row_owners": [list(r) for r in self.row_owners]} if self.row_owners else {}),
@@ -331,15 +321,9 @@ def get_shard_group(param: torch.Tensor) -> Any:
 
 
 def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
-    """The :class:`MatrixShard` of a parameter, or None for a parameter no plan covers.
-
-    A parameter of a module passed to ``fully_shard`` whose plan is not fixed yet is sharded
-    now (reading the metadata fixes the lazy plan, see :func:`ensure_sharded`)."""
-    return ensure_sharded(param)
-
-
-def peek_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
-    """The :class:`MatrixShard` recorded on ``param`` now, without fixing a pending plan."""
+    """The :class:`MatrixShard` recorded on ``param``, or None: a parameter no plan covers, or
+    one whose lazy plan is not fixed yet (reading metadata never fixes it: the first forward,
+    ``unshard()``, ``fix_plan()`` or the optimizer's construction does)."""
     return getattr(param, _SHARD_ATTR, None)
 
 
@@ -348,49 +332,18 @@ def get_shard_rank(param: torch.Tensor) -> int | None:
     return getattr(param, _RANK_ATTR, None)
 
 
-_PENDING_PARAM_ATTR = "_moo_awaiting_shard"
-
-
-def mark_awaiting_shard(param: torch.Tensor, shard_now: Callable[[Any], None]) -> None:
-    """Flag a parameter of a module passed to ``fully_shard`` whose plan is not fixed yet.
-
-    Sharding is lazy (the plan covers every unit, so it waits for the first forward or the
-    first reader of the metadata). ``shard_now`` fixes the plan and shards; a reader that
-    needs the :class:`MatrixShard` (the optimizer) calls :func:`ensure_sharded` instead of
-    importing the runtime. The parameter object itself stays the same: only its data changes.
-    """
-    setattr(param, _PENDING_PARAM_ATTR, shard_now)
-
-
-def is_awaiting_shard(param: torch.Tensor) -> bool:
-    return getattr(param, _PENDING_PARAM_ATTR, None) is not None and peek_matrix_shard(param) is None
-
-
-def ensure_sharded(param: torch.Tensor, preconditioner: Any = None) -> MatrixShard | None:
-    """Shard ``param``'s model now if it waits for lazy sharding; return its MatrixShard.
-
-    ``preconditioner`` (a name, a cost model or an optimizer class) prices the matrices of a plan
-    fixed now, unless ``fully_shard(preconditioner=...)`` named one: the optimizer that fixes
-    the plan passes its own, so a Shampoo run is balanced for Shampoo's cost."""
-    if is_awaiting_shard(param):
-        getattr(param, _PENDING_PARAM_ATTR)(preconditioner)
-    if hasattr(param, _PENDING_PARAM_ATTR):
-        delattr(param, _PENDING_PARAM_ATTR)
-    return peek_matrix_shard(param)
-
-
-# Units of a sharded model, by the module that holds them all (the planning root). Kept here, not
-# as an attribute on the user's module: the runtime records, the planner reads, neither imports
-# the other. Weak keys: a dropped model leaves nothing behind.
-_UNIT_PREFIXES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+# The units of a sharded model, recorded on the module that holds them all (the planning root),
+# next to the module's own fully_shard state: the runtime records, the planner reads, neither
+# imports the other, and the record lives and dies with the model.
+_UNIT_PREFIXES_ATTR = "_moo_unit_prefixes"
 
 
 def record_unit_prefixes(model: torch.nn.Module, prefixes: list[str] | tuple[str, ...]) -> None:
     """Record the module fqns of ``model``'s ``fully_shard`` units in call order (``""`` for
     ``model`` itself), so that :func:`~.planner.plan_model` on ``model`` plans the same units."""
-    _UNIT_PREFIXES[model] = tuple(prefixes)
+    model.__dict__[_UNIT_PREFIXES_ATTR] = tuple(prefixes)
 
 
 def recorded_unit_prefixes(model: torch.nn.Module) -> tuple[str, ...] | None:
     """The unit fqns recorded for ``model`` by ``fully_shard``, or None."""
-    return _UNIT_PREFIXES.get(model)
+    return model.__dict__.get(_UNIT_PREFIXES_ATTR)

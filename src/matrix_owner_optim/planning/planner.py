@@ -220,18 +220,11 @@ def plan_tensors(
             start += per_rank[r]
         row_owners[fqn] = tuple(ranges)
 
-    # -- segments: each rank's owned tensors of a unit, contiguous, in model order -------------
-    cursor: dict[tuple[int, int], int] = {}
+    # (where each tensor sits in its unit's flat buffers is the runtime's SegmentLayout)
     shards: dict[str, MatrixShard] = {}
     for s in specs:
-        if s.role is Role.SHARDED or s.fqn in row_owners:
-            owner = None
-            offset = length = 0
-        else:
-            owner = owner_of_item[item_of[s.fqn]]
-            length = numel(s.shape)
-            offset = cursor.get((s.unit, owner), 0)
-            cursor[(s.unit, owner)] = offset + length
+        held_whole = not (s.role is Role.SHARDED or s.fqn in row_owners)
+        owner = owner_of_item[item_of[s.fqn]] if held_whole else None
         shards[s.fqn] = MatrixShard(
             fqn=s.fqn,
             shape=tuple(s.shape),
@@ -239,8 +232,6 @@ def plan_tensors(
             role=s.role,
             owner=owner,
             unit=s.unit,
-            segment_offset=offset,
-            segment_length=length,
             aliases=tuple(s.aliases),
             requires_grad=s.requires_grad,
             world_size=W,

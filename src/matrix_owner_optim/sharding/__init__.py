@@ -7,8 +7,9 @@ reduce-scatters each unit's owner segments once per pass, so ``optimizer.step()`
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .api import OwnerShardedModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import fully_shard
 from .clip import clip_grad_norm_
+from .module import OwnerShardedModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = [
     "fully_shard",

@@ -1,4 +1,13 @@
-"""What the units of one sharded model share: groups, plan, iteration state, prefetch orders.
+"""The runtime of one tree of units: it drives every unit, the way FSDP2's root state does.
+
+A :class:`ShardingContext` is made when a tree's plan is fixed (``sharding/build.py``) and is
+owned by the tree's root :class:`~.state.OwnerShardState`. The module hooks call it, and it
+calls the units; units never call back. It keeps what the units share and what crosses units:
+
+* the process groups, the plan and the units (call order);
+* the prefetch orders recorded from the previous pass, and the explicit prefetch targets;
+* the one reduce-scatter in flight (a :class:`~.unit.ReductionInFlight` record it lands);
+* the iteration state.
 
 Iteration state heals itself, as FSDP2 resets its own: a *forward pass* starts at the
 pre-forward of an outermost unit (one no enclosing unit is running forward for), outside
@@ -6,8 +15,8 @@ backward. There, :meth:`ShardingContext.begin_forward_pass` puts every unit back
 IDLE: data gathered by a forward that no backward followed, a prefetch nobody consumed, units
 left swapped in by an exception in forward, and the unreduced gradients of a backward that an
 exception interrupted (its end-of-backward callback never ran) are all dropped. Gathered data is
-therefore valid for one iteration only; the exceptions are what the user asked to keep
-(``unshard()``, ``reshard_after_backward=False``).
+therefore valid for one iteration only; the exceptions are what the user asked to keep (HELD by
+``unshard()``, RETAINED by ``reshard_after_backward=False``).
 
 The end-of-backward callback is queued once per backward, by the first hook that runs in it
 (the outermost graph task: nested tasks of reentrant activation checkpointing find it queued).
@@ -15,34 +24,22 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
+from torch import nn
 from torch.autograd import Variable
 
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
-from .unit import TrainingState
-
-if TYPE_CHECKING:
-    from .collectives import PendingReduce
-    from .unit import ParamHandle, ShardedUnit
+from .handle import ParamHandle
+from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
 
 __all__ = ["ShardingContext"]
 
 
 class ShardingContext:
-    """Shared by the units planned together (one model, or the units sharded at one time)."""
+    """Drives the units planned together (one ``fully_shard`` tree)."""
 
-    group: Any  # the shard group: owners, all-gather-v and reduce-scatter-v
-    rank: int
-    world_size: int
+    groups: ShardGroups
     plan: ShardingPlan
-    replicate_group: Any  # HSDP: the replicas of this shard group (None without)
-    replicate_size: int
-    dp_size: int  # gradients are averaged over shard x replicate ranks
     units: list[ShardedUnit]
     auto_prefetch: bool
     forward_order: list[ShardedUnit]  # recorded from the previous pass (same on every rank)
@@ -52,15 +49,10 @@ class ShardingContext:
     interrupted_backwards: int  # backwards that never finished (an exception), healed since
     method_depth: int  # inside a method registered with register_fsdp_forward_method
 
-    def __init__(self, group: Any, rank: int, world_size: int, plan: ShardingPlan, replicate_group: Any = None) -> None:
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self, groups: ShardGroups, plan: ShardingPlan, units: list[ShardedUnit]) -> None:
+        self.groups = groups
         self.plan = plan
-        self.replicate_group = replicate_group
-        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
-        self.dp_size = world_size * self.replicate_size
-        self.units = []
+        self.units = units
         self.auto_prefetch = True
         self.forward_order = []
         self.backward_order = []
@@ -70,25 +62,113 @@ class ShardingContext:
         self.method_depth = 0
         self._fwd_seq: list[ShardedUnit] = []
         self._bwd_seq: list[ShardedUnit] = []
-        self._registrations: dict[tuple[int, str], ParamHandle] | None = None
-        self._in_flight: tuple[PendingReduce, Callable[[torch.Tensor], None]] | None = None
+        self._in_flight: ReductionInFlight | None = None
+        self._unit_of_module = {id(m): u for u in units for m in u.members}
+        self._registrations: dict[tuple[int, str], ParamHandle] = {
+            (id(mod), name): h for u in units for h in u.handles for mod, name in h.locations
+        }
 
-    def registrations(self) -> dict[tuple[int, str], ParamHandle]:
-        """Where every sharded parameter is registered, ``(id(module), name) -> handle``: fixed
-        with the plan, built once (the per-forward registration check reads it)."""
-        if self._registrations is None:
-            self._registrations = {
-                (id(mod), name): h for u in self.units for h in u.handles for mod, name in h.locations
-            }
-        return self._registrations
+    # -- lookups ---------------------------------------------------------------------------------
+    def unit_of(self, module: nn.Module) -> ShardedUnit | None:
+        """The unit of a module passed to ``fully_shard`` in this tree (None: not one)."""
+        return self._unit_of_module.get(id(module))
 
-    # -- the reduce-scatter in flight -----------------------------------------------------------
-    def track_reduce(self, pending: PendingReduce, land: Callable[[torch.Tensor], None]) -> None:
-        """Record the reduction just issued; ``land(summed segment)`` writes the gradients.
-        One at a time: a unit waits for the previous reduction before issuing its own (FSDP2
-        keeps one reduce-scatter's buffers in flight the same way)."""
-        assert self._in_flight is None, "a reduce-scatter is already in flight"
-        self._in_flight = (pending, land)
+    def units_in(self, module: nn.Module) -> list[ShardedUnit]:
+        """The units whose modules lie inside ``module`` (call order)."""
+        inside = {id(m) for m in module.modules()}
+        return [u for u in self.units if id(u.module) in inside]
+
+    def check_registrations(self, unit: ShardedUnit) -> None:
+        """Refuse parameters registered in ``unit``'s subtree after its plan was fixed: a new
+        parameter (or a new tensor assigned over a sharded one, or a sharded one registered at a
+        new place) has no owner and no segment, so no collective would gather it or average its
+        gradient and every rank would train its own copy. Checked at the start of every forward
+        pass of an outermost unit, on every rank alike (same model, same answer)."""
+        for mod in (m for member in unit.members for m in member.modules()):  # no fqn strings unless wrong
+            for name, p in mod._parameters.items():
+                if p is None:
+                    continue
+                known = self._registrations.get((id(mod), name))
+                if known is not None and (p is known.sharded or p is known._unsharded):
+                    continue
+                mod_name = next(n for member in unit.members for n, m in member.named_modules() if m is mod)
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                what = "a new tensor was assigned to" if known is not None else "was registered on"
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} (shape {tuple(p.shape)}) {what} "
+                    f"{type(unit.module).__name__} after its sharding plan was fixed (by the first "
+                    "forward, unshard() or building the optimizer); the plan has no "
+                    "owner for it, so its gradient would never be averaged across ranks. Register "
+                    "every parameter before that point (sharding is lazy: fully_shard itself fixes "
+                    "nothing), or change values in place (load_state_dict / set_model_state_dict)"
+                )
+
+    # -- the hooks -------------------------------------------------------------------------------
+    def pre_forward(self, unit: ShardedUnit) -> None:
+        """Before ``unit``'s forward (or its checkpoint recomputation inside backward)."""
+        backward = in_backward()
+        parent = unit.parent
+        outermost = parent is None or parent.training_state is not TrainingState.FORWARD
+        if not backward and outermost and self.method_depth == 0:
+            self.check_registrations(unit)  # input validation: nothing registered since the plan
+            self.begin_forward_pass()  # an outermost forward: a new iteration starts clean
+        if not backward and not any(u is unit for u in self._fwd_seq):
+            self._fwd_seq.append(unit)
+        unit.pre_forward(backward)
+        if not backward:
+            with comm_phase("forward"):
+                self._prefetch("forward", unit, unit.options.forward_prefetch, self.forward_order)
+        unit.swap_in()
+
+    def post_forward(self, unit: ShardedUnit) -> None:
+        unit.post_forward()
+
+    def pre_backward(self, unit: ShardedUnit) -> None:
+        """The first gradient for one of ``unit``'s outputs arrived."""
+        self.begin_backward()
+        if not any(u is unit for u in self._bwd_seq):
+            self._bwd_seq.append(unit)
+        unit.pre_backward()
+        with comm_phase("backward"):
+            self._prefetch("backward", unit, unit.options.backward_prefetch, self.backward_order)
+        # swapped in for the backward: an activation-checkpoint recomputation reads the
+        # module's parameters and must find the gathered ones
+        unit.swap_in()
+
+    def post_backward(self, unit: ShardedUnit) -> None:
+        """Every input gradient of one forward of ``unit`` is computed: reduce, then release."""
+        self.begin_backward()
+        self._finish_gradients(unit)
+        unit.release_after_backward()
+
+    # -- prefetch --------------------------------------------------------------------------------
+    def _prefetch(
+        self, phase: str, unit: ShardedUnit, explicit: list[nn.Module] | None, order: list[ShardedUnit]
+    ) -> None:
+        if explicit is not None:
+            targets = [t for t in (self.unit_of(m) for m in explicit) if t is not None]
+        elif self.auto_prefetch:
+            at = next((i for i, u in enumerate(order) if u is unit), None)
+            targets = order[at + 1 : at + 2] if at is not None else []
+        else:
+            targets = []
+        for t in targets:
+            if t is not unit and t.issue_gather():
+                self.prefetch_log.append((phase, unit.index, t.index))
+
+    # -- gradients -------------------------------------------------------------------------------
+    def _finish_gradients(self, unit: ShardedUnit) -> None:
+        """Reduce the gradients ``unit`` holds now (sync on), or accumulate them (sync off).
+        At most one reduce-scatter in flight: the previous one lands before the next is issued,
+        so one unit's send buffer bounds the memory in flight."""
+        if not unit.options.requires_gradient_sync:
+            unit.accumulate()
+            return
+        grads = unit.take_grads()
+        if not grads:
+            return
+        self.wait_reduce()
+        self._in_flight = unit.issue_reduce(grads)
 
     @property
     def reduce_in_flight(self) -> bool:
@@ -98,19 +178,18 @@ class ShardingContext:
     def wait_reduce(self) -> None:
         """Land the reduction in flight, if any: before the next one is issued and at the end
         of backward (so ``.grad`` is complete before ``backward()`` returns)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            pending, land = in_flight
-            land(pending.wait())
+        record, self._in_flight = self._in_flight, None
+        if record is not None:
+            record.unit.land(record)
 
     def drop_reduce(self) -> None:
         """Complete the reduction in flight (every rank issued it) without landing it: the
         backward that issued it was interrupted, and its gradients are dropped."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight[0].wait()
+        record, self._in_flight = self._in_flight, None
+        if record is not None:
+            record.pending.wait()
 
-    # -- iteration boundaries ------------------------------------------------------------------
+    # -- iteration boundaries --------------------------------------------------------------------
     def begin_forward_pass(self) -> None:
         """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring)."""
         self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
@@ -120,9 +199,9 @@ class ShardingContext:
             self.backward_active = False
             self._bwd_seq = []
         for unit in self.units:
-            if unit.user_held:
+            if unit.held:
                 continue
-            if unit.retained and not interrupted:  # kept on purpose after its backward
+            if unit.state is ShardedState.RETAINED and not interrupted:  # kept on purpose
                 unit.training_state = TrainingState.IDLE
                 continue
             unit.reset()
@@ -138,32 +217,15 @@ class ShardingContext:
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        """End of the whole backward: reduce what the post-backward hooks did not (units whose
+        inputs need no gradient, second uses; same decision on every rank), release the data
+        unless the user or ``reshard_after_backward`` keeps it, land the last reduction."""
         self.backward_active = False
         with comm_phase("backward"):
             for unit in self.units:  # same order on every rank
-                unit.end_backward()
+                self._finish_gradients(unit)
+                unit.training_state = TrainingState.IDLE
+                unit.release_after_backward()
             self.wait_reduce()
         if self._bwd_seq:
             self.backward_order, self._bwd_seq = self._bwd_seq, []
-
-    # -- prefetch orders -----------------------------------------------------------------------
-    def note_forward(self, unit: ShardedUnit) -> None:
-        if not any(u is unit for u in self._fwd_seq):
-            self._fwd_seq.append(unit)
-
-    def note_backward(self, unit: ShardedUnit) -> None:
-        if not any(u is unit for u in self._bwd_seq):
-            self._bwd_seq.append(unit)
-
-    @staticmethod
-    def _next(order: list[ShardedUnit], unit: ShardedUnit) -> list[ShardedUnit]:
-        for i, u in enumerate(order):
-            if u is unit:
-                return order[i + 1 : i + 2]
-        return []
-
-    def next_forward(self, unit: ShardedUnit) -> list[ShardedUnit]:
-        return self._next(self.forward_order, unit) if self.auto_prefetch else []
-
-    def next_backward(self, unit: ShardedUnit) -> list[ShardedUnit]:
-        return self._next(self.backward_order, unit) if self.auto_prefetch else []

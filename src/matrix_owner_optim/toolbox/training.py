@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from ..comm import CommCounter, comm_phase
 from ..optim import OwnerRoutedOptimizer
 from ..planning.metadata import Role
@@ -296,7 +296,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     # global loss per step = mean of the ranks' micro-batch losses (what DDP averages)
     losses = torch.tensor([r["loss"] for r in records])
     if world_size > 1:
-        dist.all_reduce(losses)
+        comm.all_reduce(losses, name="loss_all_reduce")
         losses /= world_size
     for r, l in zip(records, losses.tolist(), strict=True):
         r["global_loss"] = l

@@ -1,0 +1,61 @@
+"""Which lazy plan a parameter waits for, so that the optimizer can fix it, explicitly.
+
+``fully_shard`` fixes a tree's plan lazily (the plan balances the whole tree). The first forward
+and ``unshard()`` reach the tree through the module; the optimizer has only parameters, so each
+parameter of a pending tree records its ``fully_shard`` state here (a weak reference: a dropped
+model leaves nothing alive), and :func:`fix_lazy_plans` is the one call that follows it. Reading
+metadata (``get_matrix_shard``) never does; the link is removed when the plan is fixed.
+
+This module sits below both ``sharding`` (which links) and ``optim`` (which fixes), so neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["LazyPlan", "fix_lazy_plans", "link_lazy_plan", "unlink_lazy_plan", "waits_for_plan"]
+
+_ATTR = "_moo_lazy_plan"
+
+
+class LazyPlan(Protocol):
+    """A tree of ``fully_shard`` calls whose plan is not fixed yet (``sharding.state``)."""
+
+    def fix_plan(self, preconditioner: Any = None) -> Any: ...
+
+
+def link_lazy_plan(param: torch.Tensor, owner: LazyPlan) -> None:
+    setattr(param, _ATTR, weakref.ref(owner))
+
+
+def unlink_lazy_plan(param: torch.Tensor) -> None:
+    if _ATTR in param.__dict__:
+        delattr(param, _ATTR)
+
+
+def _owner(param: Any) -> LazyPlan | None:
+    ref = getattr(param, _ATTR, None)
+    return ref() if ref is not None else None
+
+
+def waits_for_plan(param: torch.Tensor) -> bool:
+    """True for a parameter of a ``fully_shard`` tree whose plan is not fixed yet."""
+    return _owner(param) is not None
+
+
+def fix_lazy_plans(params: Iterable[Any], preconditioner: Any = None) -> None:
+    """Fix the plan of every pending ``fully_shard`` tree ``params`` belong to, in the order the
+    parameters come (the same on every rank: fixing a plan is collective). ``preconditioner`` (a
+    name, a cost model or an optimizer class) prices the matrices unless a ``fully_shard`` call
+    of the tree named one. Parameters of no pending tree are skipped."""
+    seen: set[int] = set()
+    for p in params:
+        owner = _owner(p)
+        if owner is not None and id(owner) not in seen:
+            seen.add(id(owner))
+            owner.fix_plan(preconditioner)

@@ -1,0 +1,271 @@
+"""Fixing a tree's plan: plan (or validate the given plan), agree, re-point the parameters, build
+the units and the :class:`~.context.ShardingContext` that drives them.
+
+Called once per tree by its root state's ``lazy_init`` (``sharding/state.py``). Every rank runs
+the same steps on the same model; the plan digest all-gather is the first collective, before any
+data moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..agreement import check_plan_agreement
+from ..lazy_plan import unlink_lazy_plan
+from ..owner_dtensor import OwnerDTensor
+from ..pieces import placement_of
+from ..planning.metadata import MatrixShard, ShardingPlan, attach_matrix_shard, record_unit_prefixes
+from ..planning.planner import plan_tensors
+from ..planning.roles import TensorSpec, specs_from_module
+from ..tensors import local_tensor
+from .context import ShardingContext
+from .handle import ParamHandle
+from .replicated import current_parameter
+from .unit import ShardedUnit, ShardGroups
+
+if TYPE_CHECKING:
+    from .state import OwnerShardState
+
+__all__ = ["build_context", "check_plan_world_size"]
+
+
+def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
+    if not isinstance(plan, ShardingPlan):
+        raise TypeError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+    if plan.world_size != world_size:
+        raise ValueError(
+            f"fully_shard: the plan was made for world size {plan.world_size} but the mesh has "
+            f"{world_size} ranks; build it with plan_model(model, {world_size}, ...)"
+        )
+
+
+def build_context(states: list[OwnerShardState], preconditioner: Any = None) -> ShardingContext:
+    """Plan the tree of ``states`` (one unit per state, planning order) as one model, shard
+    every parameter in place and build the units; set each state's ``unit``."""
+    group, replicate_group = states[0].group, states[0].replicate_group
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    modules = [m for st in states for m in st.modules]
+    unit_index = [u for u, st in enumerate(states) for _ in st.modules]
+    root, is_container = _planning_root(modules)
+    names = {id(m): n for n, m in root.named_modules()}
+    prefixes = [names[id(m)] for m in modules]
+    if not is_container:
+        record_unit_prefixes(root, prefixes)  # so plan_model(root, W) agrees
+    specs = [
+        dataclasses.replace(sp, unit=unit_index[sp.unit])
+        if sp.unit < len(modules)
+        else dataclasses.replace(sp, unit=len(states))
+        for sp in specs_from_module(root, unit_prefixes=prefixes)
+    ]
+    fqn_of = {id(p): n for n, p in root.named_parameters()}
+    unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
+    locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
+    given = next((s.plan for s in reversed(states) if s.plan is not None), None)
+    if given is not None:
+        _validate_plan(given, specs, W)
+        plan = given
+    else:
+        named = next((s.preconditioner for s in reversed(states) if s.preconditioner is not None), None)
+        plan = plan_tensors(specs, W, preconditioner=named if named is not None else preconditioner)
+    _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
+    check_plan_agreement(  # the first collective, before any data moves
+        plan,
+        group,
+        who="fully_shard",
+        what="sharding plan",
+        remedy="Every rank must build the plan from the same model, roles and world size "
+        "(pass the same plan= / roles on all ranks).",
+    )
+    shards = _normalize(plan, specs)
+    by_fqn = dict(root.named_parameters())
+
+    handles_of: list[list[ParamHandle]] = [[] for _ in states]
+    for s in specs:
+        if s.unit >= len(states):  # the container's own (empty) root unit
+            raise RuntimeError(f"parameter {s.fqn!r} is in no fully_shard unit")
+        shard = shards[s.fqn]
+        param = by_fqn[s.fqn]
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(f"fully_shard: {s.fqn!r} is a {type(param).__name__}, not an nn.Parameter")
+        if not isinstance(param, OwnerDTensor):
+            raise TypeError(
+                f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
+                "register every parameter before calling fully_shard"
+            )
+        with torch.no_grad():
+            param.grad = None
+            piece = _resident_piece(local_tensor(param), shard, rank)
+            param.relayout(piece, placement_of(shard))
+        attach_matrix_shard(param, shard, rank, group)
+        unlink_lazy_plan(param)
+        handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
+
+    replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+    groups = ShardGroups(group, rank, W, replicate_group, replicate_size)
+    root_index = -1 if is_container else len(states) - 1
+    units = [
+        ShardedUnit(
+            groups,
+            u,
+            st.modules,
+            handles_of[u],
+            options=st.options,
+            mp_policy=st.mp_policy,
+            is_root=(u == root_index),
+        )
+        for u, st in enumerate(states)
+    ]
+    for u, unit in enumerate(units):
+        ms = [i for i, v in enumerate(unit_index) if v == u]
+        parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
+        parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
+        unit.parent = units[parent] if parent is not None else None
+    ctx = ShardingContext(groups, plan, units)
+    for st, unit in zip(states, units, strict=True):
+        st.unit = unit
+        _check_prefetch_targets(st, ctx)
+    return ctx
+
+
+def _check_prefetch_targets(state: OwnerShardState, ctx: ShardingContext) -> None:
+    """Prefetch targets set before the plan must be units of this tree."""
+    for what, targets in (("forward", state.options.forward_prefetch), ("backward", state.options.backward_prefetch)):
+        for m in targets or []:
+            if ctx.unit_of(m) is None:
+                raise ValueError(
+                    f"set_modules_to_{what}_prefetch: {type(m).__name__} is not a fully_shard unit of this model"
+                )
+
+
+def _planning_root(modules: list[nn.Module]) -> tuple[nn.Module, bool]:
+    """The module the plan's fqns are relative to: the one unit module containing all others,
+    or a container over the outermost ones (blocks without a root call, several models)."""
+    inside: dict[int, set[int]] = {id(m): {id(s) for s in m.modules()} for m in modules}
+    outermost = [m for m in modules if not any(o is not m and id(m) in inside[id(o)] for o in modules)]
+    if len(outermost) == 1:
+        return outermost[0], False
+    return nn.ModuleDict({f"unit{i}": m for i, m in enumerate(outermost)}), True
+
+
+def _unit_of_modules(modules: list[nn.Module]) -> dict[int, int]:
+    """Module id -> index (in ``modules``) of the innermost unit containing it."""
+    owner: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for i, m in enumerate(modules):
+        subtree = list(m.modules())
+        for s in subtree:
+            if id(s) not in owner or len(subtree) < size[id(s)]:
+                owner[id(s)] = i
+                size[id(s)] = len(subtree)
+    return owner
+
+
+def _locations(
+    root: nn.Module, unit_of_module: dict[int, int], modules: list[nn.Module], fqn_of: dict[int, str]
+) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Parameter id -> every (module, name) it is registered under; refuses a parameter
+    registered in two units (each unit gathers its own parameters: a shared one has no home)."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    unit_seen: dict[int, int] = {}
+    seen: set[tuple[int, str]] = set()
+    for _, mod in root.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is None or (id(mod), name) in seen:
+                continue
+            seen.add((id(mod), name))
+            p = current_parameter(p)
+            found.setdefault(id(p), []).append((mod, name))
+            u = unit_of_module[id(mod)]
+            if unit_seen.setdefault(id(p), u) != u:
+                a, b = modules[unit_seen[id(p)]], modules[u]
+                raise ValueError(
+                    f"fully_shard: parameter {fqn_of.get(id(p), name)!r} is registered in two "
+                    f"fully_shard units ({type(a).__name__} and {type(b).__name__}); a unit "
+                    "gathers only its own parameters. Call fully_shard on a module containing "
+                    "both uses (or untie the parameter)"
+                )
+    return found
+
+
+def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int) -> None:
+    check_plan_world_size(plan, world_size)
+    model_names = {n for s in specs for n in (s.fqn, *s.aliases)}
+    plan_names = {n for s in plan for n in (s.fqn, *s.aliases)}
+    missing = [s.fqn for s in specs if s.fqn not in plan]
+    if missing:
+        raise ValueError(
+            f"fully_shard: the plan does not cover parameter {missing[0]!r} of the model; "
+            "build the plan from this model with plan_model"
+        )
+    extra = sorted(plan_names - model_names)
+    if extra:
+        raise ValueError(f"fully_shard: the plan names {extra[0]!r}, which is not a parameter of the model")
+    for s in specs:
+        shard = plan[s.fqn]
+        if tuple(shard.shape) != tuple(s.shape) or shard.dtype != s.dtype:
+            raise ValueError(
+                f"fully_shard: parameter {s.fqn!r} is {tuple(s.shape)} {s.dtype} in the model but "
+                f"{tuple(shard.shape)} {shard.dtype} in the plan"
+            )
+        if not shard.holds_rows and (shard.owner is None or not 0 <= shard.owner < world_size):
+            raise ValueError(f"fully_shard: parameter {s.fqn!r} has no valid owner in the plan ({shard.owner!r})")
+
+
+def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixShard]:
+    """The plan's owners and roles with the units, names and flags of these fully_shard calls."""
+    return {
+        s.fqn: dataclasses.replace(
+            plan[s.fqn], fqn=s.fqn, unit=s.unit, aliases=tuple(s.aliases), requires_grad=s.requires_grad
+        )
+        for s in specs
+    }
+
+
+def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
+    """This rank's data of a parameter: whole on its owner, row block, or an empty piece (no
+    rows; a 0-dim placeholder zero for a scalar)."""
+    if shard.holds_rows:
+        start, stop = shard.row_range(rank)
+        return full.detach()[start:stop].clone()
+    if shard.is_owned_by(rank):
+        return full.detach()
+    if full.dim() == 0:
+        return torch.zeros((), dtype=full.dtype, device=full.device)
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def _check_unit_dtypes(specs: list[TensorSpec], states: list[OwnerShardState]) -> None:
+    """One compute dtype per unit (one all-gather buffer): refuse a mix before any data moves."""
+    by_unit: dict[int, dict[str, torch.dtype]] = {}
+    for s in specs:
+        if s.unit >= len(states):
+            continue
+        param_dtype = getattr(states[s.unit].mp_policy, "param_dtype", None)
+        compute = param_dtype if (param_dtype is not None and s.dtype.is_floating_point) else s.dtype
+        by_unit.setdefault(s.unit, {})[s.fqn] = compute
+    for unit, dtypes in by_unit.items():
+        if len(set(dtypes.values())) > 1:
+            names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
+            raise NotImplementedError(
+                f"fully_shard unit {unit} mixes parameter dtypes ({names}); give the unit one "
+                "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
+            )
+
+
+def _parent_unit(i: int, modules: list[nn.Module]) -> int | None:
+    """Index of the nearest unit module enclosing ``modules[i]`` (None: outermost)."""
+    best: int | None = None
+    best_size = None
+    target = modules[i]
+    for j, m in enumerate(modules):
+        if j == i:
+            continue
+        subtree = list(m.modules())
+        if any(s is target for s in subtree) and (best_size is None or len(subtree) < best_size):
+            best, best_size = j, len(subtree)
+    return best

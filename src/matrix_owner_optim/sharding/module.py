@@ -1,0 +1,268 @@
+"""What a module passed to ``fully_shard`` gains (FSDP2's ``FSDPModule``).
+
+A sharded module's class is swapped to a dynamic subclass that mixes in
+:class:`OwnerShardedModule`: ``unshard``, ``reshard``, ``fix_plan``, the ``set_*`` methods, and an
+``nn.Module._apply`` that keeps the layout through ``to_empty`` / ``.to``. The ``set_*`` methods
+record options on the call's state (``UnitOptions``) and never fix the plan, so they may be called
+before or after it; ``unshard()`` and ``fix_plan()`` fix it (they need the units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..planning.metadata import ShardingPlan, attach_matrix_shard
+from .context import ShardingContext
+from .state import OwnerShardState, PlanPhase, state_of
+from .unit import ShardedUnit, TrainingState
+
+__all__ = ["OwnerShardedModule", "UnshardHandle", "check_reshard_after_forward", "register_fsdp_forward_method"]
+
+
+def _require_state(module: nn.Module) -> OwnerShardState:
+    state = state_of(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} was not passed to fully_shard")
+    return state
+
+
+def check_reshard_after_forward(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(
+        f"reshard_after_forward={value!r}: the owner layout takes True or False. FSDP2's int form "
+        "(reshard to a smaller world size after forward) has no owner-shaped equivalent: every "
+        "tensor already lives whole on one rank; pass True to free, False to keep"
+    )
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: :meth:`wait` completes the all-gathers."""
+
+    def __init__(self, units: list[ShardedUnit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for unit in self._units:
+            if unit.held:  # not released by reshard() in between
+                unit.hold()
+        self._units = []
+
+
+class OwnerShardedModule(nn.Module):
+    """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule``)."""
+
+    def _moo_context(self) -> ShardingContext | None:
+        """The runtime of this module's tree (None while its plan is pending)."""
+        return _require_state(self).root.context
+
+    def _moo_units(self) -> list[ShardedUnit]:
+        """This module's unit and every unit nested in it (call order); the plan must be fixed."""
+        ctx = self._moo_context()
+        if ctx is None:
+            raise RuntimeError(f"{type(self).__name__}: the sharding plan is not fixed yet (see fix_plan())")
+        return ctx.units_in(self)
+
+    def _moo_states(self, recurse: bool) -> list[OwnerShardState]:
+        """This module's state, and with ``recurse`` every state of a module inside it."""
+        own = _require_state(self)
+        if not recurse:
+            return [own]
+        found: list[OwnerShardState] = []
+        for m in self.modules():
+            st = state_of(m)
+            if st is not None and not any(f is st for f in found):
+                found.append(st)
+        return found
+
+    def fix_plan(self, preconditioner: Any = None) -> ShardingPlan:
+        """Fix the sharding plan of this module's ``fully_shard`` tree now and shard it
+        (collective: call it on every rank). Otherwise the first forward or the optimizer's
+        construction fixes it. ``preconditioner`` prices the matrices unless a ``fully_shard``
+        call named one (default: Muon's cost)."""
+        return _require_state(self).fix_plan(preconditioner).plan
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        """The plan of this module's tree; it must be fixed (see :meth:`fix_plan`)."""
+        root = _require_state(self).root
+        if root.phase is PlanPhase.FAILED:
+            root.lazy_init()  # raises with the reason
+        if root.context is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the sharding plan is not fixed yet; the first forward, "
+                "unshard(), fix_plan() or building the optimizer fixes it"
+            )
+        return root.context.plan
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's unit and every unit nested in it; until :meth:`reshard`,
+        ``named_parameters()`` yields the full tensors on every rank.
+
+        ``async_op=True`` issues the all-gathers and returns a handle; call its ``wait()``
+        before reading the parameters (a forward waits by itself)."""
+        _require_state(self).fix_plan()
+        units = self._moo_units()
+        for unit in units:
+            if not unit.held and unit.training_state is TrainingState.IDLE:
+                unit.free()  # data a forward left behind may predate an optimizer step
+            unit.issue_gather(for_user=True)
+            if not unit.held:  # busy in a pass (already gathered): held from now on
+                unit.hold()
+        handle = UnshardHandle(units)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Back to the owner layout: owners keep their tensors, others hold empty tensors."""
+        if self._moo_context() is None:
+            return  # nothing was gathered: every rank still holds the replicated parameters
+        for unit in self._moo_units():
+            unit.release()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: accumulate gradients locally (in ``reduce_dtype``, no collective) until a
+        backward with sync enabled, which reduces the accumulated sum once (DDP ``no_sync``)."""
+        for st in self._moo_states(recurse):
+            st.options.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free (``True``) or keep (``False``) non-owned tensors between forward and backward."""
+        value = check_reshard_after_forward(reshard_after_forward)
+        for st in self._moo_states(recurse):
+            st.options.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the gathered tensors after backward for the next micro-batch's forward
+        (no all-gather). As in FSDP2, set it back to ``True`` before the last micro-batch: the
+        kept tensors do not see an optimizer step."""
+        for st in self._moo_states(recurse):
+            st.options.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients become the sum over ranks divided by ``factor`` instead of the average
+        for this module's own unit, as FSDP2's method of the same name (call it on every sharded
+        module to change them all). In float16 the division is split around the sum (see
+        ``gradient_divide_factors``)."""
+        factor = float(factor)
+        if factor <= 0 or not math.isfinite(factor):
+            raise ValueError(f"set_gradient_divide_factor: factor must be positive and finite, got {factor}")
+        _require_state(self).options.gradient_divide_factor = factor
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's micro-batching hint. Here every reduction completes inside backward, so the
+        end of any backward leaves nothing in flight; the flag is recorded for scripts that
+        read it back (``is_last_backward``)."""
+        _require_state(self).options.is_last_backward = bool(is_last_backward)
+
+    @property
+    def is_last_backward(self) -> bool:
+        return _require_state(self).options.is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
+        """After this module's all-gather in forward, issue those of ``modules`` (async), as
+        FSDP2's method of the same name; replaces the automatic next-unit prefetch here."""
+        _require_state(self).options.forward_prefetch = self._prefetch_targets(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
+        """After this module's re-gather in backward, issue those of ``modules`` (async)."""
+        _require_state(self).options.backward_prefetch = self._prefetch_targets(modules)
+
+    def _prefetch_targets(self, modules: list[OwnerShardedModule]) -> list[nn.Module]:
+        ctx = self._moo_context()
+        for m in modules:
+            if state_of(m) is None:
+                raise ValueError(f"{type(m).__name__} was not passed to fully_shard")
+            if ctx is not None and ctx.unit_of(m) is None:
+                raise ValueError(f"{type(m).__name__} is not a fully_shard unit of this model")
+        return list(modules)
+
+    def set_auto_prefetch(self, enabled: bool) -> None:
+        """Turn the automatic next-unit prefetch (on by default) on or off for the whole model."""
+        root = _require_state(self).root
+        root.auto_prefetch = bool(enabled)
+        if root.context is not None:
+            root.context.auto_prefetch = bool(enabled)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
+        """``to_empty``, ``.to(device)``, ``.to(dtype)`` ... keep the layout (FSDP2's
+        ``FSDPModule`` does the same): the sharded parameters are converted, then the unit's
+        unsharded tensors, aliases and dtypes are rebuilt from them."""
+        state = _require_state(self)
+        unit = state.unit
+        if unit is None:  # pending: full tensors, nn.Module's own conversion
+            result = super()._apply(fn, recurse)
+            state.link_parameters()
+            return result
+        if unit.training_state is not TrainingState.IDLE or unit.held:
+            raise RuntimeError(
+                f"{type(self).__name__}: cannot convert parameters while the unit is "
+                f"{'unsharded by unshard()' if unit.held else 'in ' + unit.training_state.value}; "
+                "call reshard() first (or convert outside forward/backward)"
+            )
+        unit.free()
+        result = super()._apply(fn, recurse)
+        for h in unit.handles:
+            now = h.registered()
+            if not isinstance(now, nn.Parameter):
+                raise RuntimeError(f"{h.shard.fqn}: nn.Module._apply left no parameter in place")
+            shard = dataclasses.replace(h.shard, dtype=now.dtype)
+            if now is not h.sharded:  # the conversion made a new parameter object
+                h.sharded = now
+                h.swap(now)
+            h.shard = shard
+            attach_matrix_shard(now, shard, unit.groups.rank, unit.groups.group)
+        unit.rebuild_unsharded()
+        return result
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and release the unit like
+    ``forward`` does, as ``torch.distributed.fsdp.register_fsdp_forward_method``."""
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    orig = getattr(type(module), method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward_hook(self, args, kwargs)
+        ctx = state.fix_plan()
+        ctx.method_depth += 1  # forwards inside the method belong to this pass
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            ctx.method_depth -= 1
+        return state.post_forward_hook(self, args, kwargs, out)
+
+    module.__dict__[method_name] = types.MethodType(wrapped, module)
+    state.forward_methods.append(method_name)
+
+
+# Dynamic subclasses made so far, one per user class (FSDP2 caches its ``FSDP<cls>`` the same
+# way): a cache, so that every instance of a class gets the same subclass; it decides nothing.
+_class_cache: dict[type, type] = {}
+
+
+def swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, OwnerShardedModule):
+        return
+    new_cls = _class_cache.get(cls)
+    if new_cls is None:
+        new_cls = type(f"OwnerSharded{cls.__name__}", (OwnerShardedModule, cls), {})
+        _class_cache[cls] = new_cls
+    module.__class__ = new_cls

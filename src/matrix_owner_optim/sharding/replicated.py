@@ -1,0 +1,50 @@
+"""Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated.
+
+Each rank still holds the whole tensor until the tree's plan is fixed; then the same objects
+become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init,
+``load_state_dict`` and ``to_empty`` run on full tensors before, and every reference taken after
+the call stays valid. A tied parameter stays one object at every place it is registered; one
+tied across two calls is found through the old object's weak link to its replacement.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..owner_dtensor import OwnerDTensor
+
+__all__ = ["as_owner_dtensors", "current_parameter"]
+
+_REPLACED_BY = "_moo_replaced_by"
+
+
+def current_parameter(p: torch.Tensor) -> torch.Tensor:
+    """``p``, or the owner-layout DTensor ``fully_shard`` registered in its place elsewhere."""
+    ref = p.__dict__.get(_REPLACED_BY)
+    new = ref() if ref is not None else None
+    return new if new is not None else p
+
+
+def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
+    """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated
+    (each rank holds the whole tensor until the plan is fixed; then the same objects become this
+    rank's pieces in place). A tied parameter stays one object at every place it is registered."""
+    new: dict[int, nn.Parameter] = {}
+    for _, mod in module.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            if p is None or isinstance(p, OwnerDTensor):
+                continue
+            replaced = current_parameter(p)
+            if replaced is not p:  # tied to a parameter an earlier call registered: the same object
+                mod._parameters[name] = replaced  # type: ignore[assignment]
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(OwnerDTensor.replicated(p.detach(), mesh), requires_grad=p.requires_grad)
+                # the old object may stay registered outside ``module`` (a parameter tied across
+                # two fully_shard calls): the plan finds its replacement through it and refuses it
+                p.__dict__[_REPLACED_BY] = weakref.ref(new[id(p)])
+            mod._parameters[name] = new[id(p)]
