@@ -9,7 +9,8 @@ data moves.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,21 @@ from ..tensors import local_tensor
 from .context import ShardingContext
 from .handle import ParamHandle
 from .replicated import current_parameter
-from .unit import ShardedUnit, ShardGroups
+from .unit import ShardedUnit, ShardGroups, UnitOptions
 
-if TYPE_CHECKING:
-    from .state import OwnerShardState
+__all__ = ["PlannedCall", "build_context", "check_plan_world_size"]
 
-__all__ = ["build_context", "check_plan_world_size"]
+
+class PlannedCall(Protocol):
+    """What fixing a plan reads of one ``fully_shard`` call (``state.OwnerShardState`` is one)."""
+
+    modules: list[nn.Module]
+    group: Any
+    replicate_group: Any
+    mp_policy: Any
+    plan: ShardingPlan | None
+    preconditioner: Any
+    options: UnitOptions
 
 
 def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
@@ -44,9 +54,9 @@ def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
         )
 
 
-def build_context(states: list[OwnerShardState], preconditioner: Any = None) -> ShardingContext:
-    """Plan the tree of ``states`` (one unit per state, planning order) as one model, shard
-    every parameter in place and build the units; set each state's ``unit``."""
+def build_context(states: Sequence[PlannedCall], preconditioner: Any = None) -> ShardingContext:
+    """Plan the tree of ``states`` (one unit per call, planning order) as one model, shard
+    every parameter in place and build the units (``context.units[i]`` is call ``i``'s)."""
     group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [m for st in states for m in st.modules]
@@ -126,13 +136,12 @@ def build_context(states: list[OwnerShardState], preconditioner: Any = None) -> 
         parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
         unit.parent = units[parent] if parent is not None else None
     ctx = ShardingContext(groups, plan, units)
-    for st, unit in zip(states, units, strict=True):
-        st.unit = unit
+    for st in states:
         _check_prefetch_targets(st, ctx)
     return ctx
 
 
-def _check_prefetch_targets(state: OwnerShardState, ctx: ShardingContext) -> None:
+def _check_prefetch_targets(state: PlannedCall, ctx: ShardingContext) -> None:
     """Prefetch targets set before the plan must be units of this tree."""
     for what, targets in (("forward", state.options.forward_prefetch), ("backward", state.options.backward_prefetch)):
         for m in targets or []:
@@ -239,7 +248,7 @@ def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.
     return full.new_empty((0, *full.shape[1:]))
 
 
-def _check_unit_dtypes(specs: list[TensorSpec], states: list[OwnerShardState]) -> None:
+def _check_unit_dtypes(specs: list[TensorSpec], states: Sequence[PlannedCall]) -> None:
     """One compute dtype per unit (one all-gather buffer): refuse a mix before any data moves."""
     by_unit: dict[int, dict[str, torch.dtype]] = {}
     for s in specs:

@@ -158,6 +158,8 @@ class OwnerShardState:
             self.phase = PlanPhase.FAILED
             self.failure = f"{type(exc).__name__}: {exc}"
             raise
+        for st, unit in zip(self.tree, self.context.units, strict=True):
+            st.unit = unit
         self.context.auto_prefetch = self.auto_prefetch
         self.phase = PlanPhase.PLANNED
         return self.context

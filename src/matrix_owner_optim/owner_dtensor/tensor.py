@@ -1,206 +1,37 @@
-"""The owner layout as a DTensor: what a sharded parameter, its gradient and its state are.
+"""``OwnerDTensor``: the DTensor subclass every owner-layout tensor is, and its operators.
 
-Every tensor of the owner layout is an :class:`OwnerDTensor`: a ``DTensor`` over the shard
-group's 1D mesh whose local tensor is this rank's piece. Its placement says which piece:
-
-* ``OwnerShard(0, ranges)``: a ``Shard(0)`` whose per-rank pieces are explicit row ranges
-  instead of ``torch.chunk``'s. A tensor held whole by its owner (matrices, tail tensors) has
-  the range ``[0, rows)`` on the owner and an empty range elsewhere; several non-empty ranges
-  describe a tensor split at row boundaries over several owners. ``compute_local_shape_and_
-  global_offset`` (DCP, ``get/set_model_state_dict``) reads the ranges through the placement.
-* ``Shard(0)``: row blocks split as ``torch.chunk`` splits them (embeddings, heads): FSDP2's own
-  form, so every operator DTensor knows runs as it does on FSDP2.
-* ``Replicate()``: every rank holds the whole tensor. A module's parameters are this between
-  ``fully_shard`` and the moment the plan is fixed, so the same objects can become owner pieces
-  in place (``_local_tensor`` and ``_spec`` replaced) and an optimizer built in between holds
-  the right tensors; its operators run locally, as on plain tensors.
-
-Operators (``__torch_dispatch__``) keep the layout's meaning without communicating wherever the
-layout allows it:
-
-* *holder-local*: all tensors of an operator held by one rank (one owner; replicated values and
-  plain tensors taken as replicated) are computed by that rank alone, whatever the operator
-  (pointwise, views, matmuls, reductions), and the result is held by the same rank. Other ranks
-  compute nothing and hold an empty piece; a 0-dim result is a ``Partial`` (``_NormPartial`` for
-  norms) with zeros elsewhere, which is exactly true, so torch's reductions over many tensors
-  (``clip_grad_norm_``: ``_foreach_norm``, ``stack``, ``vector_norm``) sum the owners' values in
-  one all-reduce. An optimizer step on the owner therefore issues no collective, and one that
-  every rank runs (``torch.optim.AdamW`` given the parameters) neither.
-* *same layout*: elementwise operators on tensors of one placement and shape run on the local
-  pieces (row blocks, split ranges).
-* row blocks otherwise: DTensor's own rules (``Shard(0)`` is FSDP2's form).
-* anything else (tensors of different owners together, a split tensor reshaped): the pieces
-  are gathered to full tensors first (a collective, as DTensor redistributes), the operator runs
-  on them, and an in-place result writes back this rank's piece. Slow, never wrong.
-
-Reading a value (``item()``, ``bool()``) of a held tensor is a collective over the mesh, as it is
-for any DTensor: every rank must ask. ``full_tensor()`` / ``redistribute(Replicate())`` gather.
-DCP's checkpoint protocol is implemented here, so a checkpoint reshards across world sizes and
-layouts, and ``torch.load(weights_only=True)`` accepts these tensors.
+See the package docstring for the layout and the operator rules.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import comm
-from .planning.metadata import chunk_row_range
-
-__all__ = [
-    "OwnerShard",
-    "OwnerDTensor",
-    "owned_ranges",
-    "contiguous_stride",
-    "is_owner_dtensor",
-    "same_placement",
-    "like_layout",
-    "mesh_of_group",
-]
+from .. import comm
+from ..planning.metadata import chunk_row_range
+from .dcp import DcpChunks
+from .ops import JOINS, NORMS, is_elementwise, is_inplace, norm_partial
+from .placement import (
+    OwnerShard,
+    contiguous_stride,
+    gather_ranges,
+    owned_ranges,
+    placement_key,
+    same_placement,
+)
 
 aten = torch.ops.aten
 
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
-def owned_ranges(rows: int, owner: int, world_size: int) -> tuple[tuple[int, int], ...]:
-    """Row ranges of a tensor of ``rows`` rows held whole by ``owner``."""
-    return tuple((0, rows) if r == owner else (rows, rows) for r in range(world_size))
-
-
-class OwnerShard(Shard):
-    """``Shard(dim)`` whose piece on mesh rank ``r`` is rows ``ranges[r]`` (``[start, stop)``).
-
-    Pieces are contiguous row ranges that tile the dimension; they need not follow rank order
-    nor ``torch.chunk``'s sizes. The tensor held whole by one owner is the common case.
-    """
-
-    ranges: tuple[tuple[int, int], ...]
-
-    def __init__(self, dim: int, ranges: Sequence[tuple[int, int]]) -> None:
-        super().__init__(dim)
-        object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in ranges))
-
-    @property
-    def holder(self) -> int | None:
-        """The one rank holding every row, or None when rows are split over several ranks."""
-        full = [r for r, (a, b) in enumerate(self.ranges) if b > a]
-        if len(full) == 1:
-            return full[0]
-        if not full:  # zero rows: the owner is recorded as the rank whose range starts at 0
-            starts = [r for r, (a, _) in enumerate(self.ranges) if a == 0]
-            return starts[0] if starts else 0
-        return None
-
-    # Equality stays Shard's (by dim): DTensorSpec checks its shard order with ``== Shard(dim)``.
-    # Whether two tensors have the same pieces is :func:`same_placement`.
-
-    def __repr__(self) -> str:
-        return f"OwnerShard(dim={self.dim}, ranges={self.ranges})"
-
-    def __str__(self) -> str:
-        h = self.holder
-        return f"O({h})" if h is not None else f"OS({self.dim})"
-
-    def __reduce__(self) -> Any:
-        return (OwnerShard, (self.dim, self.ranges))
-
-    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: Any) -> tuple[int, int]:
-        a, b = self.ranges[int(rank)]
-        return b - a, a
-
-    def _split_tensor(
-        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
-    ) -> tuple[list[torch.Tensor], list[int]]:
-        if with_padding:
-            raise NotImplementedError(
-                "OwnerShard pieces are uneven by design; use matrix_owner_optim's layout helpers "
-                "(OwnerDTensor.from_full) instead of distribute_tensor / scatter"
-            )
-        pieces = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
-        return [p.contiguous() if contiguous else p for p in pieces], [0] * len(pieces)
-
-    def _replicate_to_shard(
-        self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, shard_index: Any
-    ) -> torch.Tensor:
-        a, b = self.ranges[int(shard_index)]
-        return local_tensor.narrow(self.dim, a, b - a).clone()
-
-    def _to_replicate_tensor(
-        self,
-        local_tensor: torch.Tensor,
-        mesh: Any,
-        mesh_dim: int,
-        current_logical_shape: Sequence[int],  # type: ignore[override]
-    ) -> torch.Tensor:
-        return _gather_ranges(local_tensor, self, tuple(current_logical_shape), mesh.get_group(mesh_dim))
-
-
-def same_placement(a: Any, b: Any) -> bool:
-    """Whether two placements describe the same pieces (ranges included)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, OwnerShard):
-        return a.dim == b.dim and a.ranges == b.ranges
-    return bool(a == b)
-
-
-def _placement_key(p: Any) -> Any:
-    return (
-        type(p),
-        getattr(p, "dim", None),
-        getattr(p, "ranges", None),
-        getattr(p, "reduce_op", None),
-        getattr(p, "norm_type", None),
-    )
-
-
-def _gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, ...], group: Any) -> torch.Tensor:
-    """The full tensor from every rank's row range (one broadcast when one rank holds it all)."""
-    holder = placement.holder
-    rank = dist.get_rank(group)
-    if holder is not None:
-        full = local.contiguous() if rank == holder else torch.empty(shape, dtype=local.dtype, device=local.device)
-        comm.broadcast(full, group_src=holder, group=group, name="owner_full_tensor")
-        return full
-    row = 1
-    for s in shape[1:]:
-        row *= int(s)
-    sizes = [(b - a) * row for a, b in placement.ranges]
-    recv = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
-    send = local.contiguous().reshape(-1)
-    world = len(sizes)
-    comm.all_to_all_single(
-        recv,
-        send.repeat(world) if send.numel() else send,
-        output_split_sizes=sizes,
-        input_split_sizes=[send.numel()] * world,
-        group=group,
-        op="owner_full_tensor",
-    )
-    full = torch.empty(shape, dtype=local.dtype, device=local.device)
-    offset = 0
-    for (a, b), n in zip(placement.ranges, sizes, strict=True):
-        full[a:b].copy_(recv[offset : offset + n].view((b - a, *shape[1:])))
-        offset += n
-    return full
+__all__ = ["OwnerDTensor", "as_owner_dtensor", "is_owner_dtensor", "like_layout", "mesh_of_group"]
 
 
 def is_owner_dtensor(t: Any) -> TypeGuard[OwnerDTensor]:
@@ -246,61 +77,7 @@ def mesh_of_group(group: Any, device_type: str) -> Any:
     return mesh
 
 
-# Operators that produce a tensor of their first argument's shape, element by element (with the
-# pointwise tag, aten marks the rest).
-_ELEMENTWISE = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.empty_like.default,
-    aten.full_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.fill_.Scalar,
-    aten.fill_.Tensor,
-    aten.zero_.default,
-    aten.copy_.default,
-    aten.lerp_.Scalar,
-    aten.lerp_.Tensor,
-    aten.lerp.Scalar,
-    aten.lerp.Tensor,
-    aten.uniform_.default,
-    aten.normal_.default,
-    aten.bernoulli_.float,
-}
-_NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim}
-
-
-def _is_elementwise(func: Any) -> bool:
-    return func in _ELEMENTWISE or torch.Tag.pointwise in func.tags
-
-
-def _is_inplace(func: Any) -> bool:
-    schema = func._schema
-    return (
-        bool(schema.arguments)
-        and schema.arguments[0].alias_info is not None
-        and schema.arguments[0].alias_info.is_write
-    )
-
-
-def _norm_partial(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The Partial a 0-dim norm result of one holder has (zeros on the other ranks)."""
-    p = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 2))
-    p = 2.0 if p is None else float(p)
-    if math.isinf(p):
-        return Partial("max") if p > 0 else None
-    if p == 0:
-        return Partial("sum")
-    if p < 0:
-        return None
-    return _NormPartial(p)
-
-
-class OwnerDTensor(DTensor):
+class OwnerDTensor(DcpChunks, DTensor):
     """A DTensor of the owner layout (see the module docstring).
 
     Built with :meth:`make` (no copy). The placement is ``OwnerShard``, ``Shard(0)`` or
@@ -427,7 +204,7 @@ class OwnerDTensor(DTensor):
         if isinstance(p, Replicate) or self.device_mesh.size() == 1:
             return local
         if isinstance(p, OwnerShard):
-            return _gather_ranges(local, p, tuple(self.shape), group)
+            return gather_ranges(local, p, tuple(self.shape), group)
         if isinstance(p, Partial) and self._holder is not None:
             full = local.clone() if self.is_holder else torch.empty((), dtype=local.dtype, device=local.device)
             comm.broadcast(full, group_src=self._holder, group=group, name="owner_full_tensor")
@@ -435,7 +212,7 @@ class OwnerDTensor(DTensor):
         if type(p) is Shard:  # torch.chunk's rows, gathered as explicit ranges
             n, W = int(self.shape[0]), self.device_mesh.size()
             ranges = [chunk_row_range(n, W, r) for r in range(W)]
-            return _gather_ranges(local, OwnerShard(0, ranges), tuple(self.shape), group)
+            return gather_ranges(local, OwnerShard(0, ranges), tuple(self.shape), group)
         raise NotImplementedError(f"full_tensor() of an owner-layout tensor with placement {p!r}")
 
     def redistribute(
@@ -456,45 +233,6 @@ class OwnerDTensor(DTensor):
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         return self.full_value()
 
-    # -- DCP's checkpoint protocol: this rank's rows as one chunk, nothing where it holds none ----
-    def _chunk(self) -> ChunkStorageMetadata | None:
-        p = self.placement
-        if isinstance(p, Replicate):
-            return ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=self.shape)
-        if self.dim() == 0:
-            return ChunkStorageMetadata(offsets=torch.Size([]), sizes=self.shape) if self.is_holder else None
-        rows = self.local_rows()
-        assert rows is not None
-        if rows[1] <= rows[0]:
-            return None
-        return ChunkStorageMetadata(
-            offsets=torch.Size([rows[0]] + [0] * (self.dim() - 1)),
-            sizes=torch.Size([rows[1] - rows[0], *self.shape[1:]]),
-        )
-
-    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        chunk = self._chunk()
-        if chunk is None:
-            return []
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties.create_from_tensor(self._local_tensor), size=self.shape
-                ),
-            )
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        chunk = self._chunk()
-        return [] if chunk is None else [chunk]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        if self._chunk() is None:
-            raise ValueError(f"{index.fqn}: this rank holds no piece of it")
-        return self._local_tensor
-
     # -- operators --------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -509,11 +247,11 @@ class OwnerDTensor(DTensor):
                 return out
         mesh = mine[0].device_mesh
         holders = {m._holder for m in mine}
-        if func in _JOINS and (len(holders) > 1 or len(mine) < len([a for a in flat if isinstance(a, DTensor)])):
+        if func in JOINS and (len(holders) > 1 or len(mine) < len([a for a in flat if isinstance(a, DTensor)])):
             joined = _join_partials(func, args, kwargs)
             if joined is not None:
                 return joined
-        placements = {_placement_key(m.placement) for m in mine}
+        placements = {placement_key(m.placement) for m in mine}
         others = [a for a in flat if isinstance(a, DTensor) and not isinstance(a, OwnerDTensor)]
         stock_replicated = all(all(isinstance(p, Replicate) for p in o.placements) for o in others)
         # 1. replicated (parameters before the plan): every rank computes, as on plain tensors
@@ -529,7 +267,7 @@ class OwnerDTensor(DTensor):
             return _run_on_holder(func, flat, spec, mesh, holders.pop(), args, kwargs)
         # 3. one layout, elementwise: local pieces
         shapes = {tuple(m.shape) for m in mine}
-        if len(placements) == 1 and len(shapes) == 1 and _is_elementwise(func) and stock_replicated:
+        if len(placements) == 1 and len(shapes) == 1 and is_elementwise(func) and stock_replicated:
             local = _local_args(flat, spec, mine[0])
             if local is not None:
                 out = func(*local[0], **local[1])
@@ -539,7 +277,7 @@ class OwnerDTensor(DTensor):
             stock = [a._as_stock() if isinstance(a, OwnerDTensor) else a for a in flat]
             sargs, skwargs = tree_unflatten(stock, spec)
             out = func(*sargs, **skwargs)
-            if _is_inplace(func):
+            if is_inplace(func):
                 return args[0]
             return out
         # 5. anything else: gather, compute, keep this rank's piece of an in-place result
@@ -600,9 +338,6 @@ def _value_from_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int)
     return func(*largs, **lkwargs)
 
 
-_JOINS = {aten.stack.default, aten.cat.default}
-
-
 def _join_partials(func: Any, args: tuple, kwargs: dict) -> Any:
     """``stack`` / ``cat`` of 0-dim partial values of several holders (``clip_grad_norm_``'s
     per-gradient norms): the local values side by side, still partial of the same kind (zeros
@@ -613,7 +348,7 @@ def _join_partials(func: Any, args: tuple, kwargs: dict) -> Any:
     places = [t._spec.placements for t in tensors]
     if not all(len(p) == 1 and isinstance(p[0], Partial) for p in places):
         return None
-    if len({_placement_key(p[0]) for p in places}) != 1:
+    if len({placement_key(p[0]) for p in places}) != 1:
         return None
     mesh = tensors[0].device_mesh
     if any(t.device_mesh != mesh for t in tensors):
@@ -624,7 +359,7 @@ def _join_partials(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _run_on_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int, args: tuple, kwargs: dict) -> Any:
     me = mesh.get_local_rank()
-    inplace = _is_inplace(func)
+    inplace = is_inplace(func)
     if _returns_value(func):
         return _value_from_holder(func, flat, spec, mesh, holder)
     if me == holder:
@@ -639,14 +374,14 @@ def _run_on_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int, arg
     if inplace:
         return args[0]
     device = next(a._local_tensor.device for a in flat if isinstance(a, OwnerDTensor))
-    norm = func in _NORMS
+    norm = func in NORMS
 
     def wrap(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         shape = tuple(t.shape)
         if t.dim() == 0:
-            placement = (_norm_partial(func, args, kwargs) if norm else Partial("sum")) or Partial("sum")
+            placement = (norm_partial(func, args, kwargs) if norm else Partial("sum")) or Partial("sum")
             local = t if me == holder else torch.zeros((), dtype=t.dtype, device=device)
             return OwnerDTensor.make(local, mesh, placement, shape, holder=holder)
         local = t if me == holder else torch.empty((0, *shape[1:]), dtype=t.dtype, device=device)
@@ -678,7 +413,7 @@ def _local_args(flat: list, spec: Any, like: OwnerDTensor) -> tuple[tuple, dict]
 
 
 def _wrap_like(func: Any, out: Any, like: OwnerDTensor, args: tuple) -> Any:
-    if _is_inplace(func):
+    if is_inplace(func):
         return args[0]
 
     def wrap(t: Any) -> Any:
@@ -732,7 +467,7 @@ def _run_gathered(func: Any, flat: list, spec: Any, args: tuple) -> Any:
     ]
     fargs, fkwargs = tree_unflatten(full, spec)
     out = func(*fargs, **fkwargs)
-    if _is_inplace(func) and isinstance(args[0], OwnerDTensor):
+    if is_inplace(func) and isinstance(args[0], OwnerDTensor):
         dst = args[0]
         if not (dst.dim() == 0 and not dst.is_holder and not isinstance(dst.placement, Replicate)):
             dst._local_tensor.copy_(dst.piece_of_full(fargs[0]))
@@ -791,7 +526,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
     largs = [[unwrap_elem(t) for t in a] if i in lists else unwrap(a) for i, a in enumerate(args)]
     out = func(*largs, **{k: unwrap(v) for k, v in kwargs.items()})
-    if out is None or _is_inplace(func) or func.name().endswith("_"):
+    if out is None or is_inplace(func) or func.name().endswith("_"):
         return None if out is None else args[lists[0]]
     wrapped = []
     for like, t in zip(likes, out, strict=True):
@@ -799,7 +534,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
             wrapped.append(t)
         elif norm:
             p = args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else kwargs.get("ord", 2)
-            placement = _norm_partial(aten.linalg_vector_norm.default, (None, p), {}) or Partial("sum")
+            placement = norm_partial(aten.linalg_vector_norm.default, (None, p), {}) or Partial("sum")
             if isinstance(like, OwnerDTensor) and isinstance(like.placement, Replicate):
                 wrapped.append(OwnerDTensor.make(t, like.device_mesh, Replicate(), ()))
             elif isinstance(like, OwnerDTensor) and like._holder is not None:

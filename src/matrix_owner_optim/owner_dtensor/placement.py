@@ -1,0 +1,152 @@
+"""The placements of the owner layout: ``OwnerShard``, a ``Shard(0)`` with explicit row ranges.
+
+A tensor held whole by its owner has the range ``[0, rows)`` on the owner and an empty range
+elsewhere; several non-empty ranges describe a tensor split at row boundaries over several
+owners (experts). ``compute_local_shape_and_global_offset`` (DCP, ``get/set_model_state_dict``)
+reads the ranges through the placement; gathering them is one broadcast (one holder) or one
+all-to-all (several).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from .. import comm
+
+__all__ = ["OwnerShard", "contiguous_stride", "gather_ranges", "owned_ranges", "placement_key", "same_placement"]
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def owned_ranges(rows: int, owner: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges of a tensor of ``rows`` rows held whole by ``owner``."""
+    return tuple((0, rows) if r == owner else (rows, rows) for r in range(world_size))
+
+
+class OwnerShard(Shard):
+    """``Shard(dim)`` whose piece on mesh rank ``r`` is rows ``ranges[r]`` (``[start, stop)``).
+
+    Pieces are contiguous row ranges that tile the dimension; they need not follow rank order
+    nor ``torch.chunk``'s sizes. The tensor held whole by one owner is the common case.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __init__(self, dim: int, ranges: Sequence[tuple[int, int]]) -> None:
+        super().__init__(dim)
+        object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in ranges))
+
+    @property
+    def holder(self) -> int | None:
+        """The one rank holding every row, or None when rows are split over several ranks."""
+        full = [r for r, (a, b) in enumerate(self.ranges) if b > a]
+        if len(full) == 1:
+            return full[0]
+        if not full:  # zero rows: the owner is recorded as the rank whose range starts at 0
+            starts = [r for r, (a, _) in enumerate(self.ranges) if a == 0]
+            return starts[0] if starts else 0
+        return None
+
+    # Equality stays Shard's (by dim): DTensorSpec checks its shard order with ``== Shard(dim)``.
+    # Whether two tensors have the same pieces is :func:`same_placement`.
+
+    def __repr__(self) -> str:
+        return f"OwnerShard(dim={self.dim}, ranges={self.ranges})"
+
+    def __str__(self) -> str:
+        h = self.holder
+        return f"O({h})" if h is not None else f"OS({self.dim})"
+
+    def __reduce__(self) -> Any:
+        return (OwnerShard, (self.dim, self.ranges))
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: Any) -> tuple[int, int]:
+        a, b = self.ranges[int(rank)]
+        return b - a, a
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        if with_padding:
+            raise NotImplementedError(
+                "OwnerShard pieces are uneven by design; use matrix_owner_optim's layout helpers "
+                "(OwnerDTensor.from_full) instead of distribute_tensor / scatter"
+            )
+        pieces = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
+        return [p.contiguous() if contiguous else p for p in pieces], [0] * len(pieces)
+
+    def _replicate_to_shard(
+        self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, shard_index: Any
+    ) -> torch.Tensor:
+        a, b = self.ranges[int(shard_index)]
+        return local_tensor.narrow(self.dim, a, b - a).clone()
+
+    def _to_replicate_tensor(
+        self,
+        local_tensor: torch.Tensor,
+        mesh: Any,
+        mesh_dim: int,
+        current_logical_shape: Sequence[int],  # type: ignore[override]
+    ) -> torch.Tensor:
+        return gather_ranges(local_tensor, self, tuple(current_logical_shape), mesh.get_group(mesh_dim))
+
+
+def same_placement(a: Any, b: Any) -> bool:
+    """Whether two placements describe the same pieces (ranges included)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, OwnerShard):
+        return a.dim == b.dim and a.ranges == b.ranges
+    return bool(a == b)
+
+
+def placement_key(p: Any) -> Any:
+    return (
+        type(p),
+        getattr(p, "dim", None),
+        getattr(p, "ranges", None),
+        getattr(p, "reduce_op", None),
+        getattr(p, "norm_type", None),
+    )
+
+
+def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, ...], group: Any) -> torch.Tensor:
+    """The full tensor from every rank's row range (one broadcast when one rank holds it all)."""
+    holder = placement.holder
+    rank = dist.get_rank(group)
+    if holder is not None:
+        full = local.contiguous() if rank == holder else torch.empty(shape, dtype=local.dtype, device=local.device)
+        comm.broadcast(full, group_src=holder, group=group, name="owner_full_tensor")
+        return full
+    row = 1
+    for s in shape[1:]:
+        row *= int(s)
+    sizes = [(b - a) * row for a, b in placement.ranges]
+    recv = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
+    send = local.contiguous().reshape(-1)
+    world = len(sizes)
+    comm.all_to_all_single(
+        recv,
+        send.repeat(world) if send.numel() else send,
+        output_split_sizes=sizes,
+        input_split_sizes=[send.numel()] * world,
+        group=group,
+        op="owner_full_tensor",
+    )
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    offset = 0
+    for (a, b), n in zip(placement.ranges, sizes, strict=True):
+        full[a:b].copy_(recv[offset : offset + n].view((b - a, *shape[1:])))
+        offset += n
+    return full
