@@ -121,6 +121,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped for non-finite gradients (this process's run)
         self.last_step_skipped = False
         self._process_group = process_group
+        self._report_logged = False  # the routing report is logged once, at the first step
         chosen = (choose_optimizer(matrix, what="matrix"), choose_optimizer(tail, what="tail"))
         self._roles: dict[Role, RoleOptimizer] = {
             Role.MATRIX: RoleOptimizer(Role.MATRIX, chosen[0], matrix_options),
@@ -345,7 +346,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
         self._follow_param_swaps()
-        report.log_once(self)  # what went where, on rank 0 at the first step (logging)
+        if not self._report_logged:  # what went where, on rank 0 at the first step (logging)
+            self._report_logged = True
+            report.log_report(self)
         with comm_phase("optimizer"), torch.no_grad():
             self.last_step_skipped = self.skip_nonfinite_grads and self._any_nonfinite_grad()
             if self.last_step_skipped:

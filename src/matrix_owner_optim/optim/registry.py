@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.cost import CostModel, get_cost_model
+from ..planning.cost import CostModel
 from ..planning.registry import (
     BUILTINS,
     ENTRY_POINT_GROUP,
     OptimizerFactory,
     available_preconditioners,
+    get_cost_model,
     lookup,
     register_preconditioner,
 )

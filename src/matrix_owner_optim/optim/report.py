@@ -17,10 +17,9 @@ logging.ERROR)``.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -30,8 +29,14 @@ from ..planning.views import MatrixView, default_matrix_view
 from ..tensors import itemsize
 
 if TYPE_CHECKING:
-    from .owner_routed import OwnerRoutedOptimizer
     from .routing import RoutedParam
+
+
+class ReportsRoutes(Protocol):
+    """What the report reads of an optimizer (``OwnerRoutedOptimizer`` is one)."""
+
+    def routing_report(self, large_numel: int = ...) -> RoutingReport: ...
+
 
 __all__ = [
     "RouteRow",
@@ -39,7 +44,7 @@ __all__ = [
     "routing_report",
     "report_of_routes",
     "report_of_plan",
-    "log_once",
+    "log_report",
     "LARGE_NUMEL",
     "logger",
 ]
@@ -242,7 +247,7 @@ def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw", large_numel: in
     return RoutingReport(rows, plan.preconditioner, tail_name, large_numel, source="plan")
 
 
-def routing_report(source: OwnerRoutedOptimizer | ShardingPlan, **kwargs: Any) -> RoutingReport:
+def routing_report(source: ReportsRoutes | ShardingPlan, **kwargs: Any) -> RoutingReport:
     """The :class:`RoutingReport` of an ``OwnerRoutedOptimizer`` or a ``ShardingPlan``."""
     if isinstance(source, ShardingPlan):
         return report_of_plan(source, **kwargs)
@@ -252,17 +257,10 @@ def routing_report(source: OwnerRoutedOptimizer | ShardingPlan, **kwargs: Any) -
     return report(**kwargs)
 
 
-_logged: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def log_once(optimizer: OwnerRoutedOptimizer) -> None:
-    """Log ``optimizer``'s report the first time it is called for it, on rank 0 only.
-
-    Nothing is built when the logger would drop both records.
+def log_report(optimizer: ReportsRoutes) -> None:
+    """Log ``optimizer``'s report, on rank 0 only (the optimizer calls it once, at its first
+    step). Nothing is built when the logger would drop both records.
     """
-    if optimizer in _logged:
-        return
-    _logged.add(optimizer)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     if not logger.isEnabledFor(logging.WARNING):

@@ -7,9 +7,6 @@ from .cost import (
     SOAP_COST,
     CostModel,
     FunctionCostModel,
-    available_cost_models,
-    get_cost_model,
-    register_cost_model,
 )
 from .mesh_advice import MeshAdvice, MeshCandidate, plan_mesh
 from .metadata import (
@@ -24,6 +21,7 @@ from .metadata import (
     parse_role,
 )
 from .planner import plan_model, plan_tensors
+from .registry import available_cost_models, get_cost_model, register_cost_model
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 

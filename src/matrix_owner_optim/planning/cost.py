@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -34,9 +34,6 @@ __all__ = [
     "block_sizes",
     "ADAMW_COST",
     "SGD_COST",
-    "register_cost_model",
-    "get_cost_model",
-    "available_cost_models",
     "as_matrix_shape",
     "matrix_shapes",
     "matrix_state_bytes",
@@ -292,33 +289,3 @@ ADAMW_COST = FunctionCostModel(
     "adamw", lambda shape, dtype: 2 * numel(shape) * itemsize(dtype), lambda s: 12.0 * numel(s)
 )
 SGD_COST = FunctionCostModel("sgd", lambda shape, dtype: numel(shape) * itemsize(dtype), lambda s: 3.0 * numel(s))
-
-# --- the registry: one entry per preconditioner name (planning/registry.py) holds its cost -----
-
-
-def register_cost_model(name: str, model: CostModel) -> None:
-    """Make ``plan_model(..., preconditioner=name)`` use ``model`` (the cost of the registry
-    entry ``name``; :func:`matrix_owner_optim.register_preconditioner` takes ``cost_model=``)."""
-    from .registry import register_cost_model as register  # the registry reads this module's costs
-
-    register(name, model)
-
-
-def available_cost_models() -> list[str]:
-    """Every name :func:`get_cost_model` accepts."""
-    from .registry import available_cost_models as available
-
-    return available()
-
-
-def get_cost_model(preconditioner: str | CostModel | Callable[..., Any] | None) -> CostModel:
-    """Resolve a registered name (the cost of its registry entry), a :class:`CostModel`, or an
-    optimizer class carrying ``cost_model`` (or registered in code with one).
-
-    An optimizer without a stated cost is charged like Muon (one state buffer of the
-    parameter's size plus an orthogonalisation): a conservative estimate, never zero. An unknown
-    name raises ``ValueError`` listing the known ones.
-    """
-    from .registry import cost_model_of
-
-    return cost_model_of(preconditioner)

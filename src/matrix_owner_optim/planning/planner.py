@@ -21,7 +21,6 @@ from .cost import (
     ADAMW_COST,
     CostModel,
     block_sizes,
-    get_cost_model,
     itemsize,
     matrix_flops,
     matrix_state_bytes,
@@ -29,6 +28,7 @@ from .cost import (
     row_block_of,
 )
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
+from .registry import get_cost_model
 from .roles import TensorSpec, specs_from_module
 from .views import MatrixView, default_matrix_view
 

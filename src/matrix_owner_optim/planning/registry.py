@@ -5,7 +5,7 @@ and ``fully_shard(preconditioner=...)`` accept is one :class:`PreconditionerEntr
 that builds the optimizer (an object, or a ``"module:attribute"`` target imported on first use)
 and the :class:`~.cost.CostModel` the planner prices its tensors with. The optimizer layer reads
 the factory (``optim.registry.resolve_optimizer``), the planner the cost
-(:func:`~.cost.get_cost_model`); both read this one table, so a name cannot mean one optimizer
+(:func:`get_cost_model`); both read this one table, so a name cannot mean one optimizer
 to the router and another to the planner. It lives in ``planning`` because imports point
 downward (``optim`` reads ``planning``): the table imports no optimizer until one is resolved.
 
@@ -45,7 +45,7 @@ __all__ = [
     "PreconditionerEntry",
     "available_cost_models",
     "available_preconditioners",
-    "cost_model_of",
+    "get_cost_model",
     "lookup",
     "register_cost_model",
     "register_preconditioner",
@@ -280,8 +280,14 @@ def available_cost_models() -> list[str]:
     return sorted(set(_entries) | set(_entry_points()))
 
 
-def cost_model_of(preconditioner: str | CostModel | Callable[..., Any] | None) -> CostModel:
-    """What :func:`~.cost.get_cost_model` returns: see there."""
+def get_cost_model(preconditioner: str | CostModel | Callable[..., Any] | None) -> CostModel:
+    """Resolve a registered name (the cost of its registry entry), a :class:`CostModel`, or an
+    optimizer class carrying ``cost_model`` (or registered in code with one); None is Muon's.
+
+    An optimizer without a stated cost is charged like Muon (one state buffer of the
+    parameter's size plus an orthogonalisation): a conservative estimate, never zero. An unknown
+    name raises ``ValueError`` listing the known ones.
+    """
     if preconditioner is None:
         return MUON_COST
     if isinstance(preconditioner, str):

@@ -23,8 +23,8 @@ from torch import nn
 
 from .. import comm
 from ..owner_dtensor import mesh_of_group
-from ..planning.cost import get_cost_model
 from ..planning.metadata import ShardingPlan
+from ..planning.registry import get_cost_model
 from .build import check_plan_world_size
 from .module import check_reshard_after_forward, swap_class
 from .replicated import as_owner_dtensors
