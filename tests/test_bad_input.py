@@ -359,6 +359,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: fully_shard(model, mesh=solo),
     )
     fully_shard(model)  # the same mesh as its blocks: accepted, and planned with them
+    model.fix_plan()
     assert {get_matrix_shard(p).world_size for p in model.parameters()} == {W}
     # 18. ranks with different models: refused before any data moves, naming the parameter
     cfg = CFG if rank == 0 else GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2)
