@@ -24,6 +24,8 @@ from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
+pytestmark = pytest.mark.multirank
+
 W = 2
 STEPS = 20
 BATCH = 8

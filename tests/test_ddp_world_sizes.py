@@ -36,6 +36,8 @@ from matrix_owner_optim.preconditioners import Muon, Shampoo
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
+pytestmark = pytest.mark.multirank
+
 W = 3
 STEPS = 8
 SHAMPOO_SMALL_EPS = {"lr": 1e-2, "eps": 1e-6}

@@ -324,6 +324,7 @@ def _job(rank: int, W: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharding_features(world_size: int) -> None:
     results = spawn_ranks(_job, world_size, threads_per_rank=1)

@@ -69,6 +69,8 @@ from matrix_owner_optim.sharding import (
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 
+pytestmark = pytest.mark.multirank
+
 # Measured worst relative errors over ranks and scenarios, W=2 / W=3 (the test prints them):
 # losses 5.7e-8 / 7.6e-8, gradients 2.0e-6 / 3.6e-6, clip norms 4.7e-7 / 2.8e-7, parameters after
 # 3-4 steps 2.5e-6 / 6.8e-6; bf16 gradients 0 (the reference sums the same bf16 gradients in the

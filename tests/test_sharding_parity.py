@@ -24,6 +24,7 @@ every optimizer step runs under ``torch.profiler`` and must show no backend coll
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -50,6 +51,8 @@ from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
+
+pytestmark = pytest.mark.multirank
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
 # Measured worst relative errors over every scenario and rank (W=2 / HSDP W=4): losses 2.3e-7 /

@@ -43,6 +43,8 @@ from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 20
 # Measured worst relative errors over ranks against the whole-batch reference (W=2/3/4, 20 steps):
 # losses 1.2e-7 / 1.9e-7 / 1.7e-7; final parameters 3.3e-6 / 4.0e-6 / 4.0e-6 (Muon), 2.4e-6 /

@@ -292,6 +292,7 @@ def runs(tmp_path_factory):
     return res
 
 
+@pytest.mark.multirank
 def test_model_bitwise_across_layouts_and_world_sizes(runs):
     own2, fsdp2 = runs["w2"][0]["own2_params"], runs["w2"][0]["fsdp2_params"]
     _assert_equal(own2, _params(_model(0)), "owner W=2 saved the initial model")
@@ -301,6 +302,7 @@ def test_model_bitwise_across_layouts_and_world_sizes(runs):
         _assert_equal(r["own2_to_own3"], own2, "owner W=2 -> owner W=3")
 
 
+@pytest.mark.multirank
 def test_full_state_dict_cpu_offload_on_rank0(runs):
     r0, r1 = runs["w2"]
     assert r0["full_equal"] and r0["full_on_cpu"]
@@ -308,6 +310,7 @@ def test_full_state_dict_cpu_offload_on_rank0(runs):
     assert r1["full_keys"] == []  # ranks_only=(0,): the others get nothing
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_resume_at_w3_and_in_one_process(runs, kind):
     whole = runs[f"ref_{kind}"]
@@ -335,6 +338,7 @@ def test_resume_at_w3_and_in_one_process(runs, kind):
         _assert_follows(_params(model), whole, what, WHOLE_BATCH_RTOL)
 
 
+@pytest.mark.multirank
 def test_ddp_rank0_torch_save_resume(runs):
     n_params = len(list(_model(0).parameters()))  # lm_head is tied to wte: counted once
     for key in ("w2", "w3"):

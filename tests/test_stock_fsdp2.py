@@ -32,6 +32,8 @@ from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 20
 BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible by 2, 3, 4
 # bias=False: the key part of a qkv bias has a zero gradient up to round-off, which AdamW
