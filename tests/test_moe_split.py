@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from _moe import TinyMoE
+from _ref import rel_err_native
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import fully_shard
@@ -90,7 +91,7 @@ def _job(rank: int, W: int, ckpt: str) -> dict:
         torch.distributed.all_reduce(mean)
         loss_err = max(loss_err, abs(float(mean) / W - float(ref_loss)) / abs(float(ref_loss)))
     errs = {
-        n: float((p.full_tensor() - q).norm() / q.norm())
+        n: rel_err_native(p.full_tensor(), q, floor=0.0)  # no floor: clamp_min(0) of a norm is the norm
         for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
     }
     param_err = max(errs.values())

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from _ref import (
+    CFG4,
     assert_close,
     full_grad_rows,
     global_batch,
@@ -54,7 +55,7 @@ from matrix_owner_optim.toolbox.profiling import backend_ops
 
 pytestmark = pytest.mark.multirank
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
+CFG = CFG4
 # Measured worst relative errors over every scenario and rank (W=2 / HSDP W=4): losses 2.3e-7 /
 # 1.4e-7 (each rank's own micro-batch loss 1.2e-7), gradients 2.3e-6 / 2.2e-6, final
 # parameters 2.1e-6 / 2.8e-6, clip norms 0 / 2.8e-7 (summation order of the reduce-scatter and

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _ref import roundtrip
+from _ref import rel_err_native, roundtrip
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -337,10 +337,6 @@ def fsdp_job(rank: int, W: int) -> dict:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
 @functools.cache
 def results(W: int) -> list[dict]:
     return spawn_ranks(fsdp_job, W, threads_per_rank=1)
@@ -361,7 +357,9 @@ def test_stock_fsdp2_matches_single_process(W: int) -> None:
         for rank, r in enumerate(res):
             params = r[run]["params"]
             assert params.keys() == ref_params.keys()
-            worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
+            worst = max(
+                ((rel_err_native(params[n], ref_params[n], floor=1e-12), n) for n in params), key=lambda t: t[0]
+            )
             print(f"W={W} {run} rank {rank}: worst parameter {worst[1]} {worst[0]:.1e} relative")
             assert worst[0] <= tol, f"{run} W={W} rank {rank}: {worst[1]} differs by {worst[0]:.2e} relative"
             assert all(torch.equal(params[n], res[0][run]["params"][n]) for n in params), (run, rank)
@@ -392,7 +390,7 @@ def test_hsdp_matches_single_process() -> None:
         assert abs(a - b) <= TOL * abs(b), f"HSDP step {i}: loss {a} vs reference {b}"
     for rank, r in enumerate(res):  # both replicas, every rank: the same parameters, bitwise
         params = r["hsdp_muon"]["params"]
-        worst = max(((_rel(params[n], ref_params[n]), n) for n in params), key=lambda t: t[0])
+        worst = max(((rel_err_native(params[n], ref_params[n], floor=1e-12), n) for n in params), key=lambda t: t[0])
         assert worst[0] <= TOL, f"HSDP rank {rank}: {worst[1]} differs by {worst[0]:.2e} relative"
         assert all(torch.equal(params[n], res[0]["hsdp_muon"]["params"][n]) for n in params), rank
     for r in res:
