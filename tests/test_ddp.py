@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _ref import rel_err_native, roundtrip
+from _tolerances import DDP_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -36,7 +37,6 @@ OPTS = dict(
     tail="adamw",
     tail_options={"lr": 3e-3, "weight_decay": 0.05},
 )
-TOL = 1e-5
 
 
 def build() -> GPT:

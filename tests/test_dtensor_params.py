@@ -43,6 +43,8 @@ from _ref import (
     mean_over_ranks,
     rel_err_native,
 )
+from _tolerances import DTENSOR_NORM_RTOL as NORM_RTOL
+from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.sharding import fully_shard
@@ -55,10 +57,6 @@ pytestmark = pytest.mark.multirank
 
 STEPS = 4
 MAX_NORM = 0.5  # below the gradient norms of this model: every step clips
-# The trajectory tests' bar for Muon + AdamW at W=2..4 on this model (tests/test_sharding_trajectory.py);
-# clipping multiplies by one factor computed from the same norms, so it adds only round-off.
-TRAJ_RTOL = 1e-5
-NORM_RTOL = 1e-5
 CPU = [torch.profiler.ProfilerActivity.CPU]
 
 

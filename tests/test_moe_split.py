@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from _moe import TinyMoE
 from _ref import rel_err_native
+from _tolerances import TRAJECTORY_PARAM_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import fully_shard
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.multirank
 
 EXPERTS, HIDDEN, INTER, VOCAB, SEQ, MICRO = 8, 32, 32, 64, 8, 2
 STEPS = 3
-RTOL = 1e-5  # the trajectory tests' bar for Muon + AdamW on this kind of model
 MUON = {"lr": 0.02, "ns_dtype": torch.float32}
 ADAMW = {"lr": 1e-2, "eps": 1e-5}
 

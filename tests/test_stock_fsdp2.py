@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _ref import rel_err_native, roundtrip
+from _tolerances import STOCK_FSDP2_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -39,7 +40,6 @@ BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible
 # bias=False: the key part of a qkv bias has a zero gradient up to round-off, which AdamW
 # normalises into round-off-determined updates; no parity is possible for it on any layout
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4, bias=False)
-TOL = 1e-5
 
 MUON = dict(
     matrix="muon",
