@@ -163,7 +163,7 @@ def rel_err_native(a: torch.Tensor, b: torch.Tensor, *, floor: float) -> float:
     """``||a - b|| / max(||b||, floor)`` as the tensors are: in their own dtype (no float64 cast,
     unlike :func:`rel_err`), DTensors as DTensors. The floor is cast to that dtype too (1e-300 is 0
     in float32), so each caller keeps the floor it was written with."""
-    return float((a - b).norm() / b.norm().clamp_min(floor))
+    return ((a - b).norm() / b.norm().clamp_min(floor)).item()  # item(): float() warns on requires_grad
 
 
 def max_param_rel_err_native(
