@@ -87,7 +87,7 @@ class _Index:
             name = ".".join(parts)
             self.modules[name] = ast.parse(path.read_text(), filename=str(path))
             self.files[name] = path
-        self.top: dict[str, set[str]] = {m: self._top_names(t) for m, t in self.modules.items()}
+        self.top: dict[str, set[str]] = {m: self._bound(t.body) for m, t in self.modules.items()}
         self.classes: dict[str, list[set[str]]] = {}  # class name -> member sets of its definitions
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.params: set[str] = set()
@@ -116,9 +116,10 @@ class _Index:
             self.params |= members  # dataclass fields are keyword parameters too
 
     @staticmethod
-    def _top_names(tree: ast.Module) -> set[str]:
+    def _bound(body: list[ast.stmt]) -> set[str]:
+        """The names a module's or class's body binds: defs, classes, assignments, imports."""
         out = set()
-        for node in tree.body:
+        for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 out.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -128,20 +129,13 @@ class _Index:
                 out |= {(a.asname or a.name).split(".")[0] for a in node.names}
         return out
 
-    @staticmethod
-    def _members(cls: ast.ClassDef) -> set[str]:
-        out = set()
-        for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                out.add(node.name)
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                out.add(node.target.id)
-            elif isinstance(node, ast.Assign):
-                out |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        for node in ast.walk(cls):  # self.x = ... in any method
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                if isinstance(node.value, ast.Name) and node.value.id == "self":
-                    out.add(node.attr)
+    @classmethod
+    def _members(cls, node: ast.ClassDef) -> set[str]:
+        out = cls._bound(node.body)
+        for sub in ast.walk(node):  # self.x = ... in any method
+            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                if isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    out.add(sub.attr)
         return out
 
     def modules_named(self, short: str) -> list[str]:
@@ -171,31 +165,20 @@ def _index() -> _Index:
 # -- DESIGN.md, read as spans with their section --------------------------------------------------
 def _spans() -> list[tuple[str, str, int]]:
     """(span, section heading, line) for every inline code span outside fenced blocks."""
-    text = DESIGN.read_text()
-    out = []
-    section = ""
+    lines = DESIGN.read_text().splitlines(keepends=True)
     fenced = False
-    offset = 0
-    lines = text.splitlines(keepends=True)
-    prose = []  # (line number, text) outside fences, for spans across line breaks
-    for no, line in enumerate(lines, 1):
+    for no, line in enumerate(lines):
         if line.startswith("```"):
             fenced = not fenced
-            continue
-        if fenced:
-            continue
-        m = re.match(r"#+ (.*)", line)
-        if m:
-            section = m.group(1).strip()
-        prose.append((no, section, line))
-    joined = "".join(line for _, _, line in prose)
-    starts = []
-    for no, sec, line in prose:
-        starts.append((offset, no, sec))
-        offset += len(line)
-    for m in re.finditer(r"`([^`]+)`", joined):
-        no, sec = next((n, s) for o, n, s in reversed(starts) if o <= m.start())
-        out.append((m.group(1), sec, no))
+            lines[no] = "\n"
+        elif fenced:
+            lines[no] = "\n"  # blanked: its line numbers stay, its text is not prose
+    text = "".join(lines)
+    headings = [(m.start(), m.group(1).strip()) for m in re.finditer(r"^#+ (.*)$", text, re.M)]
+    out = []
+    for m in re.finditer(r"`([^`]+)`", text):  # a span may run across a line break
+        section = next((h for start, h in reversed(headings) if start < m.start()), "")
+        out.append((m.group(1), section, text.count("\n", 0, m.start()) + 1))
     return out
 
 
