@@ -1,4 +1,5 @@
-"""Shared helpers for the multi-rank sharding tests: tiny GPT, data, reference optimizers.
+"""Shared test helpers: tiny GPT, data, reference optimizers, and the error measures every
+test compares with (one definition each; tolerances are in tests/_tolerances.py).
 
 The reference is the same optimizer on the unsharded model over the global batch (the
 concatenation of every rank's micro-batch), so DDP-averaged gradients equal its gradients.
@@ -8,6 +9,7 @@ Every rank runs the reference itself, which needs no communication.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
+CFG4 = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)  # CFG with 4 heads of 8
 MICRO = 2  # sequences per rank per step
 MUON_OPTS = {"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32}
 # eps 1e-5, not 1e-8: the attention key bias has a gradient that is zero up to round-off
@@ -28,6 +31,11 @@ ADAMW_OPTS = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5}
 # Shampoo's default eps (1e-12) inverts the near-null directions of rank-deficient G G^T
 # factors; 1e-4 keeps its inverse roots well conditioned so round-off does not grow.
 SHAMPOO_OPTS = {"lr": 1e-2, "eps": 1e-4}
+# Shampoo with a small eps, at W=3/4 (test_sharding_trajectory, test_ddp_world_sizes) and in
+# test_state_dict: against the whole-batch reference it drifts 3.2e-4 (eps 1e-6) / 1.2e-5 (eps
+# 1e-4) in 20 steps at W=3, round-off that its inverse roots amplify, so those runs compare with
+# the lockstep (rank-order) reference: bitwise.
+SHAMPOO_SMALL_EPS = {"lr": 1e-2, "eps": 1e-6}
 SOAP_OPTS = {"lr": 1e-2, "precondition_frequency": 2}
 
 
@@ -45,6 +53,26 @@ def global_batch(
     idx = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
     tgt = torch.randint(0, cfg.vocab_size, (world_size * micro, cfg.seq_len), generator=g)
     return idx, tgt
+
+
+def rank_batch(
+    step: int, rank: int = 0, world_size: int = 1, batch: int = 6, cfg: GPTConfig = CFG
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows of a ``batch``-sequence global batch (the draw of :func:`global_batch`,
+    which depends only on ``cfg``'s vocab_size and seq_len); ``batch`` divisible by ``world_size``."""
+    idx, tgt = global_batch(step, 1, batch, cfg)
+    n = batch // world_size
+    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
+
+
+def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps, rank: int = 0, world_size: int = 1) -> None:
+    """Forward, backward, step and zero_grad on :func:`rank_batch` for each step in ``steps``
+    (a model called as ``model(idx, tgt)`` returns its loss)."""
+    for s in steps:
+        idx, tgt = rank_batch(s, rank, world_size)
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def local_batch(step: int, rank: int, world_size: int, micro: int = MICRO) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +156,42 @@ def mean_over_ranks(x: float) -> float:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / max(||b||, 1e-30)`` in float64, over this rank's pieces (an owner-layout
+    DTensor compares as its local tensor): the measure for parity with a reference."""
     a, b = local_tensor(a).detach().double(), local_tensor(b).detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def rel_err_native(a: torch.Tensor, b: torch.Tensor, *, floor: float) -> float:
+    """``||a - b|| / max(||b||, floor)`` as the tensors are: in their own dtype (no float64 cast,
+    unlike :func:`rel_err`), DTensors as DTensors. The floor is cast to that dtype too (1e-300 is 0
+    in float32), so each caller keeps the floor it was written with."""
+    return ((a - b).norm() / b.norm().clamp_min(floor)).item()  # item(): float() warns on requires_grad
+
+
+def max_param_rel_err_native(
+    model: torch.nn.Module, ref: torch.nn.Module, *, floor: float, gather: bool = False
+) -> float:
+    """The largest :func:`rel_err_native` between the two modules' parameters, paired in order
+    (0.0 for none; NaN if any pair is NaN). ``gather``: ``model``'s parameters are DTensors,
+    compared whole (``full_tensor()``, a collective every rank must call)."""
+    errs = [
+        rel_err_native(p.full_tensor() if gather else p, q, floor=floor)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    ]
+    return math.nan if any(math.isnan(e) for e in errs) else max(errs, default=0.0)
+
+
+def param_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the parameters, by fqn."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """The same names, and every tensor bitwise equal (``torch.equal``)."""
+    assert got.keys() == want.keys(), what
+    for n in want:
+        assert torch.equal(got[n], want[n]), f"{what}: {n} is not bitwise equal"
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:

@@ -587,6 +587,7 @@ def _job(rank: int, W: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_bad_input_with_a_process_group(tmp_path) -> None:
     results = spawn_ranks(_job, 2, str(tmp_path), timeout_s=60)
     for res in results:

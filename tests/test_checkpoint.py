@@ -12,32 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _ref import ADAMW_OPTS, CFG4, MUON_OPTS, assert_bitwise_equal, param_copies, run_steps
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
-BATCH = 6  # global batch, divisible by 2 and 3
-K = 3  # steps before the checkpoint, and after it
-OPTS = dict(
-    matrix="muon",
-    matrix_options={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.float32},
-    tail="adamw",
-    tail_options={"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5},
-)
+CFG = CFG4
+K = 3  # steps before the checkpoint, and after it (batches: _ref.rank_batch, 6 sequences)
+OPTS = dict(matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 # -- helpers (module level: the spawned ranks import them) -------------------------------------
-def _batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
-    tgt = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
-    n = BATCH // world_size
-    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
-
-
 def _model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     return GPT(CFG)
@@ -47,36 +34,13 @@ def _optimizer(model: torch.nn.Module, params=None) -> OwnerRoutedOptimizer:
     return OwnerRoutedOptimizer(model if params is None else params, **OPTS)
 
 
-def _steps(model, opt, steps, rank: int = 0, world_size: int = 1) -> None:
-    for s in steps:
-        idx, tgt = _batch(s, rank, world_size)
-        model(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert got.keys() == want.keys()
-    for n in want:
-        assert torch.equal(got[n], want[n]), f"{what}: {n} is not bitwise equal"
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 # -- one process --------------------------------------------------------------------------------
 def test_one_process_resume_is_bitwise(tmp_path):
     model = _model(0)
     opt = _optimizer(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for s in range(K):
-        _steps(model, opt, [s])
+        run_steps(model, opt, [s])
         sched.step()
     ckpt.save(tmp_path / "c", model, opt)
     model2 = _model(5)
@@ -86,9 +50,9 @@ def test_one_process_resume_is_bitwise(tmp_path):
     for g, g2 in zip(opt.param_groups, opt2.param_groups, strict=True):
         assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in g2.items() if k != "params"}
         assert "initial_lr" in g2
-    _steps(model, opt, range(K, 2 * K))
-    _steps(model2, opt2, range(K, 2 * K))
-    _assert_equal(_params(model2), _params(model), "resumed run")
+    run_steps(model, opt, range(K, 2 * K))
+    run_steps(model2, opt2, range(K, 2 * K))
+    assert_bitwise_equal(param_copies(model2), param_copies(model), "resumed run")
     # the parent's state dict is the child's (shared), so state_dict() sees the loaded state
     for p in model2.parameters():
         shared = [c.state[p] for c in (opt2.matrix_optimizer, opt2.tail_optimizer) if p in c.state]
@@ -98,20 +62,20 @@ def test_one_process_resume_is_bitwise(tmp_path):
 def test_plain_torch_optimizer_one_process(tmp_path):
     model = _model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _steps(model, opt, range(K))
+    run_steps(model, opt, range(K))
     ckpt.save(tmp_path / "c", model, opt)
     model2 = _model(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     ckpt.load(tmp_path / "c", model2, opt2)
-    _steps(model, opt, range(K, 2 * K))
-    _steps(model2, opt2, range(K, 2 * K))
-    _assert_equal(_params(model2), _params(model), "plain AdamW resume")
+    run_steps(model, opt, range(K, 2 * K))
+    run_steps(model2, opt2, range(K, 2 * K))
+    assert_bitwise_equal(param_copies(model2), param_copies(model), "plain AdamW resume")
 
 
 def test_tied_parameters_resolve(tmp_path):
     tied = _model(0)
     opt = _optimizer(tied)
-    _steps(tied, opt, range(1))
+    run_steps(tied, opt, range(1))
     ckpt.save(tmp_path / "tied", tied, opt)
     keys = ckpt.dcp.FileSystemReader(str(tmp_path / "tied")).read_metadata().state_dict_metadata
     assert "model.wte.weight" in keys and "optim.state.wte.weight.exp_avg" in keys  # keyed by fqn
@@ -130,7 +94,7 @@ def test_tied_parameters_resolve(tmp_path):
 def test_errors(tmp_path):
     model = _model(0)
     opt = _optimizer(model)
-    _steps(model, opt, range(1))
+    run_steps(model, opt, range(1))
     path = str(tmp_path / "c")
     ckpt.save(path, model, opt)
 

@@ -53,6 +53,7 @@ def test_config_validation() -> None:
         TrainConfig(layout="owner", optimizer="reconstruction").validate()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout,optimizer,world", [("single", "muon", 1), ("fsdp2", "torch_muon", 2)])
 def test_train_writes_json_and_plot(tmp_path: Path, layout: str, optimizer: str, world: int) -> None:
     out = run_cli(
@@ -91,6 +92,7 @@ def test_train_writes_json_and_plot(tmp_path: Path, layout: str, optimizer: str,
         assert prof["forward"] > 0 and prof["backward"] > 0 and prof["optimizer"] > 0
 
 
+@pytest.mark.multirank
 def test_bench_rows_and_schema(tmp_path: Path) -> None:
     run_cli(
         [
@@ -137,6 +139,7 @@ def test_bench_rows_and_schema(tmp_path: Path) -> None:
         subprocess.run(CLI + ["bench", "--rows", "zz"], check=True, capture_output=True, cwd=tmp_path)
 
 
+@pytest.mark.multirank
 def test_bench_one_rank_rows(tmp_path: Path) -> None:
     """W=1: the owner layout (a) against the plain model (p); no collective at all in (a)."""
     run_cli(["bench", "--world-sizes", "1", "--steps", "3", "--rounds", "1", "--out", str(tmp_path), *TINY], tmp_path)
@@ -150,6 +153,7 @@ def test_bench_one_rank_rows(tmp_path: Path) -> None:
     assert "step ratio vs (p)" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.multirank
 def test_train_owner_layout_main_job(tmp_path: Path) -> None:
     """The README's main job with tiny settings: owner layout, 4 ranks, Muon."""
     run_cli(["train", "--steps", "2", "-w", "4", "--no-progress", "--out", str(tmp_path / "run"), *TINY], tmp_path)
@@ -161,6 +165,7 @@ def test_train_owner_layout_main_job(tmp_path: Path) -> None:
             assert step["comm"]["forward"]["calls"] > 0 and step["comm"]["backward"]["calls"] > 0
 
 
+@pytest.mark.multirank
 def test_bench_owner_row_reports_zero_optimizer_bytes(tmp_path: Path) -> None:
     run_cli(
         [

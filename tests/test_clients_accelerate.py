@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 
 from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
+from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-
-TOL = 1e-5  # as tests/test_clients_transformers.py: measured worst ~4e-7
 
 
 def _launcher_env(rank: int, W: int) -> None:

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from _clients import OPTIM, build_hf, full_params, local_tokens, max_abs_diff, reference_params, train
+from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-
-TOL = 1e-5  # as tests/test_clients_transformers.py
 
 
 def container(model: torch.nn.Module) -> Any:

@@ -93,7 +93,7 @@ def _all_checks(rank: int, W: int) -> dict[str, Any]:
 
 
 # one xdist worker runs the whole module, so its module fixtures run once
-pytestmark = pytest.mark.xdist_group("comm_counter")
+pytestmark = [pytest.mark.xdist_group("comm_counter"), pytest.mark.multirank]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ a GPU machine.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +44,7 @@ def _devices(rank: int, world_size: int) -> list[str]:
     ]
 
 
+@pytest.mark.multirank
 def test_gloo_meshes_keep_tensors_on_the_cpu() -> None:
     for res in spawn_ranks(_devices, 2, threads_per_rank=1):
         assert res == ["cpu", "cpu", "cpu"]

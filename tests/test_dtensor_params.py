@@ -33,7 +33,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 
-from _ref import ADAMW_OPTS, CFG, MUON_OPTS, global_batch, local_batch, mean_over_ranks
+from _ref import (
+    ADAMW_OPTS,
+    CFG,
+    MUON_OPTS,
+    global_batch,
+    local_batch,
+    max_param_rel_err_native,
+    mean_over_ranks,
+    rel_err_native,
+)
+from _tolerances import DTENSOR_NORM_RTOL as NORM_RTOL
+from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.sharding import fully_shard
@@ -46,10 +57,6 @@ pytestmark = pytest.mark.multirank
 
 STEPS = 4
 MAX_NORM = 0.5  # below the gradient norms of this model: every step clips
-# The trajectory tests' bar for Muon + AdamW at W=2..4 on this model (tests/test_sharding_trajectory.py);
-# clipping multiplies by one factor computed from the same norms, so it adds only round-off.
-TRAJ_RTOL = 1e-5
-NORM_RTOL = 1e-5
 CPU = [torch.profiler.ProfilerActivity.CPU]
 
 
@@ -81,14 +88,6 @@ def _ref_backward(ref: torch.nn.Module, step: int, W: int) -> float:
     return float(loss.item())
 
 
-def _max_rel(model: torch.nn.Module, ref: torch.nn.Module) -> float:
-    worst = 0.0
-    for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        full = p.full_tensor()
-        worst = max(worst, float((full - q).norm() / q.norm().clamp_min(1e-30)))
-    return worst
-
-
 def _clip_norms(rank: int, W: int) -> dict:
     model, ref = _models()
     _shard(model)
@@ -111,7 +110,7 @@ def _clip_norms(rank: int, W: int) -> dict:
             # every gradient scaled by the same factor as the reference's
             for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
                 full = p.grad.full_tensor()
-                errs[f"{norm_type}/{foreach}/{n}"] = float((full - q.grad).norm() / q.grad.norm().clamp_min(1e-30))
+                errs[f"{norm_type}/{foreach}/{n}"] = rel_err_native(full, q.grad, floor=1e-30)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         local_tensor(p.grad).copy_(saved[n])
         q.grad.copy_(ref_saved[n])
@@ -141,7 +140,11 @@ def _clipped_run(rank: int, W: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         loss_err = max(loss_err, abs(mean_over_ranks(loss) - ref_loss) / abs(ref_loss))
-    return {"loss_err": loss_err, "param_err": _max_rel(model, ref), "step_ops": step_ops}
+    return {
+        "loss_err": loss_err,
+        "param_err": max_param_rel_err_native(model, ref, floor=1e-30, gather=True),
+        "step_ops": step_ops,
+    }
 
 
 def _torch_optimizers(rank: int, W: int) -> dict:
@@ -163,7 +166,7 @@ def _torch_optimizers(rank: int, W: int) -> dict:
             _ref_backward(ref, step, W)
             ref_opt.step()
             ref_opt.zero_grad()
-        out[name] = {"param_err": _max_rel(model, ref), "step_ops": ops}
+        out[name] = {"param_err": max_param_rel_err_native(model, ref, floor=1e-30, gather=True), "step_ops": ops}
     return out
 
 
@@ -182,9 +185,9 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
     # load a different model's full tensors, then DCP-save, perturb, DCP-load
     other = GPT(CFG)
     set_model_state_dict(model, other.state_dict(), options=StateDictOptions(full_state_dict=True))
-    out["set_full"] = _max_rel(model, other) == 0.0
+    out["set_full"] = max_param_rel_err_native(model, other, floor=1e-30, gather=True) == 0.0
     model.load_state_dict(ref.state_dict())  # plain full tensors through nn.Module's own path
-    out["load_full"] = _max_rel(model, ref) == 0.0
+    out["load_full"] = max_param_rel_err_native(model, ref, floor=1e-30, gather=True) == 0.0
     dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
     with torch.no_grad():
         for q in model.parameters():
@@ -192,7 +195,7 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
     sd = get_model_state_dict(model)
     dcp.load(sd, checkpoint_id=ckpt)
     set_model_state_dict(model, sd)
-    out["dcp"] = _max_rel(model, ref) == 0.0
+    out["dcp"] = max_param_rel_err_native(model, ref, floor=1e-30, gather=True) == 0.0
     buf = io.BytesIO()  # a rank's own pieces through torch.save, read back as Accelerate does
     torch.save(model.state_dict(), buf)
     buf.seek(0)
@@ -202,7 +205,7 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
         for (n, v), (_, q) in zip(loaded.items(), model.state_dict().items(), strict=True)
     )
     model.load_state_dict(loaded)
-    out["weights_only_load"] = _max_rel(model, ref) == 0.0
+    out["weights_only_load"] = max_param_rel_err_native(model, ref, floor=1e-30, gather=True) == 0.0
     return out
 
 
@@ -220,7 +223,11 @@ def _list_unit(rank: int, W: int) -> dict:
         _ref_backward(ref, step, W)
         ref_opt.step()
         ref_opt.zero_grad()
-    return {"units": len(units), "grouped": len(grouped), "param_err": _max_rel(model, ref)}
+    return {
+        "units": len(units),
+        "grouped": len(grouped),
+        "param_err": max_param_rel_err_native(model, ref, floor=1e-30, gather=True),
+    }
 
 
 def _job(rank: int, W: int, ckpt_root: str) -> dict:

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from matrix_owner_optim.toolbox.launch import RankError, free_port, spawn_ranks
 from matrix_owner_optim.toolbox.training import TrainConfig, train_rank
 
+pytestmark = pytest.mark.multirank
+
 RUNS_PER_LAYOUT = 10  # x 2 layouts = 20 consecutive two-rank runs
 TORCHRUN_RUNS = 5
 SMALL_MODEL = ["--layers", "1", "--width", "32", "--heads", "2", "--batch", "4", "--seq-len", "16"]

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from _ref import ADAMW_OPTS, assert_close, global_batch, local_batch, no_gradient_here
+from _tolerances import LIFECYCLE_RTOL as RTOL
 from matrix_owner_optim import register_fsdp_forward_method
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
@@ -46,7 +47,6 @@ from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
-RTOL = 1e-5
 STEPS = 4
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from _ref import roundtrip
+from _ref import CFG4, max_param_rel_err_native, roundtrip
 from matrix_owner_optim import OwnerRoutedOptimizer, plan_model, register_preconditioner
 from matrix_owner_optim.optim import available_preconditioners, simulated_parameters
 from matrix_owner_optim.planning import Role
@@ -19,7 +19,7 @@ from matrix_owner_optim.planning.roles import module_roles
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
+CFG = CFG4
 
 
 def twin_models(untied: bool = False) -> tuple[GPT, GPT]:
@@ -32,12 +32,6 @@ def twin_models(untied: bool = False) -> tuple[GPT, GPT]:
 def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(n)]
-
-
-def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(
-        ((x - y).norm() / y.norm().clamp_min(1e-12)).item() for x, y in zip(a.parameters(), b.parameters(), strict=True)
-    )
 
 
 def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> None:
@@ -85,7 +79,7 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
             sched.load_state_dict(sched_sd)
     assert all(a == b for a, b in losses), losses
-    assert max_rel_diff(model, ref) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
     # the schedule moved the parent's lr, and the children used it (their groups read the parent's)
     assert opt.param_groups[0]["lr"] == ref_opts[0].param_groups[0]["lr"]
     assert opt.param_groups[1]["lr"] == ref_opts[1].param_groups[0]["lr"]
@@ -184,7 +178,7 @@ def test_any_optimizer_class_becomes_a_matrix_optimizer() -> None:
     r1 = torch.optim.SGD([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.1, momentum=0.9)
     r2 = torch.optim.Adam([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX], lr=1e-3)
     _train_alongside(model, opt, ref, [r1, r2], 5)
-    assert max_rel_diff(model, ref) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
 
 
 @pytest.mark.parametrize("name,cls,opts", [("shampoo", Shampoo, {"lr": 0.01}), ("soap", SOAP, {"lr": 3e-3})])
@@ -196,7 +190,7 @@ def test_builtin_preconditioners_by_name(name: str, cls: type, opts: dict) -> No
     r1 = cls([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], **opts)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
     _train_alongside(model, opt, ref, [r1, r2], 4)
-    assert max_rel_diff(model, ref) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
 
 
 def test_torch_optimizer_shampoo_by_name() -> None:
@@ -209,7 +203,7 @@ def test_torch_optimizer_shampoo_by_name() -> None:
     r1 = torch_optimizer.Shampoo([p for p in ref.parameters() if roles[id(p)] is Role.MATRIX], lr=0.01)
     r2 = torch.optim.AdamW([p for p in ref.parameters() if roles[id(p)] is not Role.MATRIX])
     _train_alongside(model, opt, ref, [r1, r2], 3)
-    assert max_rel_diff(model, ref) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
 
 
 def test_conv_kernel_as_matrix_gets_a_2d_view() -> None:
@@ -336,7 +330,7 @@ def test_muon_from_package_matches_torch_muon_defaults() -> None:
     opt2 = OwnerRoutedOptimizer(ref, matrix="torch_muon")
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
     _train_alongside(model, opt, ref, [opt2], 3)
-    assert max_rel_diff(model, ref) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
 
 
 def test_child_groups_read_and_write_the_parent_groups() -> None:

@@ -31,6 +31,9 @@ from _ref import (
     rel_err,
     roles_by_fqn,
 )
+from _tolerances import PARITY_GRAD_RTOL as GRAD_RTOL
+from _tolerances import PARITY_LOSS_RTOL as LOSS_RTOL
+from _tolerances import PARITY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank, plan_model, specs_from_module
 from matrix_owner_optim.planning.mesh_advice import divisors_descending
@@ -283,16 +286,11 @@ def test_simulate_mesh_json_is_what_the_command_prints() -> None:
     assert rc == 2 and "tpu" in err
 
 
-# -- one run on the advised mesh ---------------------------------------------------------------
-# Tolerances as tests/test_sharding_parity.py's HSDP check (same model, same (2, 2) mesh), whose
-# noise floor was measured there: losses 1.4e-7, gradients 2.2e-6, parameters 2.8e-6 (summation
-# order of the reduce-scatter and replica all-reduce vs the reference's full batch).
-LOSS_RTOL = 1e-6
-GRAD_RTOL = 1e-5
-PARAM_RTOL = 1e-5
 STEPS = 3
 
 
+# -- one run on the advised mesh ---------------------------------------------------------------
+# Tolerances: test_sharding_parity's (same model, same (2, 2) mesh as its HSDP check).
 def _advised_run(rank: int, W: int) -> dict:
     model, ref = make_models(seed=3)
     advice = moo.plan_mesh(GPT(CFG, device="meta"), W, unit_prefixes=model.unit_prefixes())

@@ -17,15 +17,12 @@ from typing import Any
 import pytest
 import torch
 
+from _ref import rel_err_native
 from matrix_owner_optim.planning.cost import MUON_COST, SHAMPOO_COST, SOAP_COST
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo, require_2d
 
 SHAPES = [(1, 7), (7, 1), (9, 4), (4, 9), (6, 6)]
 ALL = [Muon, Shampoo, SOAP]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _grads(shape: tuple[int, int], steps: int, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -73,7 +70,7 @@ def test_muon_bf16_matches_torch_muon(shape: tuple[int, int], kw: dict[str, Any]
     theirs = _run(torch.optim.Muon, p0, grads, **kw)
     assert not torch.equal(ours, p0)
     # Same operations in the same order: bitwise equal.
-    assert torch.equal(ours, theirs), _rel(ours, theirs)
+    assert torch.equal(ours, theirs), rel_err_native(ours, theirs, floor=1e-300)
 
 
 def _ref_muon_fp32(
@@ -120,9 +117,9 @@ def test_muon_fp32_matches_reference(shape: tuple[int, int], kw: dict[str, Any])
     grads = _grads(shape, 10, seed=4, dtype=torch.float32)
     ours = _run(Muon, p0, grads, ns_dtype=torch.float32, **kw)
     ref = _ref_muon_fp32(p0, grads, **kw)
-    assert _rel(ours, ref) <= 1e-5
+    assert rel_err_native(ours, ref, floor=1e-300) <= 1e-5
     # The accumulated update itself agrees to float32 round-off (NS amplifies it a little).
-    assert _rel(ours - p0, ref - p0) <= 1e-4
+    assert rel_err_native(ours - p0, ref - p0, floor=1e-300) <= 1e-4
     # And the bf16 path really is a different (lower-precision) computation.
     bf16 = _run(Muon, p0, grads, **kw)
     if shape not in [(1, 7), (7, 1)]:  # rank-1: NS of a vector is exact-ish in any dtype
@@ -149,7 +146,7 @@ def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) 
     # amplifies round-off a little) and 0 (bfloat16, here); bounds: 1e-5 and bf16's 2^-8 scale.
     bound = 1e-5 if ns_dtype == torch.float32 else 4e-3
     for a, b, p in zip(out[True], out[False], p0, strict=True):
-        assert _rel(a - p, b - p) <= bound
+        assert rel_err_native(a - p, b - p, floor=1e-300) <= bound
     assert torch.equal(out[True][-1], out[False][-1])  # the lone shape: per-matrix path
     # Per-matrix is bitwise torch.optim.Muon for several matrices at once.
     ps = [p.clone().requires_grad_() for p in p0]
@@ -206,7 +203,7 @@ def test_shampoo_adagrad_grafting_matches_graft_norm() -> None:
     step = p0 - p.detach()
     torch.testing.assert_close(step.norm(), graft.norm(), rtol=1e-12, atol=0)
     # ... but its direction is Shampoo's, not the graft's.
-    assert _rel(step / step.norm(), graft / graft.norm()) > 1e-3
+    assert rel_err_native(step / step.norm(), graft / graft.norm(), floor=1e-300) > 1e-3
 
 
 def test_shampoo_roots_follow_distributed_shampoos_schedule() -> None:
@@ -231,7 +228,7 @@ def test_shampoo_float32_root_dtype_close_to_float64() -> None:
     grads = _grads(shape, 5, seed=8, dtype=torch.float64)
     a = _run(Shampoo, p0, grads, eps=1e-6, root_dtype=torch.float64)
     b = _run(Shampoo, p0, grads, eps=1e-6, root_dtype=torch.float32)
-    assert _rel(b - p0, a - p0) <= 1e-3
+    assert rel_err_native(b - p0, a - p0, floor=1e-300) <= 1e-3
     assert torch.isfinite(b).all()
 
 
@@ -340,7 +337,7 @@ def test_soap_matches_reference(shape: tuple[int, int], kw: dict[str, Any]) -> N
     ours = _run(SOAP, p0, grads, **kw)
     ref = _ref_soap(p0, grads, **kw)
     assert not torch.equal(ours, p0)
-    assert _rel(ours - p0, ref - p0) <= 1e-8
+    assert rel_err_native(ours - p0, ref - p0, floor=1e-300) <= 1e-8
 
 
 @pytest.mark.parametrize(
@@ -364,7 +361,7 @@ def test_soap_cap_merge_normalize_match_reference(shape: tuple[int, int], kw: di
     ref = _ref_soap(p0, grads, **kw)
     assert not torch.equal(p.detach(), p0)
     # Same tolerance as test_soap_matches_reference (measured round-off there: ~1e-12).
-    assert _rel(p.detach() - p0, ref - p0) <= 1e-8
+    assert rel_err_native(p.detach() - p0, ref - p0, floor=1e-300) <= 1e-8
     cap = kw.get("max_precond_dim", 10000)
     square = [t for k, t in opt.state[p].items() if k in ("L", "R", "QL", "QR")]
     assert all(t.shape[0] <= cap for t in square)
@@ -390,7 +387,7 @@ def test_soap_merge_dims_preconditions_a_small_matrix_as_one_vector() -> None:
         opt_c.step()
     assert opt_m.state[merged]["L"].shape == (12, 12) and "R" not in opt_m.state[merged]
     flat = p0.reshape(12, 1)
-    assert _rel(merged.detach().reshape(12, 1) - flat, column.detach() - flat) < 1e-12
+    assert rel_err_native(merged.detach().reshape(12, 1) - flat, column.detach() - flat, floor=1e-300) < 1e-12
     assert not torch.equal(merged.detach(), p0)
 
 
@@ -479,7 +476,7 @@ def test_rotation_equivariance(
     plain = _run(opt_cls, p0, grads, **kw)
     rotated = _run(opt_cls, u @ p0 @ v.T, [u @ g @ v.T for g in grads], **kw)
     assert not torch.equal(plain, p0)
-    assert _rel(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T) <= 1e-7
+    assert rel_err_native(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T, floor=1e-300) <= 1e-7
 
 
 def test_adam_is_not_rotation_equivariant_sanity() -> None:
@@ -490,7 +487,7 @@ def test_adam_is_not_rotation_equivariant_sanity() -> None:
     grads = [torch.randn(5, 5, generator=gen, dtype=torch.float64) for _ in range(4)]
     plain = _run(torch.optim.Adam, p0, grads, lr=1e-2)
     rotated = _run(torch.optim.Adam, u @ p0 @ v.T, [u @ g @ v.T for g in grads], lr=1e-2)
-    assert _rel(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T) > 1e-2
+    assert rel_err_native(rotated - u @ p0 @ v.T, u @ (plain - p0) @ v.T, floor=1e-300) > 1e-2
 
 
 # --------------------------------------------------------------------------------------------
@@ -607,7 +604,7 @@ def test_lr_scheduler_changes_lr_used(opt_cls: type, kw: dict[str, Any]) -> None
 
     scheduled, manual, constant = run("steplr"), run("manual"), run("none")
     assert torch.equal(scheduled, manual)
-    assert _rel(scheduled - p0, constant - p0) > 1e-2
+    assert rel_err_native(scheduled - p0, constant - p0, floor=1e-300) > 1e-2
 
 
 @pytest.mark.parametrize("opt_cls", ALL)

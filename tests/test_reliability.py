@@ -28,6 +28,8 @@ from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
+pytestmark = pytest.mark.multirank
+
 # The smallest GPT with matrices, tail and sharded tensors; one block unit and the root unit.
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=8, n_heads=2)
 OPTS = dict(

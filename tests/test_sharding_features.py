@@ -33,6 +33,9 @@ from _ref import (
     rel_err,
     roles_by_fqn,
 )
+from _tolerances import FEATURES_GRAD_RTOL as GRAD_RTOL
+from _tolerances import FEATURES_NORM_RTOL as NORM_RTOL
+from _tolerances import MIXED_PRECISION_RTOL as MP_RTOL
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.sharding import (
@@ -44,12 +47,6 @@ from matrix_owner_optim.sharding import (
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
-
-# Measured (W=2 / W=3): gradients of the sharded model vs the single-process full batch differ
-# by at most 3.4e-7 / 6.3e-7 relative (summation order of micro-batches and the reduce-scatter);
-# norms by at most 2.3e-7 / 8.6e-8. Tolerances sit ~3x above those.
-GRAD_RTOL = 2e-6
-NORM_RTOL = 1e-6
 
 
 def _shard_gpt(model, **kw):
@@ -77,14 +74,8 @@ def _compare_grads(model, ref, rank: int, rtol: float, what: str) -> float:
 
 
 # -- mixed precision ---------------------------------------------------------------------------
-# Measured (W=2 and W=3, 5 steps): gradient error 0.0, fp32 master error 0.0, bf16 compute
-# tensors bitwise equal: the reference below reproduces the runtime's order exactly (bf16
-# micro-batch gradients cast to fp32, summed from zero in rank order, divided by W). 1e-6
-# leaves room for a few float32 ulps, should a backend sum in another order; the mutation it
-# must reject, a bf16 reduction, is ~1e-3 off (measured and asserted in the test, per step).
-MP_RTOL = 1e-6
-
-
+# The reference below reproduces the runtime's order exactly (bf16 micro-batch gradients cast to
+# fp32, summed from zero in rank order, divided by W); MP_RTOL's measured floor: tests/_tolerances.py.
 def _grad_errors(model, ref, rank: int) -> dict[str, float]:
     """Relative error of every gradient this rank holds against the reference's rows."""
     ref_params = dict(ref.named_parameters())
@@ -341,6 +332,7 @@ def _job(rank: int, W: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharding_features(world_size: int) -> None:
     results = spawn_ranks(_job, world_size, threads_per_rank=1)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from _ref import CFG4
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, get_matrix_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from matrix_owner_optim.toolbox.models import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models import GPT
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
+CFG = CFG4
 
 
 def _job(rank: int, world_size: int) -> dict:

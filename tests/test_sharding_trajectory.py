@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from _ref import (
     ADAMW_OPTS,
+    SHAMPOO_SMALL_EPS,
     assert_close,
     global_batch,
     local_batch,
@@ -35,6 +36,10 @@ from _ref import (
     routed_optimizer,
     state_bytes,
 )
+from _tolerances import LOCKSTEP_RTOL
+from _tolerances import TRAJECTORY_LOSS_RTOL as LOSS_RTOL
+from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
+from _tolerances import TRAJECTORY_SHAMPOO_PARAM_RTOL as SHAMPOO_PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
@@ -43,26 +48,9 @@ from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 20
-# Measured worst relative errors over ranks against the whole-batch reference (W=2/3/4, 20 steps):
-# losses 1.2e-7 / 1.9e-7 / 1.7e-7; final parameters 3.3e-6 / 4.0e-6 / 4.0e-6 (Muon), 2.4e-6 /
-# 6.4e-6 (AdamW), 8.2e-6 (Shampoo eps 1e-4, W=2: its inverse roots amplify the summation-order
-# round-off; its lockstep reference below gives 0). Loss tolerance ~5x above; the parameter
-# tolerance stays at the project's 1e-5.
-LOSS_RTOL = 1e-6
-PARAM_RTOL = 1e-5
-# Shampoo's floor depends on the machine's kernels: the one-process reference run twice with only
-# the global batch reversed differs by 8.1e-6 after 20 steps (Muon 4.0e-6, AdamW 4.5e-6; a 2-core
-# Xeon, torch 2.13 CPU), and the W=2 owner run then measures 1.35e-5 (8.2e-6 on another machine).
-# 5e-5 sits ~6x above that floor; the lockstep references check Shampoo bitwise at W=3 and W=4.
-SHAMPOO_PARAM_RTOL = 5e-5
-# Against the reference that averages micro-batch gradients in rank order, as the reduce-scatter
-# does (SOAP, Shampoo eps 1e-6): measured 0 (bitwise) at W=2/3/4; 1e-6 leaves a few ulps.
-LOCKSTEP_RTOL = 1e-6
-# Shampoo at W=3/4 with eps 1e-6 (the shared SHAMPOO_OPTS use 1e-4): against the whole-batch
-# reference it drifts 3.2e-4 (eps 1e-6) / 1.2e-5 (eps 1e-4) in 20 steps at W=3, round-off that
-# its inverse roots amplify, so it runs against the lockstep (rank-order) reference: bitwise.
-SHAMPOO_SMALL_EPS = {"lr": 1e-2, "eps": 1e-6}
 F32 = 4
 CPU = [torch.profiler.ProfilerActivity.CPU]
 

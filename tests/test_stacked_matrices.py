@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from _moe import TinyMoE
+from _ref import rel_err_native
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import Role, plan_tensors
 from matrix_owner_optim.planning.cost import MUON_COST, SHAMPOO_COST, matrix_flops, matrix_state_bytes
@@ -34,10 +35,6 @@ EXPERTS = (
     "layers.1.mlp.experts.gate_up_proj",
     "layers.1.mlp.experts.down_proj",
 )
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _random_grads(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -134,7 +131,7 @@ def test_expert_update_is_independent_of_other_experts_and_orthogonal(forced: bo
     u = _step_update(model, grads, **kwargs)
     u_scaled = _step_update(model, scaled, **kwargs)
     for e in EXPERTS:
-        assert _rel(u_scaled[e][0], u[e][0]) <= 1e-5, e
+        assert rel_err_native(u_scaled[e][0], u[e][0], floor=1e-30) <= 1e-5, e
     # orthogonal: expert 0's update is torch.optim.Muon's of that matrix alone (bf16 NS, as torch),
     # bitwise, so its singular values are Newton-Schulz's own: measured 0.71..1.13 for the
     # 32 x 16 down_proj expert (a square 32 x 32 gate_up expert: 0.22..1.13, as torch's)
@@ -148,7 +145,9 @@ def test_expert_update_is_independent_of_other_experts_and_orthogonal(forced: bo
     assert 0.6 < float(sv.min()) and float(sv.max()) < 1.2, sv
     # the flattened (E, out*in) reading couples the experts: the check above would catch it
     flat = {"matrix_views": {"*.experts.*": "conv"}, **kwargs}
-    coupled = _rel(_step_update(model, scaled, **flat)[name][0], _step_update(model, grads, **flat)[name][0])
+    coupled = rel_err_native(
+        _step_update(model, scaled, **flat)[name][0], _step_update(model, grads, **flat)[name][0], floor=1e-30
+    )
     assert coupled > 1e-2
 
 
@@ -175,7 +174,7 @@ def test_batched_stack_equals_separate_muon_steps(ns_dtype: torch.dtype) -> None
     for e in range(E):
         assert torch.equal(w.detach()[e], same[e].detach())  # the same batched call: bitwise
         # E single-matrix calls (torch's exact path) vs one batched call: measured <= 3e-7
-        assert _rel(w.detach()[e], alone[e].detach()) <= 1e-6
+        assert rel_err_native(w.detach()[e], alone[e].detach(), floor=1e-30) <= 1e-6
     assert stacked.state[w]["momentum_buffer"].shape == (E, m, n)
 
 
@@ -226,7 +225,7 @@ def test_unequal_fused_blocks_of_a_stack_step_as_separate_matrices(cls: type) ->
         for o in separate:
             o.step()
     for p, (e, a, b) in zip(alone, blocks, strict=True):  # measured <= 4e-7 (odd sizes: vector tails, batching)
-        assert _rel(w.detach()[e, a:b], p.detach()) <= 2e-6
+        assert rel_err_native(w.detach()[e, a:b], p.detach(), floor=1e-30) <= 2e-6
 
 
 # -- fused wqkv ----------------------------------------------------------------------------------

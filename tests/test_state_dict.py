@@ -40,27 +40,29 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from _ref import roundtrip
+from _ref import (
+    ADAMW_OPTS,
+    CFG4,
+    SHAMPOO_SMALL_EPS,
+    assert_bitwise_equal,
+    param_copies,
+    rank_batch,
+    rel_err,
+    roundtrip,
+    run_steps,
+)
+from _tolerances import DDP_W3_RESUME_RTOL, LOCKSTEP_RTOL, WHOLE_BATCH_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
+from matrix_owner_optim.toolbox.models.gpt import GPT
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)
-BATCH = 6  # global batch, divisible by 2 and 3
-K = 3  # steps before the checkpoint, and after it
-ADAMW = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-5}
+CFG = CFG4
+K = 3  # steps before the checkpoint, and after it (batches: _ref.rank_batch, 6 sequences, divisible by 2 and 3)
+ADAMW = ADAMW_OPTS
 KINDS = {
-    "shampoo": dict(matrix="shampoo", matrix_options={"lr": 1e-2, "eps": 1e-6}, tail="adamw", tail_options=ADAMW),
+    "shampoo": dict(matrix="shampoo", matrix_options=SHAMPOO_SMALL_EPS, tail="adamw", tail_options=ADAMW),
     "adamw": dict(matrix="adamw", matrix_options=ADAMW, tail="adamw", tail_options=ADAMW),
 }
-# Against the uninterrupted one-process run that averages the ranks' micro-batch gradients in
-# rank order (W=2 before the checkpoint, the resuming world size after it), as the reduce-scatter
-# does, with one thread as each rank: measured 0 (bitwise) for both kinds; 1e-6 leaves a few ulps.
-LOCKSTEP_RTOL = 1e-6
-# Against the uninterrupted one-process run on the whole batch: AdamW measures ~1e-6. Shampoo at
-# eps 1e-6 amplifies the summation order alone to 3.0e-4 / 4.5e-4 in 6 steps (uninterrupted W=3 /
-# W=2 runs, no checkpoint involved), so it is held to its lockstep run above instead.
-WHOLE_BATCH_RTOL = 1e-4
 
 # one xdist worker runs the whole module, so the module fixture's gloo jobs run once
 pytestmark = [
@@ -70,25 +72,9 @@ pytestmark = [
 
 
 # -- helpers (module level: the spawned ranks import them) -------------------------------------
-def _batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
-    tgt = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
-    n = BATCH // world_size
-    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
-
-
 def _model(seed: int) -> GPT:
     torch.manual_seed(seed)
     return GPT(CFG)
-
-
-def _steps(model, opt, steps, rank: int = 0, world_size: int = 1) -> None:
-    for s in steps:
-        idx, tgt = _batch(s, rank, world_size)
-        model(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _owner(seed: int) -> GPT:
@@ -151,7 +137,7 @@ def _ddp_job(rank: int, W: int, d: str) -> dict:
 
     model = DDP(_model(0))
     opt = OwnerRoutedOptimizer(model.module, **KINDS["shampoo"])
-    _steps(model, opt, range(K), rank, W)
+    run_steps(model, opt, range(K), rank, W)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
     opt.consolidate_state_dict(to=0)
@@ -164,12 +150,12 @@ def _ddp_job(rank: int, W: int, d: str) -> dict:
     resumed.module.load_state_dict(saved["model"])
     opt2 = OwnerRoutedOptimizer(resumed.module, **KINDS["shampoo"])
     opt2.load_state_dict(saved["optim"])
-    _steps(model, opt, range(K, 2 * K), rank, W)
-    _steps(resumed, opt2, range(K, 2 * K), rank, W)
+    run_steps(model, opt, range(K, 2 * K), rank, W)
+    run_steps(resumed, opt2, range(K, 2 * K), rank, W)
     return {
         "n_states": sum(1 for st in saved["optim"]["state"].values() if st),
         "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True)),
-        "err": max(_rel(a, b) for a, b in zip(resumed.parameters(), model.parameters(), strict=True)),
+        "err": max(rel_err(a, b) for a, b in zip(resumed.parameters(), model.parameters(), strict=True)),
     }
 
 
@@ -189,14 +175,14 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
         for kind, opts in KINDS.items():
             model = _owner(0)
             opt = OwnerRoutedOptimizer(model.parameters(), **opts)
-            _steps(model, opt, range(K), rank, W)
+            run_steps(model, opt, range(K), rank, W)
             _save(os.path.join(d, f"own2_{kind}"), model, opt)
             out[f"own2_{kind}_params"] = _full(model)
-            _steps(model, opt, range(K, 2 * K), rank, W)  # uninterrupted
+            run_steps(model, opt, range(K, 2 * K), rank, W)  # uninterrupted
             again = _owner(8)
             opt2 = OwnerRoutedOptimizer(again.parameters(), **opts)
             _load(os.path.join(d, f"own2_{kind}"), again, opt2)
-            _steps(again, opt2, range(K, 2 * K), rank, W)
+            run_steps(again, opt2, range(K, 2 * K), rank, W)
             out[f"{kind}_same_w_resume_exact"] = all(
                 torch.equal(a, b) for a, b in zip(_full(model).values(), _full(again).values(), strict=True)
             )
@@ -217,37 +203,22 @@ def _rank_job(rank: int, W: int, d: str) -> dict:
             opt = OwnerRoutedOptimizer(model.parameters(), **opts)
             _load(os.path.join(d, f"own2_{kind}"), model, opt)
             out[f"{kind}_own3_loaded"] = _full(model)
-            _steps(model, opt, range(K, 2 * K), rank, W)
+            run_steps(model, opt, range(K, 2 * K), rank, W)
             out[f"{kind}_own3_cont"] = _full(model)
         fsdp = _fsdp2(6, W)
         opt = OwnerRoutedOptimizer(fsdp, **KINDS["adamw"])
         _load(os.path.join(d, "own2_adamw"), fsdp, opt)
-        _steps(fsdp, opt, range(K, 2 * K), rank, W)
+        run_steps(fsdp, opt, range(K, 2 * K), rank, W)
         out["adamw_fsdp3_cont"] = _full(fsdp)
     out["ddp"] = _ddp_job(rank, W, d)
     dist.barrier()
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for n in want:
-        assert torch.equal(got[n], want[n]), f"{what}: {n} is not bitwise equal"
-
-
 def _assert_follows(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float) -> None:
     assert got.keys() == want.keys(), what
-    worst = max(got, key=lambda n: _rel(got[n], want[n]))
-    assert _rel(got[worst], want[worst]) <= rtol, f"{what}: {worst} off by {_rel(got[worst], want[worst]):.3g}"
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    worst = max(got, key=lambda n: rel_err(got[n], want[n]))
+    assert rel_err(got[worst], want[worst]) <= rtol, f"{what}: {worst} off by {rel_err(got[worst], want[worst]):.3g}"
 
 
 @contextlib.contextmanager
@@ -269,13 +240,13 @@ def _lockstep(kind: str, world_sizes: list[int]) -> dict[str, torch.Tensor]:
     opt = OwnerRoutedOptimizer(model, **KINDS[kind])
     for step, W in enumerate(world_sizes):
         for r in range(W):
-            model(*_batch(step, r, W)).backward()
+            model(*rank_batch(step, r, W)).backward()
         if W > 1:
             for p in model.parameters():
                 p.grad.div_(W)
         opt.step()
         opt.zero_grad()
-    return _params(model)
+    return param_copies(model)
 
 
 @pytest.fixture(scope="module")
@@ -292,15 +263,17 @@ def runs(tmp_path_factory):
     return res
 
 
+@pytest.mark.multirank
 def test_model_bitwise_across_layouts_and_world_sizes(runs):
     own2, fsdp2 = runs["w2"][0]["own2_params"], runs["w2"][0]["fsdp2_params"]
-    _assert_equal(own2, _params(_model(0)), "owner W=2 saved the initial model")
+    assert_bitwise_equal(own2, param_copies(_model(0)), "owner W=2 saved the initial model")
     for r in runs["w3"]:
-        _assert_equal(r["own2_to_fsdp2"], own2, "owner W=2 -> stock FSDP2 W=3")
-        _assert_equal(r["fsdp2_to_own3"], fsdp2, "stock FSDP2 W=2 -> owner W=3")
-        _assert_equal(r["own2_to_own3"], own2, "owner W=2 -> owner W=3")
+        assert_bitwise_equal(r["own2_to_fsdp2"], own2, "owner W=2 -> stock FSDP2 W=3")
+        assert_bitwise_equal(r["fsdp2_to_own3"], fsdp2, "stock FSDP2 W=2 -> owner W=3")
+        assert_bitwise_equal(r["own2_to_own3"], own2, "owner W=2 -> owner W=3")
 
 
+@pytest.mark.multirank
 def test_full_state_dict_cpu_offload_on_rank0(runs):
     r0, r1 = runs["w2"]
     assert r0["full_equal"] and r0["full_on_cpu"]
@@ -308,13 +281,14 @@ def test_full_state_dict_cpu_offload_on_rank0(runs):
     assert r1["full_keys"] == []  # ranks_only=(0,): the others get nothing
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_resume_at_w3_and_in_one_process(runs, kind):
     whole = runs[f"ref_{kind}"]
     saved = runs["w2"][0][f"own2_{kind}_params"]
     assert all(r[f"{kind}_same_w_resume_exact"] for r in runs["w2"]), f"{kind}: W=2 resume is not bitwise"
     for r in runs["w3"]:
-        _assert_equal(r[f"{kind}_own3_loaded"], saved, f"{kind}: owner W=2 -> owner W=3, loaded")
+        assert_bitwise_equal(r[f"{kind}_own3_loaded"], saved, f"{kind}: owner W=2 -> owner W=3, loaded")
         what = f"{kind}: owner W=2 -> owner W=3, continued"
         _assert_follows(r[f"{kind}_own3_cont"], runs[f"lockstep3_{kind}"], what, LOCKSTEP_RTOL)
         if kind == "adamw":
@@ -326,22 +300,23 @@ def test_resume_at_w3_and_in_one_process(runs, kind):
     model = _model(7)
     opt = OwnerRoutedOptimizer(model, **KINDS[kind])
     _load(os.path.join(runs["dir"], f"own2_{kind}"), model, opt)
-    _assert_equal(_params(model), saved, f"{kind}: owner W=2 -> one process, loaded")
+    assert_bitwise_equal(param_copies(model), saved, f"{kind}: owner W=2 -> one process, loaded")
     with _one_thread():
-        _steps(model, opt, range(K, 2 * K))
+        run_steps(model, opt, range(K, 2 * K))
     what = f"{kind}: owner W=2 -> one process, continued"
-    _assert_follows(_params(model), runs[f"lockstep1_{kind}"], what, LOCKSTEP_RTOL)
+    _assert_follows(param_copies(model), runs[f"lockstep1_{kind}"], what, LOCKSTEP_RTOL)
     if kind == "adamw":
-        _assert_follows(_params(model), whole, what, WHOLE_BATCH_RTOL)
+        _assert_follows(param_copies(model), whole, what, WHOLE_BATCH_RTOL)
 
 
+@pytest.mark.multirank
 def test_ddp_rank0_torch_save_resume(runs):
     n_params = len(list(_model(0).parameters()))  # lm_head is tied to wte: counted once
     for key in ("w2", "w3"):
         for r in runs[key]:
             # W=2: bitwise. W=3: a fresh DDP's first all-reduce buckets differ from the rebuilt
             # ones of the uninterrupted run, so gloo sums 3 ranks in another order (round-off).
-            assert r["ddp"]["equal"] or (key == "w3" and r["ddp"]["err"] <= 1e-4), (
+            assert r["ddp"]["equal"] or (key == "w3" and r["ddp"]["err"] <= DDP_W3_RESUME_RTOL), (
                 f"DDP {key}: resumed run off by {r['ddp']['err']:.3g}"
             )
             assert r["ddp"]["n_states"] == n_params, f"DDP {key}: the rank-0 state dict is partial"
@@ -391,7 +366,7 @@ def test_bf16_model_keeps_fp32_state_through_load(matrix, options):
     assert got == dtypes
     _mlp_steps(model, opt, range(3, 8))  # past SOAP's refresh (every 2 steps)
     _mlp_steps(model2, opt2, range(3, 8))
-    _assert_equal(_params(model2), _params(model), f"bf16 {matrix} resumed")
+    assert_bitwise_equal(param_copies(model2), param_copies(model), f"bf16 {matrix} resumed")
 
 
 class _DLike(torch.optim.Optimizer):
@@ -441,7 +416,7 @@ def test_inner_group_values_evolve_and_survive_a_load():
     steps(model, opt, range(5, 7))
     steps(model2, opt2, range(5, 7))
     assert opt2.param_groups[0]["k"] == 7 and opt2.param_groups[0]["d"] == opt.param_groups[0]["d"]
-    _assert_equal(_params(model2), _params(model), "Prodigy-like resumed")
+    assert_bitwise_equal(param_copies(model2), param_copies(model), "Prodigy-like resumed")
     opt.param_groups[0]["lr"] = 0.05  # the outer group still sets hyperparameters
     steps(model, opt, [7])
     assert opt.matrix_optimizer.param_groups[0]["lr"] == 0.05
@@ -450,7 +425,7 @@ def test_inner_group_values_evolve_and_survive_a_load():
 def test_missing_state_names_the_parameter():
     model = _model(0)
     opt = OwnerRoutedOptimizer(model, **KINDS["adamw"])
-    _steps(model, opt, range(1))
+    run_steps(model, opt, range(1))
     sd = opt.state_dict()
     names = [n for n, _ in model.named_parameters()]
     index = names.index("layers.1.mlp.fc.weight")

@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from matrix_owner_optim.toolbox.launch import free_port
+
+pytestmark = pytest.mark.multirank
 
 SCRIPT = r"""
 import sys

@@ -1,0 +1,374 @@
+"""Every package symbol DESIGN.md names exists.
+
+DESIGN.md's inline code spans are read with these rules (a span any rule claims is checked; the
+rest is prose, values, shapes or torch's own calls on user objects and is not):
+
+- **path**: ``x.py``, ``dir/`` or ``a/b.py``, optionally followed by ``: Symbol``: a file or
+  directory of the package (a bare file name anywhere in it), and the symbol defined there.
+  Likewise every file and directory in the repository-layout block under ``src/matrix_owner_optim/``.
+- **dotted**: ``a.b[.c][()]`` whose first part is a package module (``planning.Role``,
+  ``cost.matrix_flops``, ``matrix_owner_optim.optim.report``), a package class
+  (``MatrixShard.owner``) or one of the variables the document uses for a package object
+  (``opt.``, ``advice.``, ``plan.``; see ``VARIABLES``): each part must exist, as a submodule, a
+  module-level name, or a class member (a method, property, field or ``self.x`` attribute).
+- **CamelCase name** (``MeshAdvice``, ``OwnerShard(0, ranges)``): a class or name defined in the
+  package, or in ``NOT_PACKAGE`` (torch's and transformers' names, each with its reason).
+- **call of a package function** (``plan_tensors(split_stacks=True)``): the function exists and
+  every keyword is one of its parameters.
+- **keyword** (``roles=``, ``split_stacks=False``): a parameter or field of a package function or
+  class, or in ``NOT_PACKAGE``.
+- **snake_case name** with an underscore (``reduce_grads``): an identifier the package's source
+  defines or uses (torch's functions it calls count: the document names them where the package
+  relies on them), or in ``NOT_PACKAGE``.
+
+And no code span is broken across lines (Markdown renders the break as a space).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import matrix_owner_optim
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "DESIGN.md"
+PKG = Path(matrix_owner_optim.__file__).resolve().parent
+
+# Names DESIGN.md uses on purpose that are not package symbols (torch's and transformers' own:
+# what the package builds on, mirrors or is given): name -> why it is named.
+NOT_PACKAGE = {
+    "DTensor": "torch.distributed.tensor.DTensor, the base class of OwnerDTensor",
+    "Partial": "DTensor's placement of a 0-dim result computed on the holder",
+    "Replicate": "DTensor's placement of a parameter before the plan",
+    "Shard": "DTensor's row-block placement (FSDP2's own form)",
+    "_NormPartial": "torch's Partial subclass for norms (torch.distributed.tensor._ops._math_ops)",
+    "RegisterPostBackwardFunction": "FSDP2's autograd function whose backward the runtime mirrors",
+    "_fully_shard/": "FSDP2's package (torch/distributed/fsdp/_fully_shard/), the model for sharding/",
+    "full_state_dict": "a field of torch's StateDictOptions (get/set_model_state_dict)",
+    "to_empty": "nn.Module.to_empty, the meta-device init the runtime supports",
+    "vector_norm": "torch.linalg.vector_norm, which torch's clip_grad_norm_ calls",
+    "gate_up_proj": "transformers' fused expert parameter, the example of a stack",
+}
+
+# The document's variables for package objects, resolved as these classes.
+VARIABLES = {"opt": "OwnerRoutedOptimizer", "advice": "MeshAdvice", "plan": "ShardingPlan"}
+
+# TEMPORARY (issue 22): names in "The runtime (`sharding/`)" (and its subsections Lazy sharding,
+# The lifecycle of a unit, Collectives and bytes) and "The optimizer (`optim/`)" that do not
+# exist in the package today. Those sections are being rewritten in parallel, so this branch
+# lists their mismatches here instead of editing them; the lead empties this set at merge time.
+# Each entry must still be a missing name of one of those sections, or the test fails.
+_BEING_REWRITTEN: set[str] = set()
+_REWRITTEN_SECTIONS = (
+    "The runtime (`sharding/`)",
+    "Lazy sharding",
+    "The lifecycle of a unit",
+    "Collectives and bytes",
+    "The optimizer (`optim/`)",
+)
+
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+CAMEL = re.compile(r"_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*")
+
+
+# -- the package, read once ----------------------------------------------------------------------
+class _Index:
+    def __init__(self) -> None:
+        self.modules: dict[str, ast.Module] = {}  # dotted module name -> its tree
+        self.files: dict[str, Path] = {}
+        for path in sorted(PKG.rglob("*.py")):
+            rel = path.relative_to(PKG.parent).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join(parts)
+            self.modules[name] = ast.parse(path.read_text(), filename=str(path))
+            self.files[name] = path
+        self.top: dict[str, set[str]] = {m: self._bound(t.body) for m, t in self.modules.items()}
+        self.classes: dict[str, list[set[str]]] = {}  # class name -> member sets of its definitions
+        self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.params: set[str] = set()
+        self.identifiers: set[str] = set()
+        for tree in self.modules.values():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    self.classes.setdefault(node.name, []).append(self._members(node))
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self.functions.setdefault(node.name, []).append(node)
+                    a = node.args
+                    self.params |= {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+                if isinstance(node, ast.Name):
+                    self.identifiers.add(node.id)
+                elif isinstance(node, ast.Attribute):
+                    self.identifiers.add(node.attr)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    self.identifiers.add(node.name)
+                elif isinstance(node, ast.arg):
+                    self.identifiers.add(node.arg)
+                elif isinstance(node, ast.keyword) and node.arg:
+                    self.identifiers.add(node.arg)
+                elif isinstance(node, ast.alias):
+                    self.identifiers.add((node.asname or node.name).split(".")[-1])
+        for members in (m for ms in self.classes.values() for m in ms):
+            self.params |= members  # dataclass fields are keyword parameters too
+
+    @staticmethod
+    def _bound(body: list[ast.stmt]) -> set[str]:
+        """The names a module's or class's body binds: defs, classes, assignments, imports."""
+        out = set()
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        return out
+
+    @classmethod
+    def _members(cls, node: ast.ClassDef) -> set[str]:
+        out = cls._bound(node.body)
+        for sub in ast.walk(node):  # self.x = ... in any method
+            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                if isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    out.add(sub.attr)
+        return out
+
+    def modules_named(self, short: str) -> list[str]:
+        """Package modules called ``short``: ``matrix_owner_optim.short`` or any ``*.short``."""
+        return [m for m in self.modules if m == short or m.endswith("." + short)]
+
+    def has_member(self, cls: str, member: str) -> bool:
+        if any(member in ms for ms in self.classes.get(cls, [])):
+            return True
+        # inherited from torch (OwnerRoutedOptimizer.step, ...): ask the class itself
+        for mod, names in self.top.items():
+            if cls in names and cls in self.classes:
+                obj = getattr(__import__(mod, fromlist=[cls]), cls, None)
+                if obj is not None and hasattr(obj, member):
+                    return True
+        return False
+
+    def defined(self, name: str) -> bool:
+        return name in self.classes or name in self.functions or any(name in t for t in self.top.values())
+
+
+@cache
+def _index() -> _Index:
+    return _Index()
+
+
+# -- DESIGN.md, read as spans with their section --------------------------------------------------
+def _spans() -> list[tuple[str, str, int]]:
+    """(span, section heading, line) for every inline code span outside fenced blocks."""
+    lines = DESIGN.read_text().splitlines(keepends=True)
+    fenced = False
+    for no, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+            lines[no] = "\n"
+        elif fenced:
+            lines[no] = "\n"  # blanked: its line numbers stay, its text is not prose
+    text = "".join(lines)
+    headings = [(m.start(), m.group(1).strip()) for m in re.finditer(r"^#+ (.*)$", text, re.M)]
+    out = []
+    for m in re.finditer(r"`([^`]+)`", text):  # a span may run across a line break
+        section = next((h for start, h in reversed(headings) if start < m.start()), "")
+        out.append((m.group(1), section, text.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def _layout_paths() -> list[str]:
+    """The files and directories the repository-layout block lists under the package."""
+    text = DESIGN.read_text()
+    block = re.search(r"```\nsrc/matrix_owner_optim/.*?\n(.*?)```", text, re.S)
+    assert block, "DESIGN.md lost its repository layout block"
+    return re.findall(r"^  (\S+(?:/|\.py))\s", block.group(1), re.M)
+
+
+# -- the rules -----------------------------------------------------------------------------------
+def _path_exists(path: str) -> bool:
+    if path in NOT_PACKAGE:
+        return True
+    if "/" in path:
+        return (PKG / path).exists()
+    return any(PKG.rglob(path))
+
+
+def _module_of_path(path: str) -> list[str]:
+    idx = _index()
+    rel = path[:-3].replace("/", ".")
+    return [m for m in idx.modules if m == f"matrix_owner_optim.{rel}" or m.endswith("." + rel)]
+
+
+def _check_dotted(parts: list[str]) -> str | None:
+    """None if the dotted name resolves; else what is missing. A class's member is checked one
+    level deep (``Class.member``); a module's names through the longest module prefix."""
+    idx = _index()
+    if parts[0] in VARIABLES:
+        parts = [VARIABLES[parts[0]], *parts[1:]]
+    if parts[0] in idx.classes:
+        return None if idx.has_member(parts[0], parts[1]) else f"{parts[0]} has no member {parts[1]!r}"
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if parts[0] == "matrix_owner_optim":
+            mods = [m for m in idx.modules if m == prefix]
+        else:
+            mods = idx.modules_named(prefix)
+        if not mods:
+            continue
+        rest = parts[n:]
+        if not rest:
+            return None
+        for mod in mods:
+            if rest[0] in idx.top[mod] and (len(rest) == 1 or idx.has_member(rest[0], rest[1])):
+                return None
+        return f"{prefix} has no {'.'.join(rest)!r}"
+    return "no such package module"
+
+
+def _claims(span: str) -> bool:
+    """Whether any rule claims ``span`` (see the module docstring)."""
+    s = span.strip()
+    if re.fullmatch(r"[\w/]+(\.py|/)(: \w+)?", s):
+        return True
+    if re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+(\(.*\))?", s):
+        first = s.split(".")[0]
+        idx = _index()
+        return (
+            first in VARIABLES
+            or first in idx.classes
+            or bool(idx.modules_named(first))
+            or first == "matrix_owner_optim"
+        )
+    if re.fullmatch(r"[a-z_]\w*=.*", s):
+        return True
+    m = re.fullmatch(r"([A-Za-z_]\w*)(\(.*\))?", s)
+    if m:
+        name, call = m.group(1), m.group(2)
+        if CAMEL.fullmatch(name):
+            return True
+        if call is not None:
+            return name in _index().functions
+        return "_" in name.strip("_") or name.startswith("_")
+    return False
+
+
+def _problem(span: str) -> str | None:
+    """None if ``span`` names what exists; else what is wrong."""
+    idx = _index()
+    s = span.strip()
+    m = re.fullmatch(r"([\w/]+(?:\.py|/))(?:: (\w+))?", s)
+    if m:
+        path, symbol = m.groups()
+        if not _path_exists(path):
+            return f"no file or directory {path} in the package"
+        if symbol and not any(symbol in idx.top[mod] for mod in _module_of_path(path)):
+            return f"{path} defines no {symbol}"
+        return None
+    m = re.fullmatch(r"([A-Za-z_]\w*(?:\.\w+)+)(\(.*\))?", s)
+    if m:
+        return _check_dotted(m.group(1).split("."))
+    m = re.fullmatch(r"([a-z_]\w*)=.*", s)
+    if m:
+        kw = m.group(1)
+        return None if kw in idx.params or kw in NOT_PACKAGE else f"no package function or class takes {kw}="
+    m = re.fullmatch(r"([A-Za-z_]\w*)(\(.*\))?", s)
+    name, call = m.group(1), m.group(2)
+    if CAMEL.fullmatch(name):
+        if name in NOT_PACKAGE or idx.defined(name):
+            return None
+        return f"no class or name {name} in the package"
+    if call is not None:
+        expr = ast.parse(s, mode="eval").body
+        assert isinstance(expr, ast.Call)
+        fns = idx.functions[name]
+        for kw in (k.arg for k in expr.keywords if k.arg):
+            ok = any(
+                kw in {x.arg for x in f.args.posonlyargs + f.args.args + f.args.kwonlyargs} or f.args.kwarg for f in fns
+            )
+            if not ok:
+                return f"{name}() takes no keyword {kw}"
+        return None
+    if name in idx.identifiers or name in NOT_PACKAGE:
+        return None
+    return f"{name} occurs nowhere in the package's source"
+
+
+def _missing() -> list[tuple[str, str, int, str]]:
+    out = []
+    for span, section, line in _spans():
+        if _claims(span):
+            why = _problem(span)
+            if why is not None:
+                out.append((span, section, line, why))
+    return out
+
+
+# -- the tests -----------------------------------------------------------------------------------
+def test_the_rules_claim_the_symbol_spans() -> None:
+    """The rules see what they are meant to (a change to the parser that claims nothing would
+    pass every other test here vacuously)."""
+    claimed = {span for span, _, _ in _spans() if _claims(span)}
+    for expected in (
+        "planning.Role",
+        "owner_dtensor.py: OwnerDTensor",
+        "sharding/collectives.py: SegmentLayout",
+        "MatrixShard.row_owners",
+        "MeshAdvice",
+        "plan_tensors(split_stacks=True)",
+        "split_stacks=False",
+        "cost.matrix_flops",
+        "opt.routing_report()",
+        "declare_matrix_view",
+        "toolbox/simulate/mesh.py",
+    ):
+        assert expected in claimed, expected
+    for prose in ("matrix", "tail", "[out, in]", "loss = model(x)", "pip install '.[cli]'", '"stack"'):
+        assert prose not in claimed, prose
+    assert len(claimed) >= 80, len(claimed)
+
+
+def test_the_rules_reject_what_does_not_exist() -> None:
+    for wrong in (
+        "planning.NoSuchThing",
+        "owner_dtensor.py: NoSuchClass",
+        "no_such_module.py",
+        "MatrixShard.no_such_field",
+        "NoSuchPlacement",
+        "plan_tensors(no_such_keyword=True)",
+        "no_such_keyword=1",
+        "no_such_helper_name",
+        "opt.no_such_method()",
+    ):
+        assert _claims(wrong) and _problem(wrong) is not None, wrong
+
+
+def test_no_code_span_is_broken_across_lines() -> None:
+    broken = [(span, line) for span, _, line in _spans() if "\n" in span]
+    assert not broken, f"code spans broken across lines (rendered with a space): {broken}"
+
+
+def test_every_layout_path_exists() -> None:
+    paths = _layout_paths()
+    assert len(paths) >= 10, paths
+    assert not [p for p in paths if not _path_exists(p)]
+
+
+def test_every_symbol_design_md_names_exists() -> None:
+    missing = [m for m in _missing() if m[0] not in _BEING_REWRITTEN]
+    assert not missing, "DESIGN.md names what the package does not have:\n" + "\n".join(
+        f"  line {line} ({section}): `{span}`: {why}" for span, section, line, why in missing
+    )
+
+
+def test_the_being_rewritten_allowance_is_exact() -> None:
+    """Each temporary entry is still missing, and in a section being rewritten."""
+    missing = {span: section for span, section, _, _ in _missing()}
+    for name in _BEING_REWRITTEN:
+        assert name in missing, f"_BEING_REWRITTEN: `{name}` exists now (or is gone): remove it"
+        assert missing[name] in _REWRITTEN_SECTIONS, (name, missing[name])
