@@ -46,6 +46,10 @@ NOT_PACKAGE = {
     "Shard": "DTensor's row-block placement (FSDP2's own form)",
     "_NormPartial": "torch's Partial subclass for norms (torch.distributed.tensor._ops._math_ops)",
     "RegisterPostBackwardFunction": "FSDP2's autograd function whose backward the runtime mirrors",
+    "FSDPState": "FSDP2's per-call state object, the model for OwnerShardState",
+    "FSDPModule": "FSDP2's module mixin, the model for OwnerShardedModule",
+    "DeviceMesh": "torch's device mesh (torch.distributed.device_mesh)",
+    "Placement": "DTensor's placement base class, named to say UpdateLayout is not one",
     "_fully_shard/": "FSDP2's package (torch/distributed/fsdp/_fully_shard/), the model for sharding/",
     "full_state_dict": "a field of torch's StateDictOptions (get/set_model_state_dict)",
     "to_empty": "nn.Module.to_empty, the meta-device init the runtime supports",
@@ -316,7 +320,7 @@ def test_the_rules_claim_the_symbol_spans() -> None:
     claimed = {span for span, _, _ in _spans() if _claims(span)}
     for expected in (
         "planning.Role",
-        "owner_dtensor.py: OwnerDTensor",
+        "owner_dtensor/tensor.py: OwnerDTensor",
         "sharding/collectives.py: SegmentLayout",
         "MatrixShard.row_owners",
         "MeshAdvice",
