@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,7 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     layout, optimizer, label = ROWS[row]
     last = runs[-1]
 
-    def per_rank_max(fn) -> int:
+    def per_rank_max(fn: Callable[[dict[str, Any]], Any]) -> int:
         return max(int(fn(r)) for r in last["ranks"])
 
     prof = {

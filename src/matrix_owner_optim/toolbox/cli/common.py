@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -42,7 +44,7 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
     )
 
 
-def load_factory(spec: str):
+def load_factory(spec: str) -> Callable[..., Any]:
     """Import ``module:attr`` and return the attribute, with errors that say what to fix."""
     if ":" not in spec:
         raise SystemExit(f"--model {spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:build")

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from torch import nn
+
 from ...optim.report import report_of_plan
 from ...planning import MeshAdvice, parse_role, plan_mesh, plan_model
 from ..simulate import PRESETS, compare_meshes
@@ -115,7 +117,7 @@ def _world_sizes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def advise(args: argparse.Namespace, model, prefixes) -> list[dict]:
+def advise(args: argparse.Namespace, model: nn.Module, prefixes: list[str] | None) -> list[dict]:
     """One JSON-ready row per world size: the advice and its projected times."""
     memory = None if args.memory_per_rank is None else args.memory_per_rank * 1e9
     hw = PRESETS[args.preset].hardware
