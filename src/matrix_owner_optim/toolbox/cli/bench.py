@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,16 +201,10 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     layout, optimizer, label = ROWS[row]
     last = runs[-1]
 
-    def per_rank_max(fn: Callable[[dict[str, Any]], Any]) -> int:
-        return max(int(fn(r)) for r in last["ranks"])
-
-    prof = {
-        ph: per_rank_max(lambda r, ph=ph: (r["profiled_bytes"] or {}).get(ph, 0))
-        for ph in ("forward", "backward", "optimizer")
-    }
-    counted = {
-        ph: per_rank_max(lambda r, ph=ph: r["bytes_sent_per_step"][ph]) for ph in ("forward", "backward", "optimizer")
-    }
+    ranks = last["ranks"]  # each figure is the busiest rank's
+    phases = ("forward", "backward", "optimizer")
+    prof = {ph: max(int((r["profiled_bytes"] or {}).get(ph, 0)) for r in ranks) for ph in phases}
+    counted = {ph: max(int(r["bytes_sent_per_step"][ph]) for r in ranks) for ph in phases}
     return {
         "row": row,
         "layout": layout,
