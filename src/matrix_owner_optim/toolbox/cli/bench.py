@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,10 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     last = runs[-1]
 
     ranks = last["ranks"]  # each figure is the busiest rank's
+
+    def per_rank_max(value_of: Callable[[dict[str, Any]], Any]) -> int:
+        return max(int(value_of(r)) for r in ranks)
+
     phases = ("forward", "backward", "optimizer")
     prof = {ph: max(int((r["profiled_bytes"] or {}).get(ph, 0)) for r in ranks) for ph in phases}
     counted = {ph: max(int(r["bytes_sent_per_step"][ph]) for r in ranks) for ph in phases}
