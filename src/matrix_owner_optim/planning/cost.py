@@ -220,6 +220,16 @@ def shampoo_cost(
 
 SHAMPOO_COST = shampoo_cost()
 
+
+def _whole_matrix_shampoo() -> FunctionCostModel:
+    """torch_optimizer's Shampoo: one preconditioner per side of the whole matrix (no blocks), so
+    a matrix must stay whole on one owner (a plain, not a blocked, cost model)."""
+    whole = shampoo_cost(max_preconditioner_dim=1 << 62)
+    return FunctionCostModel("torch_optimizer_shampoo", whole.state_bytes_fn, whole.flops_fn)
+
+
+TORCH_OPTIMIZER_SHAMPOO_COST = _whole_matrix_shampoo()
+
 # --- SOAP: factors, their eigenbases, Adam moments in the rotated space ---------------------
 
 

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .cost import ADAMW_COST, MUON_COST, SGD_COST, SHAMPOO_COST, SOAP_COST, CostModel
+from .cost import (
+    ADAMW_COST,
+    MUON_COST,
+    SGD_COST,
+    SHAMPOO_COST,
+    SOAP_COST,
+    TORCH_OPTIMIZER_SHAMPOO_COST,
+    CostModel,
+)
 
 __all__ = [
     "BUILTINS",
@@ -107,7 +115,7 @@ _BUILTIN_ENTRIES: dict[str, PreconditionerEntry] = {
         _builtin("adam", "torch.optim:Adam", ADAMW_COST),
         _builtin("sgd", "torch.optim:SGD", SGD_COST),
         _builtin("torch_muon", "torch.optim:Muon", MUON_COST),
-        _builtin("torch_optimizer_shampoo", "torch_optimizer:Shampoo", SHAMPOO_COST),
+        _builtin("torch_optimizer_shampoo", "torch_optimizer:Shampoo", TORCH_OPTIMIZER_SHAMPOO_COST),
     )
 }
 
