@@ -81,6 +81,8 @@ def local_batch(step: int, rank: int, world_size: int, micro: int = MICRO) -> tu
 
 
 def roles_by_fqn(sharded_model: torch.nn.Module) -> dict[str, Role]:
+    """The planned role of every parameter (fixes a pending plan first: reading does not)."""
+    fix_lazy_plans(sharded_model.parameters())
     return {n: get_matrix_shard(p).role for n, p in sharded_model.named_parameters()}
 
 
