@@ -75,7 +75,7 @@ def chunk_row_sizes(rows: int, world_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class MatrixShard:
-    """Placement of one parameter under an owner-shaped plan.
+    """Where one parameter lives under an owner-shaped plan.
 
     Attributes:
         fqn: the parameter's fully qualified name (the first name when tied).
