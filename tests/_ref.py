@@ -110,7 +110,7 @@ def owner_optimizers(model: torch.nn.Module, kind: str = "muon") -> list[torch.o
     mats, rest = [], []
     for p in model.parameters():
         shard, rank = get_matrix_shard(p), get_shard_rank(p)
-        if shard.role is Role.SHARDED:
+        if shard.role is Role.ROWS:
             rest.append(p)
         elif shard.is_owned_by(rank):
             (mats if shard.role is Role.MATRIX and kind != "adamw" else rest).append(p)
@@ -206,7 +206,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> No
 
 def full_grad_rows(shard: Any, rank: int, grad: torch.Tensor) -> torch.Tensor:
     """The part of a reference (full) gradient this rank holds on the owner layout."""
-    if shard.role is Role.SHARDED:
+    if shard.role is Role.ROWS:
         a, b = shard.row_range(rank)
         return grad[a:b]
     return grad

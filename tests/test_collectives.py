@@ -23,7 +23,7 @@ from matrix_owner_optim.sharding.collectives import (
 
 
 def _specs() -> list[TensorSpec]:
-    specs = [TensorSpec(fqn="embed.weight", shape=(1000, 64), dtype=torch.float32, role=Role.SHARDED, unit=0)]
+    specs = [TensorSpec(fqn="embed.weight", shape=(1000, 64), dtype=torch.float32, role=Role.ROWS, unit=0)]
     for b in range(6):
         specs += [
             TensorSpec(fqn=f"b{b}.w1", shape=(256, 64), dtype=torch.float32, role=Role.MATRIX, unit=0),

@@ -246,7 +246,7 @@ def _meta_init(rank: int, W: int) -> dict:
     for p in model.parameters():
         shard = get_matrix_shard(p)
         assert shard is not None and tuple(local_tensor(p).shape) == shard.local_shape(rank)
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(rank):
             assert local_tensor(p).untyped_storage().size() == 0
         kept += local_tensor(p).numel()
     _compare_params(model, ref, "meta init", rtol=0.0)  # bitwise
@@ -288,7 +288,7 @@ def _bf16_accumulation(rank: int, W: int) -> None:
     for n, p in model.named_parameters():
         shard, me = get_matrix_shard(p), get_shard_rank(p)
         want = sums[n] / W
-        if shard.role is Role.SHARDED:
+        if shard.role is Role.ROWS:
             a, b = shard.row_range(me)
             want = want[a:b]
         elif not shard.is_owned_by(me):
@@ -394,7 +394,7 @@ def _reduce_overlaps_backward(rank: int, W: int) -> dict:
         assert not ctx.reduce_in_flight, f"step {step}: a reduction is still in flight"
         for p in m.parameters():
             shard = get_matrix_shard(p)
-            if shard.role is Role.SHARDED or shard.is_owned_by(get_shard_rank(p)):
+            if shard.role is Role.ROWS or shard.is_owned_by(get_shard_rank(p)):
                 assert p.grad is not None, f"step {step}: {shard.fqn} has no gradient"
 
     _train(rank, W, model, ref, between=landed)

@@ -262,11 +262,11 @@ def test_routing_at_simulated_world_sizes(world_size: int) -> None:
             assert r["role"] == plan[r["name"]].role.value
         owned = {s.fqn for s in plan.owned_by(rank)}
         local = {r["name"] for r in opt.routes() if r["local"]}
-        sharded_here = {s.fqn for s in plan if s.role is Role.SHARDED and s.local_numel(rank) > 0}
+        sharded_here = {s.fqn for s in plan if s.role is Role.ROWS and s.local_numel(rank) > 0}
         assert local == owned | sharded_here
     if world_size <= 64:  # every rank simulated: each owned tensor updated by exactly its owner
         for s in plan:
-            if s.role is Role.SHARDED:
+            if s.role is Role.ROWS:
                 assert updaters[s.fqn] == [r for r in range(world_size) if s.local_numel(r) > 0]
             else:
                 assert updaters[s.fqn] == [s.owner]

@@ -322,7 +322,7 @@ def _advised_run(rank: int, W: int) -> dict:
         assert err <= LOSS_RTOL, (step, err)
         for name, p in model.named_parameters():
             shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)
-            if shard.role is not Role.SHARDED and not shard.is_owned_by(shard_rank):
+            if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank):
                 assert no_gradient_here(p), name
                 continue
             want = full_grad_rows(shard, shard_rank, ref_params[name].grad)

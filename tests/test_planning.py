@@ -38,7 +38,7 @@ def check_placement(plan: ShardingPlan, model: nn.Module) -> None:
     distinct = {id(p): p for p in model.parameters()}
     assert len(plan) == len(distinct), "every distinct tensor is planned exactly once"
     for shard in plan:
-        if shard.role is Role.SHARDED:
+        if shard.role is Role.ROWS:
             assert shard.owner is None
             rows = [shard.row_range(r) for r in range(W)]
             # rows cover [0, n) exactly once, in rank order, as torch.chunk splits them
@@ -62,7 +62,7 @@ def test_every_tensor_has_one_owner_or_is_evenly_sharded(world_size: int) -> Non
     assert plan.world_size == world_size and len(plan.loads) == world_size
     # per-rank figures add up to the model's totals
     owned = sum(x.owned_tensors for x in plan.loads)
-    assert owned == sum(1 for s in plan if s.role is not Role.SHARDED)
+    assert owned == sum(1 for s in plan if s.role is not Role.ROWS)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -73,7 +73,7 @@ def test_tied_parameters_counted_once(world_size: int) -> None:
     assert "wte.weight" in plan.shards and "lm_head.weight" not in plan.shards
     assert plan["wte.weight"].aliases == ("lm_head.weight",)
     assert plan["lm_head.weight"] is plan["wte.weight"]  # lookup by alias
-    assert plan["wte.weight"].role is Role.SHARDED
+    assert plan["wte.weight"].role is Role.ROWS
 
 
 def test_default_roles() -> None:
@@ -83,9 +83,9 @@ def test_default_roles() -> None:
     assert plan["layers.0.mlp.proj.weight"].role is Role.MATRIX
     assert plan["layers.0.attn.qkv.bias"].role is Role.TAIL
     assert plan["layers.0.ln1.weight"].role is Role.TAIL
-    assert plan["wte.weight"].role is Role.SHARDED
-    assert plan["wpe.weight"].role is Role.SHARDED
-    assert plan["lm_head.weight"].role is Role.SHARDED, "untied head shaped like the vocab table"
+    assert plan["wte.weight"].role is Role.ROWS
+    assert plan["wpe.weight"].role is Role.ROWS
+    assert plan["lm_head.weight"].role is Role.ROWS, "untied head shaped like the vocab table"
 
 
 def test_square_position_table_does_not_turn_projections_into_heads() -> None:
@@ -306,7 +306,7 @@ def test_cli_plan_user_factory(tmp_path, monkeypatch) -> None:
         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
     )
     summary = json.loads(out.stdout)
-    assert summary["roles"] == {"matrix": 2, "tail": 2, "sharded": 0}
+    assert summary["roles"] == {"matrix": 2, "tail": 2, "rows": 0}
 
 
 def test_mixtral_64_experts_at_w256_priced_per_expert() -> None:

@@ -58,9 +58,9 @@ def test_vocab_4d_transformer_every_mlp_matrix_is_matrix(tied_functionally: bool
     mlp = _mlp_roles(model)
     assert len(mlp) == 9 and set(mlp.values()) == {Role.MATRIX}, mlp
     roles = module_roles(model)
-    assert roles[id(model.tok_embeddings.weight)] is Role.SHARDED
+    assert roles[id(model.tok_embeddings.weight)] is Role.ROWS
     if not tied_functionally:  # "output": not named like a head, but the final projection
-        assert roles[id(model.output.weight)] is Role.SHARDED
+        assert roles[id(model.output.weight)] is Role.ROWS
     # The planner sees the same roles.
     plan = plan_model(model, 2)
     assert plan["layers.0.feed_forward.w1.weight"].role is Role.MATRIX
@@ -73,21 +73,21 @@ def test_gpt_with_vocab_4d_routes_every_mlp_matrix_to_muon() -> None:
     routes = {r["name"]: r["role"] for r in opt.routes()}
     fc = [n for n in routes if n.endswith("mlp.fc.weight")]
     assert fc and all(routes[n] == "matrix" for n in fc)
-    assert routes["lm_head.weight"] == "sharded" and routes["wte.weight"] == "sharded"
+    assert routes["lm_head.weight"] == "rows" and routes["wte.weight"] == "rows"
 
 
 def test_heads_by_tie_name_and_position() -> None:
     # Tied: the Linear's weight is the embedding's.
     model = _Llama(head_name="proj_out")
     model.proj_out.weight = model.tok_embeddings.weight
-    assert module_roles(model)[id(model.proj_out.weight)] is Role.SHARDED
+    assert module_roles(model)[id(model.proj_out.weight)] is Role.ROWS
     # Named like a head, anywhere.
     model = nn.Sequential()
     model.add_module("embed", nn.Embedding(40, 8))
     model.add_module("lm_head", nn.Linear(8, 40))
     model.add_module("after", nn.Linear(40, 40))
     roles = module_roles(model)
-    assert roles[id(model.lm_head.weight)] is Role.SHARDED
+    assert roles[id(model.lm_head.weight)] is Role.ROWS
     # Last Linear with 40 = vocabulary outputs, but not alone among its parent's Linears.
     assert roles[id(model.after.weight)] is Role.MATRIX
 

@@ -31,7 +31,7 @@ def test_counts_and_bytes_per_optimizer_and_role() -> None:
     assert muon["bytes"] == 4 * 2 * (4 * 32 * 32 + 4 * 32 * 32 + 4 * 32 * 16)
     tail = by[("adamw", "tail")]
     assert tail["tensors"] == 2 * 3 and tail["bytes"] == 4 * 2 * (32 + 32 + 4 * 32)  # norms, router
-    assert by[("adamw", "sharded")]["tensors"] == 2
+    assert by[("adamw", "rows")]["tensors"] == 2
     assert sum(e["bytes"] for e in rep.summary()) == 4 * sum(p.numel() for p in model.parameters())
     assert {r.name for r in rep.stacks()} == {n for n, _ in model.named_parameters() if ".experts." in n}
     assert rep.left_to_tail() == []  # the routers are small
@@ -84,4 +84,4 @@ def test_cli_plan_prints_the_report(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["plan", "-w", "4", "--layers", "2", "--width", "64", "--heads", "2", "--vocab", "128"]) == 0
     out = capsys.readouterr().out
-    assert "routing (plan): matrix optimizer muon" in out and "adamw sharded" in out
+    assert "routing (plan): matrix optimizer muon" in out and "adamw rows" in out

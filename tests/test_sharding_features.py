@@ -62,7 +62,7 @@ def _compare_grads(model, ref, rank: int, rtol: float, what: str) -> float:
     worst = -1.0
     for name, p in model.named_parameters():
         shard = get_matrix_shard(p)
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(rank):
             assert no_gradient_here(p), f"{what}: non-owner gradient on {name}"
             continue
         assert p.grad is not None and p.grad.dtype == p.dtype, f"{what}: {name}"
@@ -82,7 +82,7 @@ def _grad_errors(model, ref, rank: int) -> dict[str, float]:
     errs = {}
     for name, p in model.named_parameters():
         shard = get_matrix_shard(p)
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(rank):
             assert no_gradient_here(p), f"non-owner gradient on {name}"
             continue
         assert p.grad is not None and p.grad.dtype == p.dtype, name
@@ -248,7 +248,7 @@ def _plan_errors(rank: int, W: int) -> dict:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model, plan=plan)  # sharding is lazy: the plan is checked when it is fixed
-    want = r"disagree.*parameter 'wte\.weight' differs \(role: 'sharded' vs 'tail'"
+    want = r"disagree.*parameter 'wte\.weight' differs \(role: 'rows' vs 'tail'"
     with pytest.raises(ValueError, match=want) as info:
         model(*local_batch(0, rank, W))  # before any data moves
     with pytest.raises(RuntimeError, match="failed earlier"):

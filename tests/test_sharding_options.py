@@ -78,7 +78,7 @@ from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 pytestmark = pytest.mark.multirank
 
 HALF_LR = ADAMW_OPTS["lr"] / 2
-ROLES = {"layers.0.attn.qkv.weight": "tail", "layers.*.mlp.fc.weight": "sharded", "wpe.weight": "matrix"}
+ROLES = {"layers.0.attn.qkv.weight": "tail", "layers.*.mlp.fc.weight": "rows", "wpe.weight": "matrix"}
 
 
 def _worst(errs: dict[str, float], key: str, value: float) -> None:
@@ -94,7 +94,7 @@ def _owner_grads(
     for name, p in model.named_parameters():
         shard, rank = get_matrix_shard(p), get_shard_rank(p)
         want = ref_params[name].grad
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(rank):
             assert no_gradient_here(p), f"{what}: non-owner gradient on {name}"
             continue
         assert p.grad is not None and want is not None, f"{what}: {name}"
@@ -140,7 +140,7 @@ def _reshard_and_roles(rank: int, W: int, errs: dict[str, float]) -> None:
     fully_shard(model, plan=plan)
     roles = roles_by_fqn(model)
     assert roles["layers.0.attn.qkv.weight"] is Role.TAIL and roles["wpe.weight"] is Role.MATRIX
-    assert all(roles[f"layers.{i}.mlp.fc.weight"] is Role.SHARDED for i in range(len(model.layers)))
+    assert all(roles[f"layers.{i}.mlp.fc.weight"] is Role.ROWS for i in range(len(model.layers)))
     assert roles["layers.1.attn.qkv.weight"] is Role.MATRIX  # untouched by the overrides
     opts = owner_optimizers(model, "muon")  # routes by the roles the plan gave
     ref_opts = reference_optimizers(ref, roles, "muon")

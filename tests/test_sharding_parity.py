@@ -209,7 +209,7 @@ def _check_grads(model, ref_params: dict[str, torch.Tensor], rank: int) -> float
     for name, p in model.named_parameters():
         want = ref_params[name.replace(_WRAPPED, "")].grad
         shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)  # HSDP: rank in the shard group
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(shard_rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank):
             assert no_gradient_here(p), f"{name}: non-owner holds a gradient"
             continue
         assert (p.grad is None) == (want is None), f"{name}: gradient presence differs"
@@ -246,7 +246,7 @@ def _frozen(rank: int, W: int) -> dict:
     def check(step, m):
         for n, p in m.named_parameters():
             shard = get_matrix_shard(p)
-            owned = shard.role is Role.SHARDED or shard.is_owned_by(rank)
+            owned = shard.role is Role.ROWS or shard.is_owned_by(rank)
             if n in frozen:
                 assert p.grad is None, f"frozen {n} has a gradient"
             else:

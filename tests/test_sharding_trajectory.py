@@ -219,7 +219,7 @@ def _check_layout_and_resident(model, opts, rank: int, W: int) -> None:
         lp = local_tensor(p)  # this rank's piece of the owner-layout DTensor
         assert isinstance(p, DTensor) and tuple(p.shape) == shard.shape, name
         assert tuple(lp.shape) == shard.local_shape(rank), name
-        if shard.role is not Role.SHARDED and not shard.is_owned_by(rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(rank):
             assert lp.numel() == 0 and lp.untyped_storage().size() == 0, name
             assert p.grad is None or local_tensor(p.grad).numel() == 0, f"{name}: non-owner holds gradient data"
             assert id(p) not in state_ids and id(lp) not in state_ids, f"{name}: non-owner holds optimizer state"

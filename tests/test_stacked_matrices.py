@@ -60,7 +60,7 @@ def test_default_roles_of_a_fused_moe_block() -> None:
     assert all(roles[e] is Role.MATRIX for e in EXPERTS)
     assert roles["layers.0.mlp.gate.weight"] is Role.TAIL  # the router stays on AdamW
     assert roles["layers.0.mlp.q_proj.weight"] is Role.MATRIX
-    assert roles["embed_tokens.weight"] is Role.SHARDED
+    assert roles["embed_tokens.weight"] is Role.ROWS
     specs = {s.fqn: s for s in specs_from_module(model)}
     assert specs[EXPERTS[0]].view == MatrixView("stack") and specs["layers.0.mlp.q_proj.weight"].view.kind == "matrix"
     # by name alone (model.named_parameters() to the optimizer): the same roles

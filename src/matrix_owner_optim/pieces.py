@@ -3,7 +3,7 @@
 Sharded parameters are owner-layout DTensors themselves (:mod:`matrix_owner_optim.owner_dtensor`),
 so a model's ``state_dict()`` needs nothing from here. Optimizer state is kept on plain local
 tensors by the child optimizers; :func:`piece_of` describes such a tensor as a piece of a global
-one (``Shard(0)`` rows for ``sharded`` parameters, held whole by the owner otherwise, with its own
+one (``Shard(0)`` rows for ``rows`` parameters, held whole by the owner otherwise, with its own
 shape for state such as Shampoo's factors), and :func:`local_piece` cuts this rank's piece out of
 a loaded value (a piece, a replicated DTensor or a full tensor). Only MatrixShard metadata is read.
 """
@@ -32,14 +32,14 @@ def piece_of(
     """``local`` (this rank's piece of a tensor laid out like ``shard``) as a DCP piece.
 
     ``shape``: the global shape when it is not the parameter's (optimizer state such as
-    Shampoo's factors, held whole by the owner). Row blocks of ``sharded`` tensors become
+    Shampoo's factors, held whole by the owner). Row blocks of ``rows`` tensors become
     ``Shard(0)`` DTensors, owner-held tensors :class:`OwnedTensor`.
     """
     mesh = mesh_of_group(group, local.device.type)
     if shard.is_split:  # this rank's experts; state keeps the experts on dim 0
         full = tuple(shape) if shape is not None else (shard.shape[0], *local.shape[1:])
         return OwnerDTensor.make(local, mesh, placement_of(shard), full)
-    if shard.role is Role.SHARDED:
+    if shard.role is Role.ROWS:
         return OwnerDTensor.rows(local, mesh, shard.shape if shape is None else shape)
     assert shard.owner is not None
     full_shape = tuple(shard.shape if shape is None else shape)
@@ -54,7 +54,7 @@ def placement_of(shard: MatrixShard, shape: Sequence[int] | None = None) -> Any:
     the owner (a scalar: ``Partial`` with zeros elsewhere)."""
     if shard.is_split:
         return OwnerShard(0, [shard.row_range(r) for r in range(shard.world_size)])
-    if shard.role is Role.SHARDED:
+    if shard.role is Role.ROWS:
         return Shard(0)
     assert shard.owner is not None
     full_shape = tuple(shard.shape if shape is None else shape)
@@ -96,7 +96,7 @@ def local_piece(
         if all(isinstance(p, Replicate) for p in value.placements):
             value = value._local_tensor  # the full tensor
         elif (
-            shard.role is Role.SHARDED
+            shard.role is Role.ROWS
             and tuple(value.shape) == full_shape
             and len(value.placements) == 1
             and value.placements[0] == Shard(0)
@@ -136,6 +136,6 @@ def local_piece(
 def describe(shard: MatrixShard, rank: int) -> str:
     if shard.is_split:
         return f"whole experts over {shard.world_size} ranks (rank {rank} holds {shard.row_range(rank)})"
-    if shard.role is Role.SHARDED:
+    if shard.role is Role.ROWS:
         return f"row blocks over {shard.world_size} ranks (rank {rank} holds rows {shard.row_range(rank)})"
     return f"held whole by rank {shard.owner} of {shard.world_size}"

@@ -155,7 +155,7 @@ class LocalLayout(UpdateLayout):
 
     In one process every parameter is local. After owner-shaped ``fully_shard`` a parameter is
     local on its owner (matrices and tail tensors) or on every rank for its own rows
-    (``sharded`` role); other ranks hold an empty tensor and skip it.
+    (``rows`` role); other ranks hold an empty tensor and skip it.
     """
 
     name = "local"
@@ -215,7 +215,7 @@ class LocalLayout(UpdateLayout):
 
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """Owner-held state (``step`` included): held whole by the owner, of its own shape;
-        row-block state (``sharded``): a ``Shard(0)`` DTensor of the parameter's global shape;
+        row-block state (``rows``): a ``Shard(0)`` DTensor of the parameter's global shape;
         its scalars as they are (every rank holds the same)."""
         info = self._sharded(rp)
         if info is None or not isinstance(value, torch.Tensor):
@@ -237,7 +237,7 @@ class LocalLayout(UpdateLayout):
             )
         if shard.is_split:  # this rank's experts: their state keeps the experts on dim 0
             return piece_of(value, shard, rank, group)
-        if shard.role is Role.SHARDED:
+        if shard.role is Role.ROWS:
             if tuple(value.shape) != tuple(shard.local_shape(rank)):
                 raise ValueError(
                     f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; state of "

@@ -5,7 +5,7 @@ per role: a user group becomes a ``matrix`` group and a ``tail`` group), so lear
 schedulers, ``add_param_group`` and ``state_dict`` work as with any torch optimizer. Under the
 hood each role is one :class:`~.role_optimizer.RoleOptimizer` whose ordinary optimizer (its
 *child*) updates only what this rank updates: on the owner-shaped layout that is the matrices
-and tail it owns plus its rows of ``sharded`` tensors, and the step moves zero bytes.
+and tail it owns plus its rows of ``rows`` tensors, and the step moves zero bytes.
 Hyperparameters live in the parent groups only: a child's groups read and write them there
 (:class:`~.role_optimizer.ChildGroup`), so a scheduler's ``lr`` and a value the child sets itself
 (Prodigy's ``d``, schedule-free ``k``) each have one home; optimizer state is shared between the
@@ -71,9 +71,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             configured optimizer's ``cost_model``, else its registry entry's) prices a sharding
             plan this optimizer fixes.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
-        tail: name or class for ``tail`` and ``sharded`` parameters (default AdamW).
+        tail: name or class for ``tail`` and ``rows`` parameters (default AdamW).
         tail_options: keyword arguments of the tail optimizer.
-        roles: ``{"fqn-glob": "matrix" | "tail" | "sharded"}``; the last matching glob wins.
+        roles: ``{"fqn-glob": "matrix" | "tail" | "rows"}``; the last matching glob wins.
             A glob that matches nothing is an error.
         matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}``: how a matrix is read
             as the matrices its optimizer steps (:mod:`matrix_owner_optim.planning.views`;
@@ -424,7 +424,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
         * one process, and DDP with ``replicated="redundant"``: plain tensors, as torch's.
         * owner layout: owner-held state as ``OwnedTensor`` (whole on the owner), row-block
-          state of ``sharded`` tensors as ``Shard(0)`` DTensors; only what this rank holds.
+          state of ``rows`` tensors as ``Shard(0)`` DTensors; only what this rank holds.
         * stock FSDP2: matrices' state as ``OwnedTensor`` over the shard group, shard-local
           state as DTensors with the parameter's placements.
         * DDP with owners (``replicated="owner"``, several ranks): the whole state in plain
@@ -499,7 +499,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
     @property
     def tail_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer updating this rank's tail and ``sharded`` rows (None if none)."""
+        """The optimizer updating this rank's tail and ``rows`` rows (None if none)."""
         return self._roles[Role.TAIL].child
 
     def layouts(self) -> list[UpdateLayout]:

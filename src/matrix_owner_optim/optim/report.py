@@ -93,7 +93,7 @@ class RoutingReport:
             entry["matrices"] += r.matrices
             entry["numel"] += r.numel
             entry["bytes"] += r.bytes
-        order = {Role.MATRIX.value: 0, Role.TAIL.value: 1, Role.SHARDED.value: 2}
+        order = {Role.MATRIX.value: 0, Role.TAIL.value: 1, Role.ROWS.value: 2}
         return sorted(out.values(), key=lambda e: (order.get(e["role"], 3), e["optimizer"]))
 
     def left_to_tail(self) -> list[RouteRow]:
@@ -167,7 +167,7 @@ def _human(n: float) -> str:
 def _reason(name: str, shape: tuple[int, ...], role: Role, routers: set[str]) -> str:
     if name in routers:
         return ROUTER_REASON
-    if role is Role.SHARDED:
+    if role is Role.ROWS:
         return "sharded by rows (embedding or output head)"
     if len(shape) > 2:
         view = default_matrix_view(shape, name=name)

@@ -1,7 +1,7 @@
 """One optimizer per role, and the child groups through which its hyperparameters flow one way.
 
 ``OwnerRoutedOptimizer`` splits every user param group into a ``matrix`` group and a ``tail``
-group (``tail`` and ``sharded`` tensors). Each of the two roles is one :class:`RoleOptimizer`:
+group (``tail`` and ``rows`` tensors). Each of the two roles is one :class:`RoleOptimizer`:
 what builds its child optimizer (the chosen factory, its options, the defaults it fills into a
 group), the child itself once this rank updates any tensor of the role, the child's groups by
 parent group, and the update layouts of the role's parameters.
@@ -36,7 +36,7 @@ _MISSING = object()
 
 
 def optimizer_role(role: Role) -> Role:
-    """The role whose optimizer updates a tensor of ``role`` (``sharded`` rows: the tail's)."""
+    """The role whose optimizer updates a tensor of ``role`` (``rows`` rows: the tail's)."""
     return Role.MATRIX if role is Role.MATRIX else Role.TAIL
 
 
@@ -196,7 +196,7 @@ def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
 
 
 class RoleOptimizer:
-    """The optimizer of one role (``matrix``, or ``tail`` for tail and ``sharded`` tensors).
+    """The optimizer of one role (``matrix``, or ``tail`` for tail and ``rows`` tensors).
 
     Attributes:
         role: ``Role.MATRIX`` or ``Role.TAIL``.

@@ -228,7 +228,7 @@ def resolve_roles(
                 _require_matrix_view(rp)
                 rp.view = views.view_for(names or [rp.label], shape, (convs or {}).get(id(rp.param)))
                 rp.view.resolve(shape, rp.label)  # a view that does not fit fails here, naming it
-            if rp.shard is not None and rp.shard.role is Role.SHARDED and role is Role.MATRIX:
+            if rp.shard is not None and rp.shard.role is Role.ROWS and role is Role.MATRIX:
                 raise ValueError(
                     f"parameter {rp.label!r} is sharded by rows ({rp.shard.role.value}) and cannot "
                     "be routed to the matrix optimizer; re-plan with "
@@ -327,7 +327,7 @@ def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
     rp = RoutedParam(param, previous.name, previous.index, role=previous.role)
     fix_lazy_plans([param])
     rp.shard = get_matrix_shard(param)
-    if rp.shard is not None and rp.shard.role is Role.SHARDED and rp.role is Role.MATRIX:
+    if rp.shard is not None and rp.shard.role is Role.ROWS and rp.role is Role.MATRIX:
         raise ValueError(
             f"parameter {rp.label!r} was routed to the matrix optimizer, but the tensor swapped into "
             "param_groups in its place is sharded by rows; re-plan with "

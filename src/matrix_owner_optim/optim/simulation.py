@@ -1,7 +1,7 @@
 """Build the parameters one rank would hold under a plan, without processes or memory.
 
 ``simulated_parameters(plan, rank)`` returns meta tensors of the shapes ``fully_shard`` would
-leave on ``rank`` (whole on the owner, empty elsewhere, row blocks for ``sharded``), each
+leave on ``rank`` (whole on the owner, empty elsewhere, row blocks for ``rows``), each
 carrying its :class:`MatrixShard`. An ``OwnerRoutedOptimizer`` built over them routes exactly
 as on that rank of a real job, which is how routing is unit-tested at W=1024.
 """

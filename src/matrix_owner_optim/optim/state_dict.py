@@ -2,7 +2,7 @@
 
 ``state`` is keyed by parameter index in param-group order, as any torch optimizer's, and
 ``param_groups`` are the parent groups. Where a layout partitions state (owner-held matrices,
-row blocks of ``sharded`` tensors, stock FSDP2's owners), each rank's entry is its piece of the
+row blocks of ``rows`` tensors, stock FSDP2's owners), each rank's entry is its piece of the
 global tensor (an owner-layout DTensor, a ``Shard(0)`` DTensor), so that
 ``get_optimizer_state_dict`` and DCP reshard it across world sizes and layouts; every rank lists
 every parameter, with empty pieces for state another rank holds alone. Loading takes those

@@ -37,13 +37,13 @@ class Role(str, enum.Enum):
 
     ``matrix``: a whole 2D matrix on one owner, updated by the matrix optimizer.
     ``tail``: small tensors (biases, norms, scalars), packed on an owner, updated by AdamW.
-    ``sharded``: large coordinate-wise tensors (embeddings, LM heads), split evenly by rows
+    ``rows``: large coordinate-wise tensors (embeddings, LM heads), split evenly by rows
     across ranks as FSDP2 does; every rank updates its own rows with AdamW.
     """
 
     MATRIX = "matrix"
     TAIL = "tail"
-    SHARDED = "sharded"
+    ROWS = "rows"
 
     def __str__(self) -> str:  # so f-strings and JSON show "matrix", not "Role.MATRIX"
         return self.value
@@ -82,7 +82,7 @@ class MatrixShard:
         shape: global (unsharded) shape.
         dtype: parameter dtype.
         role: :class:`Role`.
-        owner: the rank that holds the tensor whole and updates it; ``None`` for ``sharded``.
+        owner: the rank that holds the tensor whole and updates it; ``None`` for ``rows``.
         unit: index of the ``fully_shard`` unit (0 when the model has one unit).
         aliases: other fqns that name the same tensor (tied parameters).
         requires_grad: frozen parameters are placed but carry no optimizer state.
@@ -107,8 +107,8 @@ class MatrixShard:
 
     @property
     def holds_rows(self) -> bool:
-        """Whether every rank holds rows of it (``sharded`` row blocks, or a split stack)."""
-        return self.role is Role.SHARDED or self.is_split
+        """Whether every rank holds rows of it (``rows`` row blocks, or a split stack)."""
+        return self.role is Role.ROWS or self.is_split
 
     @property
     def numel(self) -> int:
@@ -122,11 +122,11 @@ class MatrixShard:
         return self.numel * itemsize(self.dtype)
 
     def is_owned_by(self, rank: int) -> bool:
-        """True if ``rank`` holds this tensor whole (always False for ``sharded``)."""
+        """True if ``rank`` holds this tensor whole (always False for ``rows``)."""
         return self.owner is not None and self.owner == rank
 
     def row_range(self, rank: int) -> tuple[int, int]:
-        """Rows ``[start, stop)`` of a ``sharded`` tensor held by ``rank``.
+        """Rows ``[start, stop)`` of a ``rows`` tensor held by ``rank``.
 
         Rows are split as ``torch.chunk`` splits them (FSDP2's ``Shard(0)`` convention):
         ``ceil(rows / W)`` per rank, the last ranks possibly short or empty.
@@ -134,8 +134,8 @@ class MatrixShard:
         if self.is_split:
             start, stop, _ = next(r for r in self.row_owners if r[2] == rank)
             return start, stop
-        if self.role is not Role.SHARDED:
-            raise ValueError(f"{self.fqn}: row_range is only defined for role 'sharded' and split stacks")
+        if self.role is not Role.ROWS:
+            raise ValueError(f"{self.fqn}: row_range is only defined for role 'rows' and split stacks")
         return chunk_row_range(self.shape[0] if self.shape else 1, self.world_size, rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:

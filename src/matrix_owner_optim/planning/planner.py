@@ -1,7 +1,7 @@
 """The global owner planner: every matrix whole on one rank, ranks balanced model-wide.
 
 Items are the matrices plus one packed tail per unit (a unit's tail tensors share an owner so
-that their AdamW step is one foreach call). ``sharded`` tensors are split evenly by rows and
+that their AdamW step is one foreach call). ``rows`` tensors are split evenly by rows and
 load every rank alike. Items are placed largest first onto the rank whose resulting load is
 smallest, measured as the larger of its normalised bytes and normalised FLOPs (a two-resource
 LPT), then a bounded local search moves or swaps items off the most loaded rank while that
@@ -103,7 +103,7 @@ def plan_tensors(
     base_bytes = [0.0] * W
     base_flops = [0.0] * W
     for s in specs:
-        if s.role is Role.SHARDED:
+        if s.role is Role.ROWS:
             rows = chunk_row_sizes(s.shape[0], W)
             total_rows = max(1, s.shape[0])
             for r in range(W):
@@ -223,7 +223,7 @@ def plan_tensors(
     # (where each tensor sits in its unit's flat buffers is the runtime's SegmentLayout)
     shards: dict[str, MatrixShard] = {}
     for s in specs:
-        held_whole = not (s.role is Role.SHARDED or s.fqn in row_owners)
+        held_whole = not (s.role is Role.ROWS or s.fqn in row_owners)
         owner = owner_of_item[item_of[s.fqn]] if held_whole else None
         shards[s.fqn] = MatrixShard(
             fqn=s.fqn,
@@ -398,7 +398,7 @@ def plan_model(
     Args:
         model: any module; meta-device parameters are fine (only shapes and dtypes are read).
         world_size: data-parallel size to plan for (1 to thousands).
-        roles: ``{"fqn-glob": "matrix" | "tail" | "sharded"}`` overriding the defaults.
+        roles: ``{"fqn-glob": "matrix" | "tail" | "rows"}`` overriding the defaults.
         preconditioner: registered name, :class:`CostModel`, or optimizer class whose
             ``cost_model`` prices the matrices.
         unit_prefixes: module fqns in ``fully_shard`` call order (blocks first, ``""`` for the

@@ -3,7 +3,7 @@
 From a module: weights of ``nn.Linear`` (and any other 2D parameter used as a matrix) are
 ``matrix``; so are stacks of matrices (a >2D parameter of a module that is not a convolution,
 e.g. fused experts ``[E, out, in]``; see :mod:`.views` for how they are read);
-``nn.Embedding`` weights and output heads are ``sharded``; the router of a mixture of experts
+``nn.Embedding`` weights and output heads are ``rows``; the router of a mixture of experts
 (see :func:`router_fqns`) and everything else is ``tail``. An output head is a Linear tied to
 an embedding (the same weight), named like a head (see :data:`EMBEDDING_NAME_HINTS`), or the
 model's final projection (see
@@ -123,15 +123,15 @@ class RoleOverrides(GlobOverrides[Role]):
 
 
 def validate_role(fqn: str, shape: tuple[int, ...], role: Role) -> None:
-    """A ``matrix`` needs at least two dims; a ``sharded`` tensor at least one."""
+    """A ``matrix`` needs at least two dims; a ``rows`` tensor at least one."""
     if role is Role.MATRIX and len(shape) < 2:
         raise ValueError(
             f"parameter {fqn!r} with shape {tuple(shape)} cannot take role 'matrix': matrix "
             "optimizers need a 2D tensor (or >2D: a stack of matrices or a conv kernel, see "
             "matrix_views=); route it to 'tail'"
         )
-    if role is Role.SHARDED and len(shape) < 1:
-        raise ValueError(f"parameter {fqn!r} is a scalar and cannot take role 'sharded'; use 'tail'")
+    if role is Role.ROWS and len(shape) < 1:
+        raise ValueError(f"parameter {fqn!r} is a scalar and cannot take role 'rows'; use 'tail'")
 
 
 def role_from_name(fqn: str, shape: tuple[int, ...], *, router: bool = False) -> Role:
@@ -140,7 +140,7 @@ def role_from_name(fqn: str, shape: tuple[int, ...], *, router: bool = False) ->
     if len(shape) == 2:
         lowered = fqn.lower()
         if any(h in lowered for h in EMBEDDING_NAME_HINTS):
-            return Role.SHARDED
+            return Role.ROWS
         return Role.TAIL if router else Role.MATRIX
     if any(h in fqn.lower() for h in STACK_NAME_HINTS) and is_matrix_stack(fqn, shape):
         return Role.MATRIX
@@ -190,12 +190,12 @@ def module_roles(model: nn.Module) -> dict[int, Role]:
             fqn = f"{mod_name}.{p_name}" if mod_name else p_name
             shape = tuple(param.shape)
             if id(param) in embedding_ids:  # an embedding, or a head tied to one
-                roles[id(param)] = Role.SHARDED
+                roles[id(param)] = Role.ROWS
             elif len(shape) == 2 and fqn in routers:
                 roles[id(param)] = Role.TAIL
             elif isinstance(module, nn.Linear) and p_name == "weight":
-                is_head = module is head or role_from_name(fqn, shape) is Role.SHARDED
-                roles[id(param)] = Role.SHARDED if is_head else Role.MATRIX
+                is_head = module is head or role_from_name(fqn, shape) is Role.ROWS
+                roles[id(param)] = Role.ROWS if is_head else Role.MATRIX
             elif len(shape) == 2 and not is_conv:
                 roles[id(param)] = role_from_name(fqn, shape)
             elif not is_conv and is_matrix_stack(fqn, shape):

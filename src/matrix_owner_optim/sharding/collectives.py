@@ -1,7 +1,7 @@
 """Owner-segment collectives: one all-gather-v and one reduce-scatter-v per unit, unpadded.
 
 A unit's flat buffer is the concatenation of every rank's *segment*: the tensors that rank
-owns in the unit (model order) followed by its row blocks of the unit's ``sharded`` tensors.
+owns in the unit (model order) followed by its row blocks of the unit's ``rows`` tensors.
 Segments have different sizes, so the collectives are the uneven ("-v") kind:
 
 * NCCL (CUDA tensors on a group whose backend includes nccl): uneven-list
@@ -48,7 +48,7 @@ class SegmentEntry:
     index: int  # position of the parameter in its unit
     offset: int  # element offset inside the rank's segment
     length: int  # elements
-    rows: tuple[int, int] | None = None  # row range for ``sharded`` tensors; None: whole tensor
+    rows: tuple[int, int] | None = None  # row range for ``rows`` tensors; None: whole tensor
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SegmentLayout:
     def build(
         cls, shards: Sequence[MatrixShard], world_size: int, include: Callable[[MatrixShard], bool] = lambda s: True
     ) -> SegmentLayout:
-        """Owned tensors first (model order), then row blocks of ``sharded`` tensors."""
+        """Owned tensors first (model order), then row blocks of ``rows`` tensors."""
         entries: list[list[SegmentEntry]] = [[] for _ in range(world_size)]
         cursor = [0] * world_size
         for i, s in enumerate(shards):

@@ -3,7 +3,7 @@
 A *unit* is the set of parameters one ``fully_shard`` call manages. Where its data is, is one
 :class:`ShardedState`, one transition per method::
 
-    SHARDED    owner: full tensor resident; others: an empty piece (row blocks for ``sharded``);
+    SHARDED    owner: full tensor resident; others: an empty piece (row blocks for ``rows``);
       |        the sharded parameters are registered on the modules
       | issue_gather()      all-gather-v issued asynchronously (prefetch, unshard(async_op=True))
     GATHERING  storage of the unsharded tensors allocated, the collective in flight (a record)

@@ -126,7 +126,7 @@ def step_comm(
         if not s.requires_grad:
             continue
         u[1] += s.numel
-        if s.role is Role.SHARDED:
+        if s.role is Role.ROWS:
             for r in range(S):
                 row[r] += s.local_numel(r)
         else:
