@@ -99,14 +99,18 @@ def test_builtins_load_lazily() -> None:
 
 
 def test_one_entry_holds_the_factory_and_its_cost() -> None:
-    from matrix_owner_optim.planning import ADAMW_COST, SHAMPOO_COST, FunctionCostModel, get_cost_model
+    from matrix_owner_optim.planning import ADAMW_COST, FunctionCostModel, get_cost_model
+    from matrix_owner_optim.planning.cost import TORCH_OPTIMIZER_SHAMPOO_COST
     from matrix_owner_optim.planning.registry import lookup
 
-    assert get_cost_model("adamw") is ADAMW_COST and get_cost_model("torch_optimizer_shampoo") is SHAMPOO_COST
+    assert (
+        get_cost_model("adamw") is ADAMW_COST
+        and get_cost_model("torch_optimizer_shampoo") is TORCH_OPTIMIZER_SHAMPOO_COST
+    )  # whole-matrix
     code = (  # pricing a built-in by name imports no optimizer
         "import sys\n"
         "from matrix_owner_optim.planning import get_cost_model\n"
-        "assert get_cost_model('torch_optimizer_shampoo').name == 'shampoo'\n"
+        "assert get_cost_model('torch_optimizer_shampoo').name == 'torch_optimizer_shampoo'\n"
         "assert 'torch_optimizer' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
