@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["LazyPlan", "fix_lazy_plans", "link_lazy_plan", "unlink_lazy_plan", "waits_for_plan"]
+__all__ = ["LazyPlan", "fix_lazy_plans", "link_lazy_plan", "unlink_lazy_plan"]
 
 _ATTR = "_moo_lazy_plan"
 
@@ -41,11 +41,6 @@ def unlink_lazy_plan(param: torch.Tensor) -> None:
 def _owner(param: Any) -> LazyPlan | None:
     ref = getattr(param, _ATTR, None)
     return ref() if ref is not None else None
-
-
-def waits_for_plan(param: torch.Tensor) -> bool:
-    """True for a parameter of a ``fully_shard`` tree whose plan is not fixed yet."""
-    return _owner(param) is not None
 
 
 def fix_lazy_plans(params: Iterable[Any], preconditioner: Any = None) -> None:

@@ -103,7 +103,6 @@ def fully_shard(
         modules,
         group=group,
         replicate_group=replicate_group,
-        mesh=device_mesh,
         reshard_after_forward=rsf,
         mp_policy=mp_policy,
         plan=plan,

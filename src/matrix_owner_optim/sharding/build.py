@@ -27,7 +27,7 @@ from ..tensors import local_tensor
 from .context import ShardingContext
 from .handle import ParamHandle
 from .replicated import current_parameter
-from .unit import ShardedUnit, ShardGroups, UnitOptions
+from .unit import ShardedUnit, ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
 
 __all__ = ["PlannedCall", "build_context", "check_plan_world_size"]
 
@@ -252,18 +252,10 @@ def _check_unit_dtypes(specs: list[TensorSpec], states: Sequence[PlannedCall]) -
     """One compute dtype per unit (one all-gather buffer): refuse a mix before any data moves."""
     by_unit: dict[int, dict[str, torch.dtype]] = {}
     for s in specs:
-        if s.unit >= len(states):
-            continue
-        param_dtype = getattr(states[s.unit].mp_policy, "param_dtype", None)
-        compute = param_dtype if (param_dtype is not None and s.dtype.is_floating_point) else s.dtype
-        by_unit.setdefault(s.unit, {})[s.fqn] = compute
+        if s.unit < len(states):
+            by_unit.setdefault(s.unit, {})[s.fqn] = compute_dtype(states[s.unit].mp_policy, s.dtype)
     for unit, dtypes in by_unit.items():
-        if len(set(dtypes.values())) > 1:
-            names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
-            raise NotImplementedError(
-                f"fully_shard unit {unit} mixes parameter dtypes ({names}); give the unit one "
-                "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
-            )
+        one_compute_dtype(unit, dtypes)
 
 
 def _parent_unit(i: int, modules: list[nn.Module]) -> int | None:

@@ -156,7 +156,3 @@ class ParamHandle:
         if g is not None:
             acc.add_(g.detach().to(acc.dtype))
         return acc
-
-    def drop_grads(self) -> None:
-        self.unsharded.grad = None
-        self.accumulated = None

@@ -249,7 +249,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward_hook(self, args, kwargs, out)
 
     module.__dict__[method_name] = types.MethodType(wrapped, module)
-    state.forward_methods.append(method_name)
 
 
 # Dynamic subclasses made so far, one per user class (FSDP2 caches its ``FSDP<cls>`` the same

@@ -57,12 +57,10 @@ class OwnerShardState:
     modules: list[nn.Module]  # the call's modules (several in FSDP2's list form)
     group: Any  # shard process group
     replicate_group: Any  # HSDP replicate group, or None
-    mesh: Any  # the DeviceMesh of the shard group (the parameters' DTensor mesh)
     mp_policy: Any
     plan: ShardingPlan | None  # given by the user, or None: planned at lazy init
     preconditioner: Any  # prices the plan's matrices (None: the optimizer's, else Muon)
     options: UnitOptions  # what the set_* methods record
-    forward_methods: list[str]
     root: OwnerShardState  # the outermost call of this call's tree (itself until adopted)
     tree: list[OwnerShardState]  # on a root: every state of the tree, planning order
     auto_prefetch: bool  # on a root: the next-unit prefetch for the whole tree
@@ -77,7 +75,6 @@ class OwnerShardState:
         *,
         group: Any,
         replicate_group: Any,
-        mesh: Any,
         reshard_after_forward: bool,
         mp_policy: Any,
         plan: ShardingPlan | None,
@@ -86,12 +83,10 @@ class OwnerShardState:
         self.modules = modules
         self.group = group
         self.replicate_group = replicate_group
-        self.mesh = mesh
         self.mp_policy = mp_policy
         self.plan = plan
         self.preconditioner = preconditioner
         self.options = UnitOptions(reshard_after_forward=reshard_after_forward)
-        self.forward_methods = []
         self.root = self
         self.tree = [self]
         self.auto_prefetch = True
@@ -131,10 +126,6 @@ class OwnerShardState:
             for p in m.parameters():
                 if get_matrix_shard(p) is None:
                     link_lazy_plan(p, self)
-
-    @property
-    def planned(self) -> bool:
-        return self.root.phase is PlanPhase.PLANNED
 
     def fix_plan(self, preconditioner: Any = None) -> ShardingContext:
         """Fix this call's tree's plan now (collective: every rank fixes it alike); the tree's

@@ -59,8 +59,29 @@ __all__ = [
     "ShardedUnit",
     "TrainingState",
     "UnitOptions",
+    "compute_dtype",
     "in_backward",
+    "one_compute_dtype",
 ]
+
+
+def compute_dtype(mp_policy: Any, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter of ``dtype`` computes and is gathered in: the policy's
+    ``param_dtype`` for floating-point parameters, else its own."""
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    return param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
+
+
+def one_compute_dtype(unit: int, dtypes: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The one compute dtype of a unit's parameters (``fqn -> dtype``; one all-gather buffer),
+    None for a unit without parameters; a mix is refused, naming every parameter."""
+    if len(set(dtypes.values())) > 1:
+        names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
+        raise NotImplementedError(
+            f"fully_shard unit {unit} mixes parameter dtypes ({names}); give the unit one "
+            "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
+        )
+    return next(iter(dtypes.values()), None)
 
 
 def in_backward() -> bool:
@@ -194,20 +215,12 @@ class ShardedUnit:
         (at creation, and after ``nn.Module._apply`` changed their device or dtype)."""
         if self.state is not ShardedState.SHARDED:
             raise RuntimeError(f"unit {self.index}: rebuild needs the SHARDED state, not {self.state}")
-        param_dtype = getattr(self.mp_policy, "param_dtype", None)
         for h in self.handles:
-            floating = h.sharded.is_floating_point()
-            h.compute_dtype = param_dtype if (param_dtype is not None and floating) else h.sharded.dtype
+            h.compute_dtype = compute_dtype(self.mp_policy, h.sharded.dtype)
             h.create_unsharded()
             h.free()
-        dtypes = {h.compute_dtype for h in self.handles}
-        if len(dtypes) > 1:
-            names = ", ".join(f"{h.shard.fqn}: {h.compute_dtype}" for h in self.handles)
-            raise NotImplementedError(
-                f"fully_shard unit {self.index} mixes parameter dtypes ({names}); give the unit one "
-                "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
-            )
-        self.gather_dtype = dtypes.pop() if dtypes else torch.float32
+        one = one_compute_dtype(self.index, {h.shard.fqn: h.compute_dtype for h in self.handles})
+        self.gather_dtype = one if one is not None else torch.float32
         reduce_dtype = getattr(self.mp_policy, "reduce_dtype", None)
         self.reduce_dtype = reduce_dtype or self.gather_dtype
         self.device = self.handles[0].sharded.device if self.handles else torch.device("cpu")
@@ -216,10 +229,6 @@ class ShardedUnit:
         """Pick up parameters frozen or unfrozen since the last forward (same on every rank)."""
         for h in self.handles:
             h.sync_requires_grad()
-
-    @property
-    def has_frozen(self) -> bool:
-        return any(not h.sharded.requires_grad for h in self.handles)
 
     @property
     def held(self) -> bool:
@@ -335,11 +344,6 @@ class ShardedUnit:
         for h in self.handles:
             h.free()
         self._set(ShardedState.SHARDED)
-
-    def unshard(self) -> None:
-        """Gather (or consume a prefetch) and swap in: ready for compute."""
-        self.wait_gather()
-        self.swap_in()
 
     def hold(self) -> None:
         """The user's ``unshard()`` completes: gathered, registered, kept until :meth:`release`."""
