@@ -99,7 +99,7 @@ def _wrap_local(cls: type[OwnerDTensor], t: torch.Tensor, ref: Any, norm: Any) -
 
 def run_lists(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run a list operator element by element (see the module docstring)."""
-    base = func.name().split("::")[-1]
+    base = func._schema.name.split("::")[-1]
     lists = [i for i, a in enumerate(args) if _is_list(a)]
     if not lists:
         raise NotImplementedError(f"{func} on owner-layout tensors with no tensor list argument")
@@ -159,7 +159,7 @@ def _run_gathered(
     cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, lists: list[int], j: int, ref: Any
 ) -> Any:
     """Element ``j`` alone on whole values; written list elements get their pieces back."""
-    if func.name().split("::")[-1] == "_foreach_copy_":  # the element is a copy_: its own rule
+    if func._schema.name.split("::")[-1] == "_foreach_copy_":  # the element is a copy_: its own rule
         dst, src = args[lists[0]][j], args[lists[1]][j]
         dst.copy_(src)
         return None

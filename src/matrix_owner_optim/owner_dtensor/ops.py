@@ -151,7 +151,7 @@ def _stock_rule(func: Any) -> bool:
 def operator_info(func: Any) -> OperatorInfo:
     """The class and properties of ``func`` (cached: operators are process-lifetime objects)."""
     schema = func._schema
-    name = func.name()
+    name = func._schema.name  # "namespace::op", no overload
     namespace = name.split("::")[0]
     writes = _writes(schema)
     inplace = bool(writes) and writes[0] and not schema.arguments[0].kwarg_only
