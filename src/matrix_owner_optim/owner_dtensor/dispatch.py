@@ -58,6 +58,7 @@ class Call:
     func: Any
     args: tuple
     kwargs: dict
+    info: OperatorInfo
     flat: list = field(init=False)
     spec: Any = field(init=False)
     owners: list = field(init=False)
@@ -68,7 +69,7 @@ class Call:
         self.flat, self.spec = tree_flatten((self.args, self.kwargs))
         self.owners = [a for a in self.flat if isinstance(a, self.cls)]
         self.stocks = [a for a in self.flat if isinstance(a, DTensor) and not isinstance(a, self.cls)]
-        self.written = {id(t) for t in mutated_arguments(self.func, self.args, self.kwargs)}
+        self.written = {id(t) for t in mutated_arguments(self.info, self.args, self.kwargs)}
 
     @property
     def mesh(self) -> Any:
@@ -76,7 +77,9 @@ class Call:
 
     def one_mesh(self) -> bool:
         mesh = self.mesh
-        return all(o.device_mesh == mesh for o in self.owners) and all(s.device_mesh == mesh for s in self.stocks)
+        return all(_same_mesh(o.device_mesh, mesh) for o in self.owners) and all(
+            _same_mesh(s.device_mesh, mesh) for s in self.stocks
+        )
 
     def run(self, converted: list) -> Any:
         args, kwargs = tree_unflatten(converted, self.spec)
@@ -95,6 +98,16 @@ class Call:
             return t
 
         return tree_map(one, out)
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or a == b
+
+
+def local_rank(mesh: Any) -> int:
+    """This rank's index on a 1D mesh (its cached coordinate: no process-group query)."""
+    coordinate = mesh.get_coordinate()
+    return int(coordinate[0]) if coordinate is not None else mesh.get_local_rank()
 
 
 def _replicated(p: Any) -> bool:
@@ -265,7 +278,7 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
         ):
             return None
     mesh = call.mesh
-    me = mesh.get_local_rank()
+    me = local_rank(mesh)
     if me == holder:
         converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
     else:
@@ -393,7 +406,7 @@ def _gathered(call: Call) -> Any:
 def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
     owner-layout tensor (see the module docstring for the rules and their order)."""
-    call = Call(cls, func, args, kwargs or {})
+    call = Call(cls, func, args, kwargs or {}, info)
     if info.cls is OpClass.REFUSED:
         return _refuse(call, info)
     if func is aten.copy_.default and isinstance(args[0], cls):

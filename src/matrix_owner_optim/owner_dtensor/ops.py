@@ -116,6 +116,7 @@ class OperatorInfo:
     stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
     norm: bool
     join: bool
+    written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
 
@@ -166,6 +167,7 @@ def operator_info(func: Any) -> OperatorInfo:
         stock_rule=_stock_rule(func),
         norm=func in NORMS,
         join=func in JOINS,
+        written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
     )
     if namespace in _COLLECTIVE_NAMESPACES:
         why = (
@@ -189,13 +191,11 @@ def operator_info(func: Any) -> OperatorInfo:
     return OperatorInfo(OpClass.GENERAL, **info)  # type: ignore[arg-type]
 
 
-def mutated_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """The argument values ``func`` writes (in place, ``out=``, written lists), in schema order."""
+def mutated_arguments(info: OperatorInfo, args: tuple, kwargs: dict) -> list[Any]:
+    """The argument values an operator writes (in place, ``out=``, written lists), in schema order."""
     out: list[Any] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+    for i, name, kwarg_only in info.written:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         if isinstance(value, (list, tuple)):
             out.extend(v for v in value if isinstance(v, torch.Tensor))
         elif isinstance(value, torch.Tensor):
