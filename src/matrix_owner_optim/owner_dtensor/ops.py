@@ -182,6 +182,14 @@ def operator_info(func: Any) -> OperatorInfo:
             "shape its placement says: build a new tensor instead (full_tensor() gives the whole value)"
         )
         return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if torch.Tag.inplace_view in func.tags:
+        why = (
+            "an in-place view (t_, transpose_, squeeze_, unsqueeze_, as_strided_) changes a tensor's shape in "
+            "place, which no DTensor can (stock DTensor refuses it too): use the out-of-place view (t(), "
+            "transpose(), ...); for an init that needs one (nn.init.orthogonal_), initialise before "
+            "fully_shard, or on full_tensor() and copy_ the result back"
+        )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
     if base.startswith(("_foreach_", "_fused_", "_amp_foreach_")):
         return OperatorInfo(OpClass.LIST, **info)  # type: ignore[arg-type]
     if _returns_value(schema):
