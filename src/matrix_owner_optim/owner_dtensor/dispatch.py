@@ -297,7 +297,9 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
     else:
         converted = [_meta(a) for a in call.flat]
         out = call.run(converted)
-    device = call.owners[0]._local_tensor.device
+    # where the holder's result lives (the others computed on meta): a factory's device= if given
+    device = torch.device(call.kwargs["device"]) if call.kwargs.get("device") is not None else None
+    device = device or call.owners[0]._local_tensor.device
 
     def wrap(t: torch.Tensor) -> Any:
         shape = tuple(t.shape)
