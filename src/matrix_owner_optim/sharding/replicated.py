@@ -1,9 +1,10 @@
 """Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated.
 
 Each rank still holds the whole tensor until the tree's plan is fixed; then the same objects
-become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init,
-``load_state_dict`` and ``to_empty`` run on full tensors before, and every reference taken after
-the call stays valid. A tied parameter stays one object at every place it is registered; one
+become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init and
+``load_state_dict`` run on full tensors before, and every reference taken after the call stays
+valid. (``to_empty`` of parameters still on ``meta`` fixes the plan first, so that it allocates
+only this rank's pieces: ``module.py``'s ``_apply``.) A tied parameter stays one object at every place it is registered; one
 tied across two calls is found through the old object's link to its replacement.
 
 The link is a plain reference from the old object to the new one, never a weak reference to the
