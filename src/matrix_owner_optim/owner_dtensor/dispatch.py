@@ -17,9 +17,11 @@ The rules, in the order they are tried (``dispatch``):
 * **replicated**: every tensor whole on every rank: computed locally, as on plain tensors.
 * **partial join**: ``stack``/``cat`` of 0-dim partial values (``clip_grad_norm_``'s norms).
 * **holder-local**: every tensor held by one rank: that rank computes, the others compute shapes
-  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere).
+  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere). An
+  operator whose meta kernel is not exercised by DTensor is first tried on ``meta`` by every
+  rank; if that fails (no kernel, a shape read from data), every rank gathers instead.
 * **same layout**: a pointwise operator on tensors of one placement and shape: local pieces.
-* **row blocks**: ``Shard(0)`` (FSDP2's form) with DTensor's own sharding rules.
+* **row blocks**: a reduction of ``Shard(0)`` rows (FSDP2's form) with DTensor's own rule.
 * **gathered**: anything else: full values, computed on every rank, and every written argument
   (in place, ``out=``, lists) gets its piece back; new results are replicated.
 
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..planning.metadata import chunk_row_range
 from .ops import OpClass, OperatorInfo, mutated_arguments, norm_partial
 from .placement import OwnerShard, owned_ranges, placement_key, same_placement
 
@@ -58,6 +61,7 @@ class Call:
     func: Any
     args: tuple
     kwargs: dict
+    info: OperatorInfo
     flat: list = field(init=False)
     spec: Any = field(init=False)
     owners: list = field(init=False)
@@ -68,7 +72,7 @@ class Call:
         self.flat, self.spec = tree_flatten((self.args, self.kwargs))
         self.owners = [a for a in self.flat if isinstance(a, self.cls)]
         self.stocks = [a for a in self.flat if isinstance(a, DTensor) and not isinstance(a, self.cls)]
-        self.written = {id(t) for t in mutated_arguments(self.func, self.args, self.kwargs)}
+        self.written = {id(t) for t in mutated_arguments(self.info, self.args, self.kwargs)}
 
     @property
     def mesh(self) -> Any:
@@ -76,7 +80,9 @@ class Call:
 
     def one_mesh(self) -> bool:
         mesh = self.mesh
-        return all(o.device_mesh == mesh for o in self.owners) and all(s.device_mesh == mesh for s in self.stocks)
+        return all(_same_mesh(o.device_mesh, mesh) for o in self.owners) and all(
+            _same_mesh(s.device_mesh, mesh) for s in self.stocks
+        )
 
     def run(self, converted: list) -> Any:
         args, kwargs = tree_unflatten(converted, self.spec)
@@ -95,6 +101,16 @@ class Call:
             return t
 
         return tree_map(one, out)
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or a == b
+
+
+def local_rank(mesh: Any) -> int:
+    """This rank's index on a 1D mesh (its cached coordinate: no process-group query)."""
+    coordinate = mesh.get_coordinate()
+    return int(coordinate[0]) if coordinate is not None else mesh.get_local_rank()
 
 
 def _replicated(p: Any) -> bool:
@@ -265,12 +281,22 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
         ):
             return None
     mesh = call.mesh
-    me = mesh.get_local_rank()
+    me = local_rank(mesh)
+    metas = None
+    if not info.meta_trusted:  # every rank, the holder too, checks the shapes compute on meta
+        try:
+            metas = [_meta(a) for a in call.flat]
+            meta_out = call.run(metas)
+        except Exception:  # no meta kernel, or a shape read from data: every rank gathers instead
+            return None
     if me == holder:
         converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
+        out = call.run(converted)
+    elif metas is not None:
+        converted, out = metas, meta_out
     else:
         converted = [_meta(a) for a in call.flat]
-    out = call.run(converted)
+        out = call.run(converted)
     device = call.owners[0]._local_tensor.device
 
     def wrap(t: torch.Tensor) -> Any:
@@ -340,12 +366,20 @@ def _same_layout(call: Call) -> Any:
 
 
 def _row_blocks(call: Call) -> Any:
-    """``Shard(0)`` row blocks (FSDP2's form) and replicated values: DTensor's own rules on the
-    same local tensors and specs. None when the call has another placement."""
+    """A reduction of ``Shard(0)`` row blocks (FSDP2's form; a gradient norm, a sum) with
+    replicated values: DTensor's own rule on the same local tensors and specs, a partial result
+    and no gather. Only where every rank holds rows: DTensor's rules run the operator on every
+    local piece, and reducing an empty piece can raise on that rank alone. None otherwise."""
     if not call.one_mesh() or call.mesh.ndim != 1:
         return None
+    W = call.mesh.size()
     for o in call.owners:
-        if not (type(o.placement) is Shard or _replicated(o.placement)):
+        if _replicated(o.placement):
+            continue
+        if type(o.placement) is not Shard or o.dim() == 0:
+            return None
+        n = int(o.shape[0])
+        if any(b <= a for a, b in (chunk_row_range(n, W, r) for r in range(W))):
             return None
     mesh = call.mesh
     converted: list[Any] = []
@@ -393,7 +427,7 @@ def _gathered(call: Call) -> Any:
 def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
     owner-layout tensor (see the module docstring for the rules and their order)."""
-    call = Call(cls, func, args, kwargs or {})
+    call = Call(cls, func, args, kwargs or {}, info)
     if info.cls is OpClass.REFUSED:
         return _refuse(call, info)
     if func is aten.copy_.default and isinstance(args[0], cls):
@@ -417,7 +451,7 @@ def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info
         out = _same_layout(call)
         if out is not None:
             return out
-    if info.stock_rule:
+    if info.stock_rule and info.reduction:
         out = _row_blocks(call)
         if out is not None:
             return out

@@ -46,10 +46,6 @@ def _is_list(a: Any) -> bool:
     return isinstance(a, (list, tuple)) and all(t is None or isinstance(t, torch.Tensor) for t in a) and len(a) > 0
 
 
-def _written_positions(func: Any) -> set[int]:
-    return {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-
-
 def _element_ref(elem: list[Any]) -> tuple[bool, Any]:
     """Whether an element runs on local pieces, and its layout reference (a DTensor or None)."""
     ref = next((t for t in elem if isinstance(t, DTensor)), None)
@@ -99,7 +95,7 @@ def _wrap_local(cls: type[OwnerDTensor], t: torch.Tensor, ref: Any, norm: Any) -
 
 def run_lists(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run a list operator element by element (see the module docstring)."""
-    base = func.name().split("::")[-1]
+    base = func._schema.name.split("::")[-1]
     lists = [i for i, a in enumerate(args) if _is_list(a)]
     if not lists:
         raise NotImplementedError(f"{func} on owner-layout tensors with no tensor list argument")
@@ -130,7 +126,7 @@ def run_lists(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, inf
             for j, t in zip(local_js, out, strict=True):
                 results[j] = _wrap_local(cls, t, refs[j], norm)
     for j in gathered_js:
-        out = _run_gathered(cls, func, args, kwargs, lists, j, refs[j])
+        out = _run_gathered(cls, func, args, kwargs, lists, j, refs[j], info)
         if out is not None:
             returns_list = True
             results[j] = out
@@ -156,17 +152,24 @@ def _run_local(func: Any, args: tuple, kwargs: dict, lists: list[int], js: list[
 
 
 def _run_gathered(
-    cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, lists: list[int], j: int, ref: Any
+    cls: type[OwnerDTensor],
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    lists: list[int],
+    j: int,
+    ref: Any,
+    info: OperatorInfo,
 ) -> Any:
     """Element ``j`` alone on whole values; written list elements get their pieces back."""
-    if func.name().split("::")[-1] == "_foreach_copy_":  # the element is a copy_: its own rule
+    if func._schema.name.split("::")[-1] == "_foreach_copy_":  # the element is a copy_: its own rule
         dst, src = args[lists[0]][j], args[lists[1]][j]
         dst.copy_(src)
         return None
     fulls = {i: full_of(args[i][j]) for i in lists}
     fargs = [[fulls[i]] if i in lists else _scalar_value(a) for i, a in enumerate(args)]
     out = func(*fargs, **{k: _scalar_value(v) for k, v in kwargs.items()})
-    for i in _written_positions(func) & set(lists):
+    for i in {w[0] for w in info.written} & set(lists):
         dst = args[i][j]
         if isinstance(dst, DTensor):
             write_piece(dst, fulls[i])

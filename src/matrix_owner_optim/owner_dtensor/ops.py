@@ -112,10 +112,13 @@ class OperatorInfo:
     inplace: bool  # writes its first argument and returns it
     mutates: bool  # writes any argument (in place, ``out=``, lists)
     overwrites: bool  # random in-place that never reads the values it overwrites
-    meta: bool  # computes shapes on ``meta`` with no data (holder-local needs it off the holder)
+    meta: bool  # has a meta kernel and a data-independent result shape
+    meta_trusted: bool  # pointwise, or DTensor has a rule for it: its meta kernel is exercised
     stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
     norm: bool
     join: bool
+    reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
+    written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
 
@@ -151,7 +154,7 @@ def _stock_rule(func: Any) -> bool:
 def operator_info(func: Any) -> OperatorInfo:
     """The class and properties of ``func`` (cached: operators are process-lifetime objects)."""
     schema = func._schema
-    name = func.name()
+    name = func._schema.name  # "namespace::op", no overload
     namespace = name.split("::")[0]
     writes = _writes(schema)
     inplace = bool(writes) and writes[0] and not schema.arguments[0].kwarg_only
@@ -163,9 +166,12 @@ def operator_info(func: Any) -> OperatorInfo:
         mutates=any(writes),
         overwrites=func in OVERWRITING_RANDOM,
         meta=_has_meta(func),
+        meta_trusted=pointwise or _stock_rule(func),
         stock_rule=_stock_rule(func),
         norm=func in NORMS,
         join=func in JOINS,
+        reduction=torch.Tag.reduction in func.tags,
+        written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
     )
     if namespace in _COLLECTIVE_NAMESPACES:
         why = (
@@ -180,6 +186,14 @@ def operator_info(func: Any) -> OperatorInfo:
             "shape its placement says: build a new tensor instead (full_tensor() gives the whole value)"
         )
         return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if torch.Tag.inplace_view in func.tags:
+        why = (
+            "an in-place view (t_, transpose_, squeeze_, unsqueeze_, as_strided_) changes a tensor's shape in "
+            "place, which no DTensor can (stock DTensor refuses it too): use the out-of-place view (t(), "
+            "transpose(), ...); for an init that needs one (nn.init.orthogonal_), initialise before "
+            "fully_shard, or on full_tensor() and copy_ the result back"
+        )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
     if base.startswith(("_foreach_", "_fused_", "_amp_foreach_")):
         return OperatorInfo(OpClass.LIST, **info)  # type: ignore[arg-type]
     if _returns_value(schema):
@@ -189,13 +203,11 @@ def operator_info(func: Any) -> OperatorInfo:
     return OperatorInfo(OpClass.GENERAL, **info)  # type: ignore[arg-type]
 
 
-def mutated_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """The argument values ``func`` writes (in place, ``out=``, written lists), in schema order."""
+def mutated_arguments(info: OperatorInfo, args: tuple, kwargs: dict) -> list[Any]:
+    """The argument values an operator writes (in place, ``out=``, written lists), in schema order."""
     out: list[Any] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+    for i, name, kwarg_only in info.written:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         if isinstance(value, (list, tuple)):
             out.extend(v for v in value if isinstance(v, torch.Tensor))
         elif isinstance(value, torch.Tensor):

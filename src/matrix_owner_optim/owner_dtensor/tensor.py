@@ -18,10 +18,10 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from .. import comm
 from ..planning.metadata import chunk_row_range
 from .dcp import DcpChunks
-from .dispatch import dispatch
+from .dispatch import dispatch, local_rank
 from .lists import run_lists
 from .ops import OpClass, operator_info
-from .placement import OwnerShard, contiguous_stride, gather_ranges, owned_ranges
+from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
 
 aten = torch.ops.aten
 
@@ -106,7 +106,7 @@ class OwnerDTensor(DcpChunks, DTensor):
     def owned(local: torch.Tensor, owner: int, mesh: Any, shape: Sequence[int]) -> OwnerDTensor:
         """A tensor held whole by ``owner``: ``local`` is the whole tensor there, empty elsewhere."""
         shape = tuple(int(s) for s in shape)
-        me = mesh.get_local_rank()
+        me = local_rank(mesh)
         if len(shape) == 0:  # a scalar: the owner's value, a zero placeholder elsewhere (Partial sum)
             value = local.reshape(()) if me == owner else torch.zeros((), dtype=local.dtype, device=local.device)
             return OwnerDTensor.make(value, mesh, Partial("sum"), shape, holder=owner)
@@ -140,7 +140,7 @@ class OwnerDTensor(DcpChunks, DTensor):
 
     @property
     def is_holder(self) -> bool:
-        return self._holder is not None and self.device_mesh.get_local_rank() == self._holder
+        return self._holder is not None and local_rank(self.device_mesh) == self._holder
 
     def relayout(self, local: torch.Tensor, placement: Any, *, holder: int | None = None) -> None:
         """Replace this object's piece and placement in place (the plan was fixed: the object a
@@ -160,7 +160,7 @@ class OwnerDTensor(DcpChunks, DTensor):
         p = self.placement
         if self.dim() == 0 or isinstance(p, (Replicate, Partial)):
             return None
-        me = self.device_mesh.get_local_rank()
+        me = local_rank(self.device_mesh)
         if isinstance(p, OwnerShard):
             return p.ranges[me]
         return chunk_row_range(int(self.shape[0]), self.device_mesh.size(), me)
@@ -203,7 +203,7 @@ class OwnerDTensor(DcpChunks, DTensor):
             return gather_ranges(local, p, tuple(self.shape), group)
         if isinstance(p, Partial) and self._holder is not None:
             full = local.clone() if self.is_holder else torch.empty((), dtype=local.dtype, device=local.device)
-            comm.broadcast(full, group_src=self._holder, group=group, name="owner_full_tensor")
+            comm.broadcast(as_bytes(full), group_src=self._holder, group=group, name="owner_full_tensor")
             return full
         if type(p) is Shard:  # torch.chunk's rows, gathered as explicit ranges
             n, W = int(self.shape[0]), self.device_mesh.size()
