@@ -109,9 +109,22 @@ def _converted(rank: int, W: int, swap: bool, planned: bool, stock: bool) -> dic
     return out
 
 
+def _reshaping_refused() -> str:
+    """``nn.Module._apply`` with a function that changes a tensor's shape (no owner-layout
+    meaning): the error it raises after the plan."""
+    model = GPT(CFG)
+    _shard(model, stock=False)
+    model.fix_plan()
+    try:
+        model._apply(lambda t: t.t() if t.dim() == 2 else t)
+    except ValueError as exc:
+        return str(exc)
+    return "converted"
+
+
 def _job(rank: int, W: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"deepcopy": _deepcopies()}
+    out: dict[str, Any] = {"deepcopy": _deepcopies(), "reshaping": _reshaping_refused()}
     for swap in (True, False):
         for planned in (False, True):
             out[f"ours/swap={swap}/planned={planned}"] = _converted(rank, W, swap, planned, stock=False)
@@ -140,7 +153,13 @@ def test_deepcopy_refused_on_every_rank_as_stock(results: list[dict[str, Any]]) 
 def test_to_float64_keeps_objects_and_trains_as_one_process(results: list[dict[str, Any]]) -> None:
     for r in results:
         for key, c in r.items():
-            if key == "deepcopy":
+            if key in ("deepcopy", "reshaping"):
                 continue
             assert c["kept"] and c["dtypes"] == ["torch.float64"] and c["flag_restored"], (key, c)
             assert c["err"] <= RTOL64, (key, c["err"])
+
+
+def test_shape_changing_function_refused_naming_the_parameter(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        msg = r["reshaping"]
+        assert "parameter '" in msg and "shape-preserving" in msg and "before fully_shard" in msg, msg

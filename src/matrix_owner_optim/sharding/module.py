@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..owner_dtensor import OwnerDTensor
-from ..planning.metadata import ShardingPlan, attach_matrix_shard
+from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .state import OwnerShardState, PlanPhase, state_of
@@ -278,13 +278,14 @@ def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
         piece = local_tensor(t)
         out = fn(piece)
         if not isinstance(out, torch.Tensor) or isinstance(out, DTensor) or out.shape != piece.shape:
+            shard = get_matrix_shard(t)
+            what = f"parameter {shard.fqn!r}" if shard is not None else "parameter"
             raise ValueError(
                 f"nn.Module._apply on a fully_shard module: the function maps this rank's piece "
-                f"{tuple(piece.shape)} of a {tuple(t.shape)} parameter to "
+                f"{tuple(piece.shape)} of the {tuple(t.shape)} {what} to "
                 f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}; "
                 "only shape-preserving conversions (to, to_empty, half, cuda, ...) keep the owner "
-                "layout. Convert the full tensors before fully_shard, or call reshard() and "
-                "convert a state dict instead"
+                "layout. Apply it to the model before fully_shard, or to a full state dict"
             )
         return OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
 
