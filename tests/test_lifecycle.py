@@ -237,10 +237,10 @@ def _meta_init(rank: int, W: int) -> dict:
     with torch.device("meta"):
         model = GPT(CFG)
     _shard(model)
-    model.to_empty(device="cpu")
-    model.lm_head.weight = model.wte.weight  # to_empty unties, as on an unsharded model
-    init(model)
-    model.fix_plan()  # non-owners drop what they do not own
+    model.to_empty(device="cpu")  # fixes the plan first: each rank allocates only its pieces
+    model.lm_head.weight = model.wte.weight  # a no-op here (to_empty keeps the tie), needed unsharded
+    init(model)  # on the owner layout: every rank draws each whole tensor, keeps its piece
+    model.fix_plan()  # already fixed: a no-op
     opt = _opts(model.parameters())
     kept = 0
     for p in model.parameters():

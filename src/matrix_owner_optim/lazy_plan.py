@@ -1,9 +1,9 @@
 """Which lazy plan a parameter waits for, so that the optimizer can fix it, explicitly.
 
-``fully_shard`` fixes a tree's plan lazily (the plan balances the whole tree). The first forward
-and ``unshard()`` reach the tree through the module; the optimizer has only parameters, so each
-parameter of a pending tree records its ``fully_shard`` state here (a weak reference: a dropped
-model leaves nothing alive), and :func:`fix_lazy_plans` is the one call that follows it. Reading
+``fully_shard`` fixes a tree's plan lazily (the plan balances the whole tree). The first
+forward, ``unshard()`` and ``to_empty`` of parameters still on ``meta`` reach the tree through
+the module; the optimizer has only parameters, so each parameter of a pending tree records its
+``fully_shard`` state here (a weak reference: a dropped model leaves nothing alive), and :func:`fix_lazy_plans` is the one call that follows it. Reading
 metadata (``get_matrix_shard``) never does; the link is removed when the plan is fixed.
 
 This module sits below both ``sharding`` (which links) and ``optim`` (which fixes), so neither

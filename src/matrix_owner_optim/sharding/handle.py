@@ -72,6 +72,16 @@ class ParamHandle:
         else:
             local_tensor(grad).add_(g)
 
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """Run the hooks the user registered with ``register_post_accumulate_grad_hook`` on the
+        sharded parameter, now that its reduced ``.grad`` landed. Autograd never runs them: the
+        graph holds the unsharded tensor, not the sharded one. FSDP2 runs them at the same point
+        (``foreach_reduce``, after the reduce-scatter assigned ``.grad``), once per parameter
+        per reduction, on every rank (off the owner ``.grad`` is an empty piece)."""
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(self.sharded)
+
     @property
     def unsharded(self) -> nn.Parameter:
         """The tensor swapped in for compute (created once, revived and freed in place)."""

@@ -14,12 +14,15 @@ import functools
 import math
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..planning.metadata import ShardingPlan, attach_matrix_shard
+from ..owner_dtensor import OwnerDTensor
+from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
+from ..tensors import local_tensor
 from .context import ShardingContext
 from .state import OwnerShardState, PlanPhase, state_of
 from .unit import ShardedUnit, TrainingState
@@ -194,11 +197,34 @@ class OwnerShardedModule(nn.Module):
         if root.context is not None:
             root.context.auto_prefetch = bool(enabled)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        """Refused, as FSDP2 refuses it ("FSDP does not support deepcopy"): a sharded module's
+        parameters are this rank's pieces of tensors spread over a process group, which a copy
+        cannot share or own. Same answer on every rank, before and after the plan."""
+        raise RuntimeError(
+            f"copy.deepcopy of a module passed to fully_shard ({type(self).__name__}) is not "
+            "supported, as with FSDP2's fully_shard: its parameters are this rank's pieces of "
+            "tensors sharded over a process group. Use the state dict instead: build a new model "
+            "and load get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) "
+            "(or model.state_dict() into a model sharded the same way), or deepcopy the model "
+            "before calling fully_shard"
+        )
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
         """``to_empty``, ``.to(device)``, ``.to(dtype)`` ... keep the layout (FSDP2's
-        ``FSDPModule`` does the same): the sharded parameters are converted, then the unit's
-        unsharded tensors, aliases and dtypes are rebuilt from them."""
+        ``FSDPModule`` does the same): the sharded parameters are converted piece by piece,
+        then the unit's unsharded tensors, aliases and dtypes are rebuilt from them.
+
+        Parameters on ``meta`` fix the tree's plan first (collective: every rank converts
+        alike), so ``to_empty`` allocates only this rank's pieces: ZeRO-3 memory from the first
+        allocation, as FSDP2's ``to_empty`` after ``fully_shard``. Conversion keeps every
+        parameter object (``nn.Module`` swaps a DTensor parameter's contents in place with
+        ``torch.utils.swap_tensors``, with or without
+        ``torch.__future__.set_swap_module_params_on_conversion``)."""
         state = _require_state(self)
+        if state.unit is None and _holds_meta(state):
+            state.fix_plan()
+        fn = _piecewise(fn)
         unit = state.unit
         if unit is None:  # pending: full tensors, nn.Module's own conversion
             result = super()._apply(fn, recurse)
@@ -224,6 +250,47 @@ class OwnerShardedModule(nn.Module):
             attach_matrix_shard(now, shard, unit.groups.rank, unit.groups.group)
         unit.rebuild_unsharded()
         return result
+
+
+def _holds_meta(state: OwnerShardState) -> bool:
+    """Whether a parameter of the call's modules is still on ``meta`` (waits for ``to_empty``)."""
+    return any(p.is_meta for m in state.modules for p in m.parameters())
+
+
+_PIECEWISE = "_moo_piecewise"
+
+
+def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` applied to an owner-layout tensor's local piece, the result laid out as before;
+    to any other tensor (buffers, plain parameters), as it is.
+
+    ``nn.Module._apply``'s functions convert tensors one element at a time (``to``,
+    ``empty_like``, ``half``, ``cuda``, ``share_memory_``), so a piece converts as its part of
+    the whole: no collective, no temporary full tensor, and a rank holding an empty piece gets
+    an empty piece of the new dtype and device. A function that changes a piece's shape has no
+    owner-layout meaning and is refused, naming the tensor's shape."""
+    if getattr(fn, _PIECEWISE, False):
+        return fn  # a nested sharded module: already converting pieces
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, OwnerDTensor):
+            return fn(t)
+        piece = local_tensor(t)
+        out = fn(piece)
+        if not isinstance(out, torch.Tensor) or isinstance(out, DTensor) or out.shape != piece.shape:
+            shard = get_matrix_shard(t)
+            what = f"parameter {shard.fqn!r}" if shard is not None else "parameter"
+            raise ValueError(
+                f"nn.Module._apply on a fully_shard module: the function maps this rank's piece "
+                f"{tuple(piece.shape)} of the {tuple(t.shape)} {what} to "
+                f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}; "
+                "only shape-preserving conversions (to, to_empty, half, cuda, ...) keep the owner "
+                "layout. Apply it to the model before fully_shard, or to a full state dict"
+            )
+        return OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
+
+    setattr(convert, _PIECEWISE, True)
+    return convert
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

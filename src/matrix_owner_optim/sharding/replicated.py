@@ -1,15 +1,22 @@
 """Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated.
 
 Each rank still holds the whole tensor until the tree's plan is fixed; then the same objects
-become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init,
-``load_state_dict`` and ``to_empty`` run on full tensors before, and every reference taken after
-the call stays valid. A tied parameter stays one object at every place it is registered; one
-tied across two calls is found through the old object's weak link to its replacement.
+become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init and
+``load_state_dict`` run on full tensors before, and every reference taken after the call stays
+valid. (``to_empty`` of parameters still on ``meta`` fixes the plan first, so that it allocates
+only this rank's pieces: ``module.py``'s ``_apply``.) A tied parameter stays one object at every place it is registered; one
+tied across two calls is found through the old object's link to its replacement.
+
+The link is a plain reference from the old object to the new one, never a weak reference to the
+new one: ``torch.utils.swap_tensors`` (which ``nn.Module._apply`` uses for every DTensor
+parameter: ``.to(dtype)``, ``to_empty``) refuses a tensor that has a weak reference, so a weak
+link would make ``model.to(...)`` fail whenever the user still holds an original parameter (a
+param-group list built before ``fully_shard``). Stock FSDP2 leaves no link at all. The old
+object keeps its replacement alive only as long as someone keeps the old object.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -24,9 +31,8 @@ _REPLACED_BY = "_moo_replaced_by"
 
 def current_parameter(p: torch.Tensor) -> torch.Tensor:
     """``p``, or the owner-layout DTensor ``fully_shard`` registered in its place elsewhere."""
-    ref = p.__dict__.get(_REPLACED_BY)
-    new = ref() if ref is not None else None
-    return new if new is not None else p
+    new = p.__dict__.get(_REPLACED_BY)
+    return new if isinstance(new, torch.Tensor) else p
 
 
 def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
@@ -46,5 +52,5 @@ def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
                 new[id(p)] = nn.Parameter(OwnerDTensor.replicated(p.detach(), mesh), requires_grad=p.requires_grad)
                 # the old object may stay registered outside ``module`` (a parameter tied across
                 # two fully_shard calls): the plan finds its replacement through it and refuses it
-                p.__dict__[_REPLACED_BY] = weakref.ref(new[id(p)])
+                p.__dict__[_REPLACED_BY] = new[id(p)]  # not a weakref: see the module docstring
             mod._parameters[name] = new[id(p)]

@@ -408,6 +408,8 @@ class ShardedUnit:
                     if pre * post != 1:  # a custom divide factor (one rank: nothing summed)
                         g = g.div(pre).div_(post)
                     h.add_grad(g.to(h.sharded.dtype))
+            for i in sorted(grads):
+                self.handles[i].run_post_accumulate_grad_hooks()
             return None
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
@@ -432,7 +434,9 @@ class ShardedUnit:
     def land(self, record: ReductionInFlight) -> None:
         """A completed reduce-scatter-v: the owners' averaged gradients land as ``.grad`` of
         the sharded parameters (summed into existing ones); every rank holds a ``.grad`` of
-        every reduced parameter (an empty piece off its owner), as FSDP2."""
+        every reduced parameter (an empty piece off its owner), as FSDP2. Then each reduced
+        parameter's post-accumulate-grad hooks run, once, in the unit's parameter order (FSDP2
+        runs them there too: optimizer-in-backward steps each parameter as its gradient lands)."""
         assert record.unit is self
         groups = self.groups
         total = record.pending.wait()
@@ -446,11 +450,14 @@ class ShardedUnit:
                 h = self.handles[e.index]
                 landed.add(e.index)
                 h.add_grad(total[e.offset : e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
-            for i in sorted({e.index for es in record.layout.entries for e in es}):
+            reduced = sorted({e.index for es in record.layout.entries for e in es})
+            for i in reduced:
                 if i not in landed:
                     h = self.handles[i]
                     if h.sharded.grad is None:
                         h.add_grad(torch.zeros_like(h.local))
+        for i in reduced:  # user code: outside this method's no_grad
+            self.handles[i].run_post_accumulate_grad_hooks()
 
     # -- the unit's part of each hook (the context calls these) --------------------------------
     def pre_forward(self, backward: bool) -> None:
