@@ -57,7 +57,13 @@ def build(device: str | torch.device = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         return llama3(
-            vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64, intermediate_dim=64
+            vocab_size=VOCAB,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            embed_dim=32,
+            max_seq_len=64,
+            intermediate_dim=64,
         )
 
 
@@ -94,7 +100,10 @@ def recipe_model(full_sd: dict[str, torch.Tensor], rank: int) -> torch.nn.Module
     with torch.device("meta"):
         model = build("meta")
     training.shard_model(
-        model, [lambda n, m: isinstance(m, TransformerSelfAttentionLayer)], cpu_offload=False, reshard_after_forward=True
+        model,
+        [lambda n, m: isinstance(m, TransformerSelfAttentionLayer)],
+        cpu_offload=False,
+        reshard_after_forward=True,
     )
     with torch.device("cpu"):
         for m in model.modules():
@@ -112,7 +121,10 @@ def job(rank: int, world: int, full_sd: dict[str, torch.Tensor]) -> dict[str, An
     sharded = sorted({type(p).__name__ for p in model.parameters()})
     opt = OwnerRoutedOptimizer(model.parameters(), **copy.deepcopy(OPTIM))
     losses = train(model, opt, range(SAVE_AT), rank, world)
-    saved = [training.gather_cpu_state_dict(model, rank == 0), training.get_full_optimizer_state_dict(model, opt, rank == 0)]
+    saved = [
+        training.gather_cpu_state_dict(model, rank == 0),
+        training.get_full_optimizer_state_dict(model, opt, rank == 0),
+    ]
     torch.distributed.broadcast_object_list(saved, src=0)  # rank 0 writes, every rank reads the file
     saved_model, saved_opt = saved
     step_types = sorted({type(v["step"]).__name__ for v in saved_opt["state"].values() if "step" in v})

@@ -7,12 +7,15 @@ A tiny transformers Llama gets LoRA adapters (``q_proj``, ``v_proj``, rank 4) wi
 * routing: the A/B matrices are stepped by Muon (``matrix``), the frozen base is in no route
   (``routes()`` lists what is stepped);
 * 3 steps equal one process (adapters, losses) and the frozen base is bitwise unchanged;
-* ``merge_and_unload()`` on the sharded model gives the one-process merged weights.
+* ``merge_and_unload()`` on the sharded model gives the one-process merged weights, and
+  ``save_pretrained`` of the merged model through the full state dict (rank 0 writes) reloads
+  with ``from_pretrained`` as those weights.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,7 +71,7 @@ def _reference() -> dict[str, Any]:
     }
 
 
-def _job(rank: int, world: int) -> dict[str, Any]:
+def _job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     model = _lora_model()
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
@@ -80,6 +83,7 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     torch.distributed.all_reduce(mean)
     params = full_params(model)
     merged = model.merge_and_unload()
+    save_pretrained(merged, out_dir, rank)
     return {
         "routes": routes,
         "losses": (mean / world).tolist(),
@@ -88,9 +92,28 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_peft_lora_on_the_owner_layout() -> None:
+def save_pretrained(model: Any, out_dir: str, rank: int) -> None:
+    """transformers' ``save_pretrained`` through the full state dict (the README's route): every
+    rank gathers, rank 0 writes. Called on the sharded model directly, its shared-tensor check
+    would see the non-owners' empty pieces as one storage."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(out_dir, state_dict=sd)
+    torch.distributed.barrier()
+
+
+def test_peft_lora_on_the_owner_layout(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
     ref = _reference()
-    for r in spawn_ranks(_job, W):
+    results = spawn_ranks(_job, W, str(tmp_path))
+    saved = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tmp_path).named_parameters()}
+    assert saved.keys() == ref["merged"].keys()
+    saved_err = max(float((saved[n] - p).abs().max()) for n, p in ref["merged"].items())
+    assert saved_err <= CLIENT_ATOL, saved_err
+    for r in results:
         lora = {n for n in r["params"] if "lora_" in n}
         assert lora and {r["routes"][n] for n in lora} == {"matrix"}, r["routes"]
         assert set(r["routes"]) == lora  # the frozen base is stepped by nothing, so not routed
@@ -100,6 +123,9 @@ def test_peft_lora_on_the_owner_layout() -> None:
         param_err = max(float((r["params"][n] - p).abs().max()) for n, p in ref["params"].items())
         merged_err = max(float((r["merged"][n] - p).abs().max()) for n, p in ref["merged"].items())
         moved = max(float((ref["params"][n] - p).abs().max()) for n, p in _lora_model().named_parameters() if n in lora)
-        print(f"peft W=2: loss {loss_err:.2g}, params {param_err:.2g}, merged {merged_err:.2g} (adapters moved {moved:.2g})")
+        print(
+            f"peft W=2: loss {loss_err:.2g}, params {param_err:.2g}, merged {merged_err:.2g}, "
+            f"saved {saved_err:.2g} (adapters moved {moved:.2g})"
+        )
         assert r["merged"].keys() == ref["merged"].keys()
         assert loss_err <= CLIENT_ATOL and param_err <= CLIENT_ATOL and merged_err <= CLIENT_ATOL

@@ -30,9 +30,7 @@ RECIPE = Path(__file__).resolve().parent / "_torchtune_recipe.py"
 
 def test_torchtune_recipe_flow() -> None:
     python = ensure()
-    done = subprocess.run(
-        [str(python), str(RECIPE)], capture_output=True, text=True, timeout=600, env=dict(os.environ)
-    )
+    done = subprocess.run([str(python), str(RECIPE)], capture_output=True, text=True, timeout=600, env=dict(os.environ))
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"the recipe failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     out = json.loads(lines[-1].removeprefix("RESULT "))
