@@ -366,6 +366,7 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.multirank
 def test_dataclass_outputs_get_backward_hooks(results: list[dict[str, Any]]) -> None:
     for r in results:
+        print("dataclass outputs W=2:", r["dataclass"])
         assert r["dataclass"]["loss"] <= LOSS_RTOL and r["dataclass"]["param"] <= PARAM_RTOL, r["dataclass"]
 
 
@@ -373,6 +374,7 @@ def test_dataclass_outputs_get_backward_hooks(results: list[dict[str, Any]]) -> 
 def test_reset_iter_state_after_failed_backward(results: list[dict[str, Any]]) -> None:
     for r in results:
         res = r["reset"]
+        print("reset_iter_state W=2:", res)
         assert res["failed"] and res["states"] == ["sharded"], res
         assert res["loss"] <= LOSS_RTOL and res["param"] <= PARAM_RTOL, res
 
@@ -381,6 +383,7 @@ def test_reset_iter_state_after_failed_backward(results: list[dict[str, Any]]) -
 def test_integer_reshard_after_forward(results: list[dict[str, Any]]) -> None:
     for r in results:
         for key in ("rsf1", "rsf2"):
+            print(f"reshard_after_forward={key[-1]} W=2:", r[key])
             assert r[key]["loss"] <= LOSS_RTOL and r[key]["param"] <= PARAM_RTOL, (key, r[key])
         assert r["rsf1"]["backward_gathers"] == 0  # 1: the gathered copy stays for backward
         assert r["rsf2"]["backward_gathers"] == STEPS * 2  # 2 == W: both blocks gather again
@@ -389,6 +392,7 @@ def test_integer_reshard_after_forward(results: list[dict[str, Any]]) -> None:
 @pytest.mark.multirank
 def test_ignored_params_are_left_alone(results: list[dict[str, Any]]) -> None:
     for r in results:
+        print("ignored_params W=2:", r["ignored"])
         assert r["ignored"]["plain"] and r["ignored"]["param"] <= PARAM_RTOL, r["ignored"]
 
 
@@ -396,6 +400,7 @@ def test_ignored_params_are_left_alone(results: list[dict[str, Any]]) -> None:
 def test_assigned_parameters_are_adopted(results: list[dict[str, Any]]) -> None:
     for r in results:
         a = r["assign"]
+        print("assign loads W=2 (loss, param):", a)
         assert a["same_objects"], a
         for key in ("dsd", "assign"):
             loss, param = a[key]
