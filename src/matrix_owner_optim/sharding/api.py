@@ -103,13 +103,13 @@ def fully_shard(
         get_cost_model(preconditioner)  # an unknown name fails here, before anything is recorded
     group, replicate_group = _resolve_group(mesh)
     rsf = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(group))
-    mark_ignored(modules, ignored_params)
     if plan is not None:
         check_plan_world_size(plan, dist.get_world_size(group))
     for m in modules:
         _check_submodules(m, group, replicate_group)
     device = mesh_device(mesh, group)
     device_mesh = mesh_of_group(group, device.type)
+    mark_ignored(modules, ignored_params)  # the last check: nothing is recorded if it refuses
     for m in modules:
         move_states_to_device(m, device)
         as_owner_dtensors(m, device_mesh)

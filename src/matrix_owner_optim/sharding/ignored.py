@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..owner_dtensor import OwnerDTensor
+
 __all__ = ["is_ignored", "mark_ignored"]
 
 _IGNORED_ATTR = "_moo_fsdp_ignored"
@@ -37,6 +39,12 @@ def mark_ignored(modules: list[nn.Module], ignored_params: Iterable[Any] | None)
             raise ValueError(
                 f"fully_shard(ignored_params=...): a parameter of shape {tuple(p.shape)} is not a parameter "
                 "of the module(s) passed to this call; list only their parameters"
+            )
+        if isinstance(p, OwnerDTensor):
+            raise ValueError(
+                f"fully_shard(ignored_params=...): a parameter of shape {tuple(p.shape)} was already "
+                "converted by an earlier fully_shard call on a module inside this one; pass it in "
+                "ignored_params of that call (the innermost module holding it)"
             )
     for p in params:
         setattr(p, _IGNORED_ATTR, True)
