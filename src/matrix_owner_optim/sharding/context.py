@@ -227,6 +227,8 @@ class ShardingContext:
         self.prefetch_log = []
         for unit in self.units:
             unit.reset()
+            for h in unit.handles:  # no_sync sums too: the micro-batch sequence is invalidated
+                h.accumulated = None
 
     def begin_backward(self) -> None:
         """Called by every backward hook: queue the end-of-backward callback once."""
