@@ -183,9 +183,9 @@ def test_fully_shard_arguments_are_checked_before_anything_is_recorded() -> None
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     with pytest.raises(ValueError, match=r"mp_policy\.reduce_dtype=torch\.int32"):
         fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int32))
-    # 10. FSDP2's int reshard_after_forward, a non-module, no process group
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2: .*pass True to free"):
-        fully_shard(model, reshard_after_forward=2)  # type: ignore[arg-type]
+    # 10. a reshard_after_forward of no type FSDP2 takes, a non-module, no process group
+    with pytest.raises(ValueError, match=r"reshard_after_forward='2'\): takes True, False, None or an int"):
+        fully_shard(model, reshard_after_forward="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"expects an nn\.Module, got Tensor"):
         fully_shard(torch.zeros(2))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"needs an initialized process group"):

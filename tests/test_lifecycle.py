@@ -15,7 +15,7 @@ with the same optimizer on the unsharded model over the global batch:
 * fp32 accumulation of bf16 gradients across ``set_requires_gradient_sync(False)``;
 * ``reshard_after_backward=False`` micro-batches, ``unshard(async_op=True)``,
   ``register_fsdp_forward_method``, ``.to(dtype)`` after sharding;
-* refusals: a parameter shared by two units, ``reshard_after_forward`` as an int;
+* refusals: a parameter shared by two units, an int ``reshard_after_forward`` that does not divide W;
 * a unit's reduce-scatter still in flight while the next unit's backward computes (one at a
   time), every gradient landed when ``backward()`` returns.
 
@@ -367,8 +367,8 @@ def _refusals(rank: int, W: int) -> dict:
         model(*local_batch(0, rank, W))
     out["shared"] = str(e.value)
     model, _ = _pair(seed=10)
-    with pytest.raises(ValueError, match="reshard_after_forward=2"):
-        fully_shard(model, reshard_after_forward=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"reshard_after_forward=5\): an int .* must divide the shard size {W}"):
+        fully_shard(model, reshard_after_forward=5)
     return out
 
 

@@ -358,8 +358,9 @@ class DTensorLayout(UpdateLayout):
     # -- state dicts ---------------------------------------------------------------------------
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """A matrix's state (on its owner's full copy): held whole by the owner over the shard group;
-        shard-local state (tail): a DTensor with the parameter's mesh and placements."""
-        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and rp.owner is None):
+        shard-local state (tail): a DTensor with the parameter's mesh and placements; scalars
+        (``step``) plain, as torch keeps them (every rank lists the holder's value)."""
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars (step) stay plain, as torch's
             return value
         p = rp.param
         if rp.owner is not None:

@@ -214,9 +214,9 @@ class LocalLayout(UpdateLayout):
         return shard, rank, get_shard_group(rp.param)
 
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """Owner-held state (``step`` included): held whole by the owner, of its own shape;
-        row-block state (``rows``): a ``Shard(0)`` DTensor of the parameter's global shape;
-        its scalars as they are (every rank holds the same)."""
+        """Owner-held state: held whole by the owner, of its own shape; row-block state
+        (``rows``): a ``Shard(0)`` DTensor of the parameter's global shape; scalars (``step``)
+        as the plain tensors torch keeps (every rank lists the holder's value)."""
         info = self._sharded(rp)
         if info is None or not isinstance(value, torch.Tensor):
             return value
@@ -224,8 +224,8 @@ class LocalLayout(UpdateLayout):
         from ..planning.metadata import Role
 
         shard, rank, group = info
-        if value.dim() == 0 and shard.holds_rows:
-            return value
+        if value.dim() == 0:  # a scalar (AdamW's ``step``) stays a plain tensor, as torch keeps it;
+            return value  # ranks without it list the holder's value (state_dict._list_held_elsewhere)
         band = row_band_of(rp.proxy) if rp.proxy is not None else None
         if band is not None and band_holds_key(band, key) is not None:  # a block of this band
             return OwnerDTensor.owned(value, rank, mesh_of_group(group, value.device.type), tuple(value.shape))

@@ -511,7 +511,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         return sum(lay.extra_resident_bytes() for lay in self.layouts())
 
     def routes(self) -> list[dict[str, Any]]:
-        """Per parameter: name, role, owner, whether this rank updates it, and the layout."""
+        """Per parameter that is stepped: name, role, owner, whether this rank updates it, and
+        the layout. Frozen parameters (``requires_grad=False`` now: a PEFT base, a frozen
+        embedding) are left out: no optimizer of any role steps them."""
         self._follow_param_swaps()
         layout_of = self._layout_of()
         return [
@@ -523,13 +525,17 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 "layout": layout_of[id(rp)].name if id(rp) in layout_of else "?",
             }
             for rp in self._routed
+            if rp.param.requires_grad
         ]
 
     def routing_report(self, large_numel: int = report.LARGE_NUMEL) -> report.RoutingReport:
         """What went where: counts and bytes per optimizer and role, and every >2D or large 2D
         tensor left to the tail optimizer, named (see :mod:`.report`)."""
         return report.report_of_routes(
-            self._routed, self._roles[Role.MATRIX].name, self._roles[Role.TAIL].name, large_numel
+            [rp for rp in self._routed if rp.param.requires_grad],  # what is stepped
+            self._roles[Role.MATRIX].name,
+            self._roles[Role.TAIL].name,
+            large_numel,
         )
 
     def __repr__(self) -> str:

@@ -68,7 +68,7 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
     def spec(v: Any) -> tuple[Any, ...]:
         if not isinstance(v, torch.Tensor):
             return ("value", v)
-        if v.dim() == 0 and not is_dtensor(v):  # a split stack's own step: the same everywhere
+        if v.dim() == 0 and not is_dtensor(v):  # a scalar (step): plain, the holder's value everywhere
             return ("value", v.detach().cpu().clone())
         holder = v.holder if is_owner_dtensor(v) else None  # a band's block: held by one rank
         return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type, holder)

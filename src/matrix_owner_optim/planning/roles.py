@@ -64,18 +64,25 @@ ROUTER_MODULE_NAMES: tuple[str, ...] = ("gate", "router")
 EXPERTS_MODULE_NAMES: tuple[str, ...] = ("experts", "shared_experts", "shared_expert")
 
 
+def is_experts_module(name: str) -> bool:
+    """A module name that holds experts: ``experts``, ``shared_experts``, ``shared_expert`` and
+    any other name ending in ``experts`` / ``expert`` (torchtitan's ``routed_experts``)."""
+    return name in EXPERTS_MODULE_NAMES or name.endswith(("experts", "expert"))
+
+
 def router_fqns(fqns: Iterable[str]) -> set[str]:
     """The names among ``fqns`` of mixture-of-experts routers: a parameter of a module named
     ``gate`` or ``router`` (or ``*expert_gate``, Qwen2-MoE's shared-expert gate) whose parent or
-    grandparent module also holds ``experts`` (transformers ``mlp.gate.weight`` next to
-    ``mlp.experts``; torchtitan ``moe.router.gate.weight`` next to ``moe.experts``). A GLU's
+    grandparent module also holds experts (:func:`is_experts_module`: transformers
+    ``mlp.gate.weight`` next to ``mlp.experts``; torchtitan ``moe.router.gate.weight`` next to
+    ``moe.routed_experts`` or ``moe.shared_experts``). A GLU's
     ``gate_proj`` is not a router, and neither is a ``gate`` with no experts beside it."""
     names = list(fqns)
     with_experts: set[str] = set()
     for n in names:
         parts = n.split(".")
         for i, part in enumerate(parts[:-1]):
-            if part in EXPERTS_MODULE_NAMES:
+            if is_experts_module(part):
                 with_experts.add(".".join(parts[:i]))
     found: set[str] = set()
     for n in names:

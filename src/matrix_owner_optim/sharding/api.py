@@ -25,8 +25,11 @@ from .. import comm
 from ..owner_dtensor import mesh_of_group
 from ..planning.metadata import ShardingPlan
 from ..planning.registry import get_cost_model
+from .adopt import adoption_hook
 from .build import check_plan_world_size
-from .module import check_reshard_after_forward, swap_class
+from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
+from .ignored import is_ignored, mark_ignored
+from .module import swap_class
 from .replicated import as_owner_dtensors
 from .state import OwnerShardState, PlanPhase, state_of
 
@@ -37,8 +40,12 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn: Any = None,
     mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     plan: ShardingPlan | None = None,
     preconditioner: Any = None,
 ) -> Any:
@@ -52,11 +59,16 @@ def fully_shard(
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
             shard dim, gradients all-reduced across the replicate dim and averaged over both.
         reshard_after_forward: free non-owned tensors after forward and gather them again
-            before backward (the root unit keeps its tensors, as in FSDP2). A bool: FSDP2's
-            int form is refused with an explanation.
+            before backward (the root unit keeps its tensors, as in FSDP2). ``None`` is True;
+            an int N dividing the shard size is True for N == size, else keeps the gathered
+            copy for backward (``fsdp_api.FULLY_SHARD_ARGUMENTS`` says why).
+        shard_placement_fn: FSDP2's per-parameter ``Shard(dim)``; only None (the plan places).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` (compute
             and all-gather dtype), ``reduce_dtype`` (gradient reduction and accumulation
             dtype), ``output_dtype``, ``cast_forward_inputs``. Sharded parameters keep their dtype.
+        offload_policy: only ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy`` is refused.
+        ignored_params: parameters left as they are (not sharded, moved or reduced), as FSDP2.
+        dp_mesh_dims: only None.
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
             units and segments follow the ``fully_shard`` calls).
@@ -84,17 +96,20 @@ def fully_shard(
                 f"fully_shard: {type(m).__name__} in the list is inside another module of the "
                 "list; list modules that do not contain each other"
             )
-    rsf = check_reshard_after_forward(reshard_after_forward)
+    check_unsupported_arguments(shard_placement_fn, offload_policy, dp_mesh_dims)
+    check_reshard_after_forward_type(reshard_after_forward)
     _check_mp_policy(mp_policy)
     if preconditioner is not None:
         get_cost_model(preconditioner)  # an unknown name fails here, before anything is recorded
     group, replicate_group = _resolve_group(mesh)
+    rsf = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(group))
     if plan is not None:
         check_plan_world_size(plan, dist.get_world_size(group))
     for m in modules:
         _check_submodules(m, group, replicate_group)
     device = mesh_device(mesh, group)
     device_mesh = mesh_of_group(group, device.type)
+    mark_ignored(modules, ignored_params)  # the last check: nothing is recorded if it refuses
     for m in modules:
         move_states_to_device(m, device)
         as_owner_dtensors(m, device_mesh)
@@ -109,6 +124,8 @@ def fully_shard(
         preconditioner=preconditioner,
     )
     state.register()
+    for m in modules:
+        m.register_load_state_dict_post_hook(adoption_hook(state))  # load_state_dict(assign=True)
     return module
 
 
@@ -206,8 +223,8 @@ def move_states_to_device(module: nn.Module, device: torch.device) -> None:
     """Move ``module``'s parameters and buffers to ``device`` in place (``.data`` replaced, the
     objects kept), as FSDP2 moves a CPU-built model to its mesh's device. Tensors on ``meta``
     stay there (``to_empty`` materialises them later), and so do tensors already on ``device``
-    (a child unit's, moved by its own ``fully_shard`` call)."""
+    (a child unit's, moved by its own ``fully_shard`` call), and ``ignored_params``."""
     for t in itertools.chain(module.parameters(), module.buffers()):
-        if t.device.type == "meta" or t.device == device:
+        if t.device.type == "meta" or t.device == device or is_ignored(t):
             continue
         t.data = t.data.to(device)

@@ -26,6 +26,7 @@ from ..planning.roles import TensorSpec, specs_from_module
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .handle import ParamHandle
+from .ignored import is_ignored
 from .replicated import current_parameter
 from .unit import ShardedUnit, ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
 
@@ -66,11 +67,13 @@ def build_context(states: Sequence[PlannedCall], preconditioner: Any = None) -> 
     prefixes = [names[id(m)] for m in modules]
     if not is_container:
         record_unit_prefixes(root, prefixes)  # so plan_model(root, W) agrees
+    by_name = dict(root.named_parameters())
     specs = [
         dataclasses.replace(sp, unit=unit_index[sp.unit])
         if sp.unit < len(modules)
         else dataclasses.replace(sp, unit=len(states))
         for sp in specs_from_module(root, unit_prefixes=prefixes)
+        if not is_ignored(by_name[sp.fqn])  # fully_shard(ignored_params=...): left as they are
     ]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}

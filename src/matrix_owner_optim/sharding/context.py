@@ -30,6 +30,7 @@ from torch.autograd import Variable
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
 from .handle import ParamHandle
+from .ignored import is_ignored
 from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
 
 __all__ = ["ShardingContext"]
@@ -86,7 +87,7 @@ class ShardingContext:
         pass of an outermost unit, on every rank alike (same model, same answer)."""
         for mod in (m for member in unit.members for m in member.modules()):  # no fqn strings unless wrong
             for name, p in mod._parameters.items():
-                if p is None:
+                if p is None or is_ignored(p):
                     continue
                 known = self._registrations.get((id(mod), name))
                 if known is not None and (p is known.sharded or p is known._unsharded):
@@ -102,6 +103,10 @@ class ShardingContext:
                     "every parameter before that point (sharding is lazy: fully_shard itself fixes "
                     "nothing), or change values in place (load_state_dict / set_model_state_dict)"
                 )
+
+    def handle_at(self, module: nn.Module, name: str) -> ParamHandle | None:
+        """The handle of the parameter the plan registered as ``module.<name>`` (None: none)."""
+        return self._registrations.get((id(module), name))
 
     # -- the hooks -------------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
@@ -208,6 +213,22 @@ class ShardingContext:
         if self._fwd_seq:
             self.forward_order, self._fwd_seq = self._fwd_seq, []
         self.prefetch_log = []
+
+    def reset_iteration(self) -> None:
+        """FSDP2's ``reset_iter_state``: after an exception aborted a forward or backward, drop
+        everything of the iteration now (the reduction in flight, unreduced and accumulated
+        gradients) and put every unit back to SHARDED/IDLE, the ones the user holds included."""
+        self.drop_reduce()
+        if self.backward_active:
+            self.interrupted_backwards += 1
+            self.backward_active = False
+        self._bwd_seq = []
+        self._fwd_seq = []
+        self.prefetch_log = []
+        for unit in self.units:
+            unit.reset()
+            for h in unit.handles:  # no_sync sums too: the micro-batch sequence is invalidated
+                h.accumulated = None
 
     def begin_backward(self) -> None:
         """Called by every backward hook: queue the end-of-backward callback once."""

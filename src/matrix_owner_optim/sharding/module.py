@@ -24,6 +24,7 @@ from ..owner_dtensor import OwnerDTensor
 from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
 from ..tensors import local_tensor
 from .context import ShardingContext
+from .fsdp_api import FSDP2Methods
 from .state import OwnerShardState, PlanPhase, state_of
 from .unit import ShardedUnit, TrainingState
 
@@ -41,9 +42,8 @@ def check_reshard_after_forward(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise ValueError(
-        f"reshard_after_forward={value!r}: the owner layout takes True or False. FSDP2's int form "
-        "(reshard to a smaller world size after forward) has no owner-shaped equivalent: every "
-        "tensor already lives whole on one rank; pass True to free, False to keep"
+        f"set_reshard_after_forward({value!r}): takes True or False, as FSDP2's method (the int "
+        "form, a smaller reshard group, is an argument of fully_shard); pass True to free, False to keep"
     )
 
 
@@ -60,7 +60,7 @@ class UnshardHandle:
         self._units = []
 
 
-class OwnerShardedModule(nn.Module):
+class OwnerShardedModule(FSDP2Methods, nn.Module):
     """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule``)."""
 
     def _moo_context(self) -> ShardingContext | None:

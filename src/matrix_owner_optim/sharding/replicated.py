@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..owner_dtensor import OwnerDTensor
+from .ignored import is_ignored
 
 __all__ = ["as_owner_dtensors", "current_parameter"]
 
@@ -42,7 +43,7 @@ def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
     new: dict[int, nn.Parameter] = {}
     for _, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
-            if p is None or isinstance(p, OwnerDTensor):
+            if p is None or isinstance(p, OwnerDTensor) or is_ignored(p):
                 continue
             replaced = current_parameter(p)
             if replaced is not p:  # tied to a parameter an earlier call registered: the same object

@@ -31,6 +31,7 @@ from ..lazy_plan import link_lazy_plan
 from ..planning.metadata import ShardingPlan, get_matrix_shard
 from .build import build_context
 from .context import ShardingContext
+from .outputs import grad_tensors
 from .unit import ShardedUnit, UnitOptions, in_backward
 
 __all__ = ["OwnerShardState", "PlanPhase", "state_of"]
@@ -176,7 +177,7 @@ class OwnerShardState:
         ctx, unit = self.require_unit()
         ctx.post_forward(unit)
         if torch.is_grad_enabled() and not in_backward():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = grad_tensors(output)  # dataclasses too, as FSDP2 (outputs.py)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: ctx.pre_backward(unit), mode="any")
         output_dtype = getattr(self.mp_policy, "output_dtype", None)

@@ -1,0 +1,46 @@
+"""The tensors of a forward output that a backward can reach, in any structure FSDP2 reads.
+
+A unit hangs its pre-backward hook (gather again before its backward) on the gradient-requiring
+tensors of its forward output. ``torch.utils._pytree`` knows tuples, lists, dicts, NamedTuples
+and the types registered with it (transformers registers its ``ModelOutput``s), but not plain
+dataclasses: a block returning a ``@dataclass`` would look like one opaque leaf, no hook would be
+registered, and backward would read the freed unsharded weights. FSDP2 traverses dataclasses
+itself (``torch.distributed.fsdp._common_utils.collect_grad_tensors``); :func:`grad_tensors`
+does the same on top of pytree, so a dataclass inside a tuple, or a tuple inside a dataclass,
+is found too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["grad_tensors"]
+
+_MAX_DEPTH = 64  # a cycle through dataclass fields would otherwise recurse forever
+
+
+def grad_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in ``output`` that requires a gradient: pytree leaves, and the fields of
+    dataclass instances found among them (recursively), in traversal order."""
+    found: list[torch.Tensor] = []
+    _collect(output, found, 0)
+    return found
+
+
+def _collect(tree: Any, found: list[torch.Tensor], depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise RuntimeError(
+            f"a fully_shard module's forward output nests dataclasses deeper than {_MAX_DEPTH} levels "
+            "(a reference cycle?); return tensors in tuples, dicts or dataclasses without cycles"
+        )
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                _collect(getattr(leaf, field.name), found, depth + 1)
