@@ -1,7 +1,8 @@
 """The owner layout as a DTensor: what a sharded parameter, its gradient and its state are.
 
-(``placement.py``: the placements; ``tensor.py``: the tensor and its operators; ``ops.py``: which
-operators run piecewise; ``dcp.py``: DCP's checkpoint protocol.)
+(``placement.py``: the placements; ``tensor.py``: the tensor; ``ops.py``: operator classes;
+``dispatch.py``: the rule each call takes; ``lists.py``: list operators; ``dcp.py``: DCP's
+checkpoint protocol.)
 
 Every tensor of the owner layout is an :class:`OwnerDTensor`: a ``DTensor`` over the shard
 group's 1D mesh whose local tensor is this rank's piece. Its placement says which piece:
@@ -18,28 +19,35 @@ group's 1D mesh whose local tensor is this rank's piece. Its placement says whic
   in place (``_local_tensor`` and ``_spec`` replaced) and an optimizer built in between holds
   the right tensors; its operators run locally, as on plain tensors.
 
-Operators (``__torch_dispatch__``) keep the layout's meaning without communicating wherever the
-layout allows it:
+Operators (``__torch_dispatch__``) are exact on every rank or refused on every rank. Each call
+takes one rule, chosen from the operator's class (``ops.py``: read from its schema and tags) and
+the arguments' placements, shapes and meshes, never from a value or a piece's size, so every rank
+takes the same rule and issues the same collectives (``dispatch.py`` lists the rules in order):
 
-* *holder-local*: all tensors of an operator held by one rank (one owner; replicated values and
-  plain tensors taken as replicated) are computed by that rank alone, whatever the operator
-  (pointwise, views, matmuls, reductions), and the result is held by the same rank. Other ranks
-  compute nothing and hold an empty piece; a 0-dim result is a ``Partial`` (``_NormPartial`` for
-  norms) with zeros elsewhere, which is exactly true, so torch's reductions over many tensors
-  (``clip_grad_norm_``: ``_foreach_norm``, ``stack``, ``vector_norm``) sum the owners' values in
-  one all-reduce. An optimizer step on the owner therefore issues no collective, and one that
-  every rank runs (``torch.optim.AdamW`` given the parameters) neither.
-* *same layout*: elementwise operators on tensors of one placement and shape run on the local
-  pieces (row blocks, split ranges).
-* row blocks otherwise: DTensor's own rules (``Shard(0)`` is FSDP2's form).
-* anything else (tensors of different owners together, a split tensor reshaped): the pieces
-  are gathered to full tensors first (a collective, as DTensor redistributes), the operator runs
-  on them, and an in-place result writes back this rank's piece. Slow, never wrong.
+* *refused*: torch.distributed collectives given an owner-layout tensor (as stock DTensor refuses
+  them) and storage surgery (``set_``, ``resize_``): ``NotImplementedError`` on every rank, naming
+  the operator and what to do.
+* *lists* (``_foreach_*``, ``_fused_*``, GradScaler's ``_amp_foreach_*``): per element; elements of
+  one layout run on local pieces in one kernel call, others on whole values; GradScaler's
+  ``found_inf`` is agreed over the mesh.
+* *value reads* (``item()``, ``bool()``, ``tolist()``, ``equal``): collectives every rank takes
+  part in; every rank gets the value.
+* *random* (``uniform_``, ``normal_``, ``nn.init.*``, dropout): every rank draws the whole tensor
+  and keeps its piece, so under one seed a parameter gets the values one process draws for it.
+* *holder-local*: all tensors of an operator held by one rank (replicated values and plain
+  tensors taken as replicated) are computed by that rank alone, whatever the operator
+  (pointwise, views, matmuls, reductions); the others compute shapes on ``meta`` and hold an empty
+  piece; a 0-dim result is a ``Partial`` (``_NormPartial`` for norms) with zeros elsewhere, which
+  is exactly true, so torch's reductions over many tensors (``clip_grad_norm_``) sum the owners'
+  values in one all-reduce and an optimizer step on the owner issues no collective.
+* *same layout*: pointwise operators on tensors of one placement and shape: local pieces.
+* *row blocks*: ``Shard(0)`` (FSDP2's form) follows DTensor's own sharding rules.
+* *gathered*: anything else: whole values on every rank, the operator, and every argument it
+  writes (in place, ``out=``, lists) gets its piece back. Slow, never wrong.
 
-Reading a value (``item()``, ``bool()``) of a held tensor is a collective over the mesh, as it is
-for any DTensor: every rank must ask. ``full_tensor()`` / ``redistribute(Replicate())`` gather.
-DCP's checkpoint protocol is implemented here, so a checkpoint reshards across world sizes and
-layouts, and ``torch.load(weights_only=True)`` accepts these tensors.
+``full_tensor()`` / ``redistribute(Replicate())`` return new storage on every rank, the holder
+included. DCP's checkpoint protocol is implemented here, so a checkpoint reshards across world
+sizes and layouts, and ``torch.load(weights_only=True)`` accepts these tensors.
 """
 
 from .placement import OwnerShard, contiguous_stride, owned_ranges, same_placement

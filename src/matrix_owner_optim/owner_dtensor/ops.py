@@ -1,60 +1,206 @@
-"""Which aten operators the owner layout runs piecewise: elementwise, in place, norms, joins.
+"""Operator classes: what the owner layout's dispatch must know of an aten operator, read once.
 
-Pure classification, no tensors: ``tensor.py``'s ``__torch_dispatch__`` reads it.
+Pure classification from the operator's schema, tags and registrations, no tensors:
+``dispatch.py`` decides each call's rule from this and the arguments' placements. Every field is
+a property of the operator alone (never of a value), so every rank classifies a call the same
+way and takes the same rule: the basis of "exact on every rank, or refused on every rank".
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 aten = torch.ops.aten
 
-__all__ = ["ELEMENTWISE", "JOINS", "NORMS", "is_elementwise", "is_inplace", "norm_partial"]
-
-# Operators that produce a tensor of their first argument's shape, element by element (with the
-# pointwise tag, aten marks the rest).
-ELEMENTWISE = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.empty_like.default,
-    aten.full_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.fill_.Scalar,
-    aten.fill_.Tensor,
-    aten.zero_.default,
-    aten.copy_.default,
-    aten.lerp_.Scalar,
-    aten.lerp_.Tensor,
-    aten.lerp.Scalar,
-    aten.lerp.Tensor,
-    aten.uniform_.default,
-    aten.normal_.default,
-    aten.bernoulli_.float,
-}
-NORMS = {aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim}
+__all__ = [
+    "JOINS",
+    "NORMS",
+    "OpClass",
+    "OperatorInfo",
+    "mutated_arguments",
+    "norm_partial",
+    "operator_info",
+]
 
 
-def is_elementwise(func: Any) -> bool:
-    return func in ELEMENTWISE or torch.Tag.pointwise in func.tags
+class OpClass(enum.Enum):
+    """Which family of rules an operator takes (``dispatch.py`` has one rule set per class)."""
+
+    REFUSED = "refused"  # collectives and storage surgery: refused on every rank
+    LIST = "list"  # _foreach_*, _fused_*, _amp_foreach_*: per element of its tensor lists
+    VALUE = "value"  # returns a Python value (item(), bool(), equal): a collective read
+    RANDOM = "random"  # draws from the generator: every rank draws the whole tensor
+    GENERAL = "general"  # everything else: replicated / holder-local / same-layout / rows / gathered
 
 
-def is_inplace(func: Any) -> bool:
-    schema = func._schema
-    return (
-        bool(schema.arguments)
-        and schema.arguments[0].alias_info is not None
-        and schema.arguments[0].alias_info.is_write
+# Operators whose result is their first argument's shape element by element, beyond those aten
+# tags ``pointwise`` (views and factories of the same shape, in-place fills and copies).
+ELEMENTWISE = frozenset(
+    {
+        aten.detach.default,
+        aten.alias.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.empty_like.default,
+        aten.full_like.default,
+        aten.fill_.Scalar,
+        aten.fill_.Tensor,
+        aten.zero_.default,
+        aten.lerp_.Scalar,
+        aten.lerp_.Tensor,
+        aten.lerp.Scalar,
+        aten.lerp.Tensor,
+    }
+)
+
+NORMS = frozenset({aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim})
+JOINS = frozenset({aten.stack.default, aten.cat.default})
+
+# Random in-place operators whose result does not read the values they overwrite: the whole
+# tensor is drawn into fresh storage, no gather needed.
+OVERWRITING_RANDOM = frozenset(
+    {
+        aten.uniform_.default,
+        aten.normal_.default,
+        aten.random_.default,
+        getattr(aten.random_, "from"),
+        aten.random_.to,
+        aten.exponential_.default,
+        aten.geometric_.default,
+        aten.log_normal_.default,
+        aten.cauchy_.default,
+        aten.bernoulli_.float,
+    }
+)
+
+# Python values that are metadata only: every rank answers from the global shape.
+METADATA_VALUES = frozenset({aten.is_same_size.default})
+
+# Storage surgery that would make a piece disagree with its placement.
+STORAGE_SURGERY = frozenset(
+    {
+        aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.source_Tensor,
+        aten.set_.source_Tensor_storage_offset,
+        aten.set_.default,
+        aten.resize_.default,
+        aten.resize_as_.default,
+    }
+)
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+_VALUE_TYPES = ("bool", "int", "float", "Scalar", "SymInt", "SymBool", "complex")
+
+
+@dataclass(frozen=True)
+class OperatorInfo:
+    """What the dispatch reads of one operator overload (see the module docstring)."""
+
+    cls: OpClass
+    pointwise: bool  # result element i reads only element i of each argument of its shape
+    inplace: bool  # writes its first argument and returns it
+    mutates: bool  # writes any argument (in place, ``out=``, lists)
+    overwrites: bool  # random in-place that never reads the values it overwrites
+    meta: bool  # computes shapes on ``meta`` with no data (holder-local needs it off the holder)
+    stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
+    norm: bool
+    join: bool
+    written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
+    why_refused: str = ""
+
+
+def _returns_value(schema: Any) -> bool:
+    returns = schema.returns
+    return len(returns) == 1 and str(returns[0].type) in _VALUE_TYPES
+
+
+def _writes(schema: Any) -> list[bool]:
+    return [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+
+
+def _has_meta(func: Any) -> bool:
+    """Whether ``func`` runs on ``meta`` tensors with a data-independent result shape."""
+    if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
+        return False
+    keys = (
+        torch._C.DispatchKey.Meta,
+        torch._C.DispatchKey.CompositeImplicitAutograd,
+        torch._C.DispatchKey.CompositeExplicitAutograd,
+        torch._C.DispatchKey.CompositeExplicitAutogradNonFunctional,
     )
+    return any(func.has_kernel_for_dispatch_key(k) or k in func.py_kernels for k in keys)
+
+
+def _stock_rule(func: Any) -> bool:
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tables = (prop.op_strategy_funcs, prop.op_single_dim_strategy_funcs, prop.op_to_rules)
+    return any(func in t for t in tables) or func in DTensor._op_dispatcher._custom_op_handlers
+
+
+@functools.cache
+def operator_info(func: Any) -> OperatorInfo:
+    """The class and properties of ``func`` (cached: operators are process-lifetime objects)."""
+    schema = func._schema
+    name = func._schema.name  # "namespace::op", no overload
+    namespace = name.split("::")[0]
+    writes = _writes(schema)
+    inplace = bool(writes) and writes[0] and not schema.arguments[0].kwarg_only
+    base = name.split("::")[-1]
+    pointwise = func in ELEMENTWISE or torch.Tag.pointwise in func.tags
+    info = dict(
+        pointwise=pointwise,
+        inplace=inplace,
+        mutates=any(writes),
+        overwrites=func in OVERWRITING_RANDOM,
+        meta=_has_meta(func),
+        stock_rule=_stock_rule(func),
+        norm=func in NORMS,
+        join=func in JOINS,
+        written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
+    )
+    if namespace in _COLLECTIVE_NAMESPACES:
+        why = (
+            "a collective given an owner-layout DTensor (as for any DTensor, torch.distributed's "
+            "collectives take plain tensors): pass t.to_local() for this rank's piece, or "
+            "t.full_tensor() for the whole value on every rank"
+        )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if func in STORAGE_SURGERY:
+        why = (
+            "it replaces or resizes the storage of an owner-layout tensor, whose piece must keep the "
+            "shape its placement says: build a new tensor instead (full_tensor() gives the whole value)"
+        )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if base.startswith(("_foreach_", "_fused_", "_amp_foreach_")):
+        return OperatorInfo(OpClass.LIST, **info)  # type: ignore[arg-type]
+    if _returns_value(schema):
+        return OperatorInfo(OpClass.VALUE, **info)  # type: ignore[arg-type]
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return OperatorInfo(OpClass.RANDOM, **info)  # type: ignore[arg-type]
+    return OperatorInfo(OpClass.GENERAL, **info)  # type: ignore[arg-type]
+
+
+def mutated_arguments(info: OperatorInfo, args: tuple, kwargs: dict) -> list[Any]:
+    """The argument values an operator writes (in place, ``out=``, written lists), in schema order."""
+    out: list[Any] = []
+    for i, name, kwarg_only in info.written:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        if isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+        elif isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
 
 
 def norm_partial(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -68,6 +214,3 @@ def norm_partial(func: Any, args: tuple, kwargs: dict) -> Any:
     if p < 0:
         return None
     return _NormPartial(p)
-
-
-JOINS = {aten.stack.default, aten.cat.default}

@@ -126,7 +126,10 @@ def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, 
     holder = placement.holder
     rank = dist.get_rank(group)
     if holder is not None:
-        full = local.contiguous() if rank == holder else torch.empty(shape, dtype=local.dtype, device=local.device)
+        if rank == holder:  # new storage on the holder too: the result never aliases the piece
+            full = local.clone(memory_format=torch.contiguous_format)
+        else:
+            full = torch.empty(shape, dtype=local.dtype, device=local.device)
         comm.broadcast(full, group_src=holder, group=group, name="owner_full_tensor")
         return full
     row = 1

@@ -14,20 +14,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
 from .dcp import DcpChunks
-from .ops import JOINS, NORMS, is_elementwise, is_inplace, norm_partial
-from .placement import (
-    OwnerShard,
-    contiguous_stride,
-    gather_ranges,
-    owned_ranges,
-    placement_key,
-    same_placement,
-)
+from .dispatch import dispatch, local_rank
+from .lists import run_lists
+from .ops import OpClass, operator_info
+from .placement import OwnerShard, contiguous_stride, gather_ranges, owned_ranges
 
 aten = torch.ops.aten
 
@@ -112,7 +106,7 @@ class OwnerDTensor(DcpChunks, DTensor):
     def owned(local: torch.Tensor, owner: int, mesh: Any, shape: Sequence[int]) -> OwnerDTensor:
         """A tensor held whole by ``owner``: ``local`` is the whole tensor there, empty elsewhere."""
         shape = tuple(int(s) for s in shape)
-        me = mesh.get_local_rank()
+        me = local_rank(mesh)
         if len(shape) == 0:  # a scalar: the owner's value, a zero placeholder elsewhere (Partial sum)
             value = local.reshape(()) if me == owner else torch.zeros((), dtype=local.dtype, device=local.device)
             return OwnerDTensor.make(value, mesh, Partial("sum"), shape, holder=owner)
@@ -146,7 +140,7 @@ class OwnerDTensor(DcpChunks, DTensor):
 
     @property
     def is_holder(self) -> bool:
-        return self._holder is not None and self.device_mesh.get_local_rank() == self._holder
+        return self._holder is not None and local_rank(self.device_mesh) == self._holder
 
     def relayout(self, local: torch.Tensor, placement: Any, *, holder: int | None = None) -> None:
         """Replace this object's piece and placement in place (the plan was fixed: the object a
@@ -166,7 +160,7 @@ class OwnerDTensor(DcpChunks, DTensor):
         p = self.placement
         if self.dim() == 0 or isinstance(p, (Replicate, Partial)):
             return None
-        me = self.device_mesh.get_local_rank()
+        me = local_rank(self.device_mesh)
         if isinstance(p, OwnerShard):
             return p.ranges[me]
         return chunk_row_range(int(self.shape[0]), self.device_mesh.size(), me)
@@ -198,11 +192,13 @@ class OwnerDTensor(DcpChunks, DTensor):
         )
 
     def full_value(self) -> torch.Tensor:
-        """The whole tensor on every rank (collective unless replicated)."""
+        """The whole tensor on every rank, in new storage (a collective unless replicated): as
+        DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
+        tensor, nor the other way round, also on the rank that holds it."""
         p, local = self.placement, self._local_tensor
         group = self.device_mesh.get_group()
         if isinstance(p, Replicate) or self.device_mesh.size() == 1:
-            return local
+            return local.clone(memory_format=torch.contiguous_format)
         if isinstance(p, OwnerShard):
             return gather_ranges(local, p, tuple(self.shape), group)
         if isinstance(p, Partial) and self._holder is not None:
@@ -213,7 +209,8 @@ class OwnerDTensor(DcpChunks, DTensor):
             n, W = int(self.shape[0]), self.device_mesh.size()
             ranges = [chunk_row_range(n, W, r) for r in range(W)]
             return gather_ranges(local, OwnerShard(0, ranges), tuple(self.shape), group)
-        raise NotImplementedError(f"full_tensor() of an owner-layout tensor with placement {p!r}")
+        # a Partial of every rank (DTensor's rules on row blocks make these): DTensor reduces it
+        return self._as_stock().full_tensor()
 
     def redistribute(
         self, device_mesh: Any = None, placements: Sequence[Any] | None = None, *, async_op: bool = False, **kwargs: Any
@@ -231,326 +228,23 @@ class OwnerDTensor(DcpChunks, DTensor):
         )
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """The whole tensor on every rank, in new storage (see :meth:`full_value`)."""
         return self.full_value()
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        """The whole value as Python numbers on every rank: a collective read, as ``item()``
+        (torch refuses ``tolist()`` of tensor subclasses before any dispatch)."""
+        return self.full_value().tolist()
 
     # -- operators --------------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        mine = [a for a in flat if isinstance(a, OwnerDTensor)]
-        if func is aten.copy_.default and isinstance(args[0], OwnerDTensor):
-            return _copy_into(args[0], args[1])
-        if func.name().startswith("aten::_foreach_"):
-            out = _foreach(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        mesh = mine[0].device_mesh
-        holders = {m._holder for m in mine}
-        if func in JOINS and (len(holders) > 1 or len(mine) < len([a for a in flat if isinstance(a, DTensor)])):
-            joined = _join_partials(func, args, kwargs)
-            if joined is not None:
-                return joined
-        placements = {placement_key(m.placement) for m in mine}
-        others = [a for a in flat if isinstance(a, DTensor) and not isinstance(a, OwnerDTensor)]
-        stock_replicated = all(all(isinstance(p, Replicate) for p in o.placements) for o in others)
-        # 1. replicated (parameters before the plan): every rank computes, as on plain tensors
-        if all(isinstance(m.placement, Replicate) for m in mine) and stock_replicated:
-            return _run_replicated(func, flat, spec, mesh)
-        # 2. one holder: the holder alone computes
-        if (
-            len(holders) == 1
-            and None not in holders
-            and stock_replicated
-            and all(isinstance(m.placement, (OwnerShard, Partial)) or isinstance(m.placement, Replicate) for m in mine)
-        ):
-            return _run_on_holder(func, flat, spec, mesh, holders.pop(), args, kwargs)
-        # 3. one layout, elementwise: local pieces
-        shapes = {tuple(m.shape) for m in mine}
-        if len(placements) == 1 and len(shapes) == 1 and is_elementwise(func) and stock_replicated:
-            local = _local_args(flat, spec, mine[0])
-            if local is not None:
-                out = func(*local[0], **local[1])
-                return _wrap_like(func, out, mine[0], args)
-        # 4. row blocks: DTensor's own rules
-        if all(type(m.placement) is Shard for m in mine) and all(len(o.placements) == 1 for o in others):
-            stock = [a._as_stock() if isinstance(a, OwnerDTensor) else a for a in flat]
-            sargs, skwargs = tree_unflatten(stock, spec)
-            out = func(*sargs, **skwargs)
-            if is_inplace(func):
-                return args[0]
-            return out
-        # 5. anything else: gather, compute, keep this rank's piece of an in-place result
-        return _run_gathered(func, flat, spec, args)
-
-
-def _plain_like_replicated(a: Any) -> Any:
-    if isinstance(a, OwnerDTensor):
-        return a._local_tensor
-    if isinstance(a, DTensor):
-        return a._local_tensor
-    return a
-
-
-def _run_replicated(func: Any, flat: list, spec: Any, mesh: Any) -> Any:
-    local = [_plain_like_replicated(a) for a in flat]
-    largs, lkwargs = tree_unflatten(local, spec)
-    out = func(*largs, **lkwargs)
-    originals = {id(a._local_tensor): a for a in flat if isinstance(a, OwnerDTensor)}
-
-    def wrap(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            if id(t) in originals:
-                return originals[id(t)]
-            return OwnerDTensor.make(t, mesh, Replicate(), t.shape, t.stride())
-        return t
-
-    return tree_map(wrap, out)
-
-
-def _meta(a: Any) -> Any:
-    if isinstance(a, OwnerDTensor):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-    if isinstance(a, DTensor):
-        return a._local_tensor.to("meta")
-    if isinstance(a, torch.Tensor):
-        return a.to("meta")
-    return a
-
-
-def _returns_value(func: Any) -> bool:
-    """Whether ``func`` returns a Python value (``equal``, ``_local_scalar_dense``), not tensors."""
-    returns = func._schema.returns
-    return len(returns) == 1 and str(returns[0].type) in ("bool", "int", "float", "Scalar", "SymInt", "SymBool")
-
-
-def _value_from_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int) -> Any:
-    """A Python value (``item()``, ``torch.equal``) of tensors one rank holds: that rank reads
-    it locally (no collective, so an owner alone may ask); any other rank holds nothing to read
-    and is told how to get the value everywhere, instead of getting a value of its own."""
-    if mesh.get_local_rank() != holder:
-        raise RuntimeError(
-            f"{func.name()} of an owner-layout tensor held whole by rank {holder}: this rank holds no "
-            "piece of it. Read it on its holder (tensor.holder), or call .full_tensor() on every rank "
-            "first for the value everywhere"
-        )
-    largs, lkwargs = tree_unflatten([_plain_like_replicated(a) for a in flat], spec)
-    return func(*largs, **lkwargs)
-
-
-def _join_partials(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``stack`` / ``cat`` of 0-dim partial values of several holders (``clip_grad_norm_``'s
-    per-gradient norms): the local values side by side, still partial of the same kind (zeros
-    where a rank holds nothing), as DTensor joins FSDP2's partial norms. None when not that."""
-    tensors = args[0] if args and isinstance(args[0], (list, tuple)) else None
-    if not tensors or not all(isinstance(t, DTensor) and t.dim() == 0 for t in tensors):
-        return None
-    places = [t._spec.placements for t in tensors]
-    if not all(len(p) == 1 and isinstance(p[0], Partial) for p in places):
-        return None
-    if len({placement_key(p[0]) for p in places}) != 1:
-        return None
-    mesh = tensors[0].device_mesh
-    if any(t.device_mesh != mesh for t in tensors):
-        return None
-    out = func([t._local_tensor for t in tensors], *args[1:], **kwargs)
-    return DTensor.from_local(out, mesh, [places[0][0]], run_check=False)
-
-
-def _run_on_holder(func: Any, flat: list, spec: Any, mesh: Any, holder: int, args: tuple, kwargs: dict) -> Any:
-    me = mesh.get_local_rank()
-    inplace = is_inplace(func)
-    if _returns_value(func):
-        return _value_from_holder(func, flat, spec, mesh, holder)
-    if me == holder:
-        local = [_plain_like_replicated(a) for a in flat]
-        largs, lkwargs = tree_unflatten(local, spec)
-        out = func(*largs, **lkwargs)
-    else:
-        if inplace:  # the holder's piece changes; this rank holds nothing of it
-            return args[0]
-        margs, mkwargs = tree_unflatten([_meta(a) for a in flat], spec)
-        out = func(*margs, **mkwargs)
-    if inplace:
-        return args[0]
-    device = next(a._local_tensor.device for a in flat if isinstance(a, OwnerDTensor))
-    norm = func in NORMS
-
-    def wrap(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        shape = tuple(t.shape)
-        if t.dim() == 0:
-            placement = (norm_partial(func, args, kwargs) if norm else Partial("sum")) or Partial("sum")
-            local = t if me == holder else torch.zeros((), dtype=t.dtype, device=device)
-            return OwnerDTensor.make(local, mesh, placement, shape, holder=holder)
-        local = t if me == holder else torch.empty((0, *shape[1:]), dtype=t.dtype, device=device)
-        placement = OwnerShard(0, owned_ranges(shape[0], holder, mesh.size()))
-        return OwnerDTensor.make(local, mesh, placement, shape, t.stride() if me == holder else None)
-
-    return tree_map(wrap, out)
-
-
-def _local_args(flat: list, spec: Any, like: OwnerDTensor) -> tuple[tuple, dict] | None:
-    """Arguments as local pieces for an elementwise operator of ``like``'s layout, or None when a
-    plain tensor cannot be cut to this rank's piece."""
-    out = []
-    for a in flat:
-        if isinstance(a, OwnerDTensor):
-            out.append(a._local_tensor)
-        elif isinstance(a, DTensor):
-            if a.dim() != 0:
-                return None
-            out.append(a._local_tensor)
-        elif isinstance(a, torch.Tensor) and a.dim() > 0:
-            if tuple(a.shape) != tuple(like.shape):
-                return None
-            out.append(like.piece_of_full(a))
-        else:
-            out.append(a)
-    largs, lkwargs = tree_unflatten(out, spec)
-    return largs, lkwargs
-
-
-def _wrap_like(func: Any, out: Any, like: OwnerDTensor, args: tuple) -> Any:
-    if is_inplace(func):
-        return args[0]
-
-    def wrap(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return OwnerDTensor.make(
-                t,
-                like.device_mesh,
-                like.placement,
-                like.shape,
-                like.stride() if t.is_contiguous() else None,
-                holder=like._holder,
-            )
-        return t
-
-    return tree_map(wrap, out)
-
-
-def _copy_into(dst: OwnerDTensor, src: Any) -> OwnerDTensor:
-    """``dst.copy_(src)``: this rank's piece of ``src`` into ``dst``'s piece."""
-    if (
-        isinstance(src, OwnerDTensor)
-        and same_placement(src.placement, dst.placement)
-        and tuple(src.shape) == tuple(dst.shape)
-        and src.device_mesh is dst.device_mesh
-    ):
-        dst._local_tensor.copy_(src._local_tensor)
-        return dst
-    if isinstance(src, DTensor):
-        if not isinstance(src, OwnerDTensor) and all(isinstance(p, Replicate) for p in src.placements):
-            full = src._local_tensor
-        else:
-            full = src.full_tensor()
-    elif isinstance(src, torch.Tensor):
-        full = src
-    else:
-        dst._local_tensor.fill_(src)
-        return dst
-    if tuple(full.shape) != tuple(dst.shape):
-        full = full.expand(dst.shape)
-    piece = dst.piece_of_full(full)
-    if dst.dim() == 0 and not isinstance(dst.placement, Replicate) and not dst.is_holder:
-        return dst
-    dst._local_tensor.copy_(piece)
-    return dst
-
-
-def _run_gathered(func: Any, flat: list, spec: Any, args: tuple) -> Any:
-    full = [
-        a.full_value() if isinstance(a, OwnerDTensor) else (a.full_tensor() if isinstance(a, DTensor) else a)
-        for a in flat
-    ]
-    fargs, fkwargs = tree_unflatten(full, spec)
-    out = func(*fargs, **fkwargs)
-    if is_inplace(func) and isinstance(args[0], OwnerDTensor):
-        dst = args[0]
-        if not (dst.dim() == 0 and not dst.is_holder and not isinstance(dst.placement, Replicate)):
-            dst._local_tensor.copy_(dst.piece_of_full(fargs[0]))
-        return dst
-    mesh = next(a.device_mesh for a in flat if isinstance(a, OwnerDTensor))
-    return tree_map(
-        lambda t: OwnerDTensor.make(t, mesh, Replicate(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t,
-        out,
-    )
-
-
-def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Foreach operators element by element: every element's tensors share one layout (a
-    parameter, its gradient and its state), so the operator runs once over the local pieces and
-    each result takes its element's layout. NotImplemented when an element mixes layouts."""
-    lists = [
-        i
-        for i, a in enumerate(args)
-        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)
-    ]
-    if not lists:
-        return NotImplemented
-    n = len(args[lists[0]])
-    likes: list[Any] = []
-    for j in range(n):
-        elems = [args[i][j] for i in lists]
-        ref = next((t for t in elems if isinstance(t, DTensor)), None)
-        for t in elems:
-            if isinstance(t, DTensor) and (
-                type(t) is not type(ref)
-                or t.shape != ref.shape
-                or not all(same_placement(a, b) for a, b in zip(t._spec.placements, ref._spec.placements, strict=True))
-            ):
-                return NotImplemented
-            if not isinstance(t, DTensor) and ref is not None:
-                return NotImplemented
-        likes.append(ref)
-    scalars_ok = all(not isinstance(a, DTensor) or a.dim() == 0 for i, a in enumerate(args) if i not in lists)
-    if not scalars_ok:
-        return NotImplemented
-
-    def unwrap(a: Any) -> Any:
-        if isinstance(a, DTensor):
-            if a.dim() == 0 and not all(isinstance(p, Replicate) for p in a.placements):
-                a = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
-            return a._local_tensor
-        return a
-
-    norm = "norm" in func.name()
-
-    def unwrap_elem(t: Any) -> Any:
-        t = unwrap(t)
-        if norm and t.numel() == 0:  # nothing held here: the norm's identity, 0 (the inf-norm of
-            return t.new_zeros(1)  # an empty tensor is an error, not 0)
-        return t
-
-    largs = [[unwrap_elem(t) for t in a] if i in lists else unwrap(a) for i, a in enumerate(args)]
-    out = func(*largs, **{k: unwrap(v) for k, v in kwargs.items()})
-    if out is None or is_inplace(func) or func.name().endswith("_"):
-        return None if out is None else args[lists[0]]
-    wrapped = []
-    for like, t in zip(likes, out, strict=True):
-        if like is None:
-            wrapped.append(t)
-        elif norm:
-            p = args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else kwargs.get("ord", 2)
-            placement = norm_partial(aten.linalg_vector_norm.default, (None, p), {}) or Partial("sum")
-            if isinstance(like, OwnerDTensor) and isinstance(like.placement, Replicate):
-                wrapped.append(OwnerDTensor.make(t, like.device_mesh, Replicate(), ()))
-            elif isinstance(like, OwnerDTensor) and like._holder is not None:
-                local = t if like.is_holder else torch.zeros_like(t)
-                wrapped.append(OwnerDTensor.make(local, like.device_mesh, placement, (), holder=like._holder))
-            else:
-                wrapped.append(DTensor.from_local(t, like.device_mesh, [placement], run_check=False))
-        elif isinstance(like, OwnerDTensor):
-            wrapped.append(OwnerDTensor.make(t, like.device_mesh, like.placement, like.shape, holder=like._holder))
-        else:
-            wrapped.append(
-                DTensor.from_local(
-                    t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-                )
-            )
-    return wrapped
+        """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
+        (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
+        info = operator_info(func)
+        if info.cls is OpClass.LIST:
+            return run_lists(cls, func, args, kwargs or {}, info)
+        return dispatch(cls, func, args, kwargs or {}, info)
 
 
 torch.serialization.add_safe_globals([OwnerDTensor, OwnerShard, _NormPartial])

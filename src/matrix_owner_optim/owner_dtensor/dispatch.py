@@ -1,0 +1,437 @@
+"""The owner layout's operator rules: one rule per call, chosen from metadata only.
+
+``OwnerDTensor.__torch_dispatch__`` hands every call here. The rule is picked from the operator's
+class (``ops.py``) and the arguments' placements, shapes and meshes, never from a value or a
+local piece's size, so every rank of the mesh picks the same rule: a call is exact on every rank
+or refused on every rank, and any collective a rule issues is issued by every rank.
+
+The rules, in the order they are tried (``dispatch``):
+
+* **refused** (collectives, storage surgery): ``NotImplementedError`` naming the operator and what
+  to do, on every rank.
+* **lists** (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``): ``lists.py``, element by element.
+* ``copy_`` into an owner-layout tensor: this rank's piece of the source (the load path).
+* **value** (``item()``, ``bool()``, ``equal``): a collective read; every rank gets the value.
+* **random**: every rank draws the whole tensor from its own generator and keeps its piece, so
+  under one seed every tensor gets the values one process draws for it.
+* **replicated**: every tensor whole on every rank: computed locally, as on plain tensors.
+* **partial join**: ``stack``/``cat`` of 0-dim partial values (``clip_grad_norm_``'s norms).
+* **holder-local**: every tensor held by one rank: that rank computes, the others compute shapes
+  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere).
+* **same layout**: a pointwise operator on tensors of one placement and shape: local pieces.
+* **row blocks**: ``Shard(0)`` (FSDP2's form) with DTensor's own sharding rules.
+* **gathered**: anything else: full values, computed on every rank, and every written argument
+  (in place, ``out=``, lists) gets its piece back; new results are replicated.
+
+Plain tensors mixed with owner-layout tensors are taken as replicated (the whole value, the same
+on every rank). Known limit: a holder-local operator that fails on its *values* (an index out of
+range) raises on the holder only, as only the holder computes; shape errors raise everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .ops import OpClass, OperatorInfo, mutated_arguments, norm_partial
+from .placement import OwnerShard, owned_ranges, placement_key, same_placement
+
+if TYPE_CHECKING:
+    from .tensor import OwnerDTensor
+
+aten = torch.ops.aten
+
+__all__ = ["Call", "adopt", "dispatch", "full_of", "lay_out_like", "write_piece"]
+
+
+@dataclass
+class Call:
+    """One operator call: its arguments flattened, and which of them are owner-layout tensors,
+    other DTensors, or written by the operator."""
+
+    cls: type[OwnerDTensor]
+    func: Any
+    args: tuple
+    kwargs: dict
+    info: OperatorInfo
+    flat: list = field(init=False)
+    spec: Any = field(init=False)
+    owners: list = field(init=False)
+    stocks: list = field(init=False)
+    written: set[int] = field(init=False)  # ids of the argument tensors the operator writes
+
+    def __post_init__(self) -> None:
+        self.flat, self.spec = tree_flatten((self.args, self.kwargs))
+        self.owners = [a for a in self.flat if isinstance(a, self.cls)]
+        self.stocks = [a for a in self.flat if isinstance(a, DTensor) and not isinstance(a, self.cls)]
+        self.written = {id(t) for t in mutated_arguments(self.info, self.args, self.kwargs)}
+
+    @property
+    def mesh(self) -> Any:
+        return self.owners[0].device_mesh
+
+    def one_mesh(self) -> bool:
+        mesh = self.mesh
+        return all(_same_mesh(o.device_mesh, mesh) for o in self.owners) and all(
+            _same_mesh(s.device_mesh, mesh) for s in self.stocks
+        )
+
+    def run(self, converted: list) -> Any:
+        args, kwargs = tree_unflatten(converted, self.spec)
+        return self.func(*args, **kwargs)
+
+    def returns(self, out: Any, converted: list, wrap: Any) -> Any:
+        """``out`` with every written argument's converted value replaced by the argument itself
+        (in-place and ``out=`` results are the objects the caller passed) and every other tensor
+        passed through ``wrap``."""
+        back = {id(c): a for a, c in zip(self.flat, converted, strict=True) if id(a) in self.written}
+
+        def one(t: Any) -> Any:
+            if isinstance(t, torch.Tensor):
+                original = back.get(id(t))
+                return original if original is not None else wrap(t)
+            return t
+
+        return tree_map(one, out)
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or a == b
+
+
+def local_rank(mesh: Any) -> int:
+    """This rank's index on a 1D mesh (its cached coordinate: no process-group query)."""
+    coordinate = mesh.get_coordinate()
+    return int(coordinate[0]) if coordinate is not None else mesh.get_local_rank()
+
+
+def _replicated(p: Any) -> bool:
+    return isinstance(p, Replicate)
+
+
+def _all_replicated(call: Call) -> bool:
+    return all(_replicated(o.placement) for o in call.owners) and all(
+        all(_replicated(p) for p in s.placements) for s in call.stocks
+    )
+
+
+def full_of(a: Any) -> Any:
+    """The whole value of one argument on every rank (a collective for a non-replicated DTensor;
+    every rank calls it for the same arguments)."""
+    if isinstance(a, DTensor):
+        if hasattr(a, "full_value"):
+            return a.full_value()
+        return a.full_tensor()
+    return a
+
+
+def write_piece(dst: Any, full: torch.Tensor) -> None:
+    """Write this rank's piece of ``full`` (the new whole value of ``dst``) into ``dst``."""
+    if tuple(full.shape) != tuple(dst.shape):
+        raise RuntimeError(
+            f"an operator changed the shape of an owner-layout tensor it writes from {tuple(dst.shape)} to "
+            f"{tuple(full.shape)} (an out= tensor of the wrong size): pass an out= tensor of the result's shape"
+        )
+    if hasattr(dst, "piece_of_full"):
+        if isinstance(dst.placement, Partial):
+            if dst.holder is None:  # a partial of every rank: now the same whole value everywhere
+                dst.relayout(full.clone(), Replicate())
+            elif dst.is_holder:
+                dst._local_tensor.copy_(full)
+            return  # a value held by another rank: this rank keeps its zero
+        dst._local_tensor.copy_(dst.piece_of_full(full))
+        return
+    if isinstance(dst, DTensor):
+        if any(isinstance(p, Partial) for p in dst.placements):
+            raise NotImplementedError(
+                "writing a Partial DTensor from an operator that also reads owner-layout tensors: "
+                "call .full_tensor() on it first"
+            )
+        shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+        piece = full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+        if dst._local_tensor.data_ptr() != piece.data_ptr() or dst._local_tensor.numel() == 0:
+            dst._local_tensor.copy_(piece)
+        return
+    dst.copy_(full)
+
+
+def lay_out_like(cls: type[OwnerDTensor], like: Any, full: torch.Tensor) -> Any:
+    """A new result ``full`` (the same on every rank) laid out as ``like``: this rank's piece
+    copied out of it (so the whole tensor is not kept alive), or replicated when shapes differ."""
+    if tuple(full.shape) != tuple(like.shape) or not isinstance(like, cls) or _replicated(like.placement):
+        return cls.make(full, like.device_mesh, Replicate(), full.shape, full.stride())
+    piece = like.piece_of_full(full).clone(memory_format=torch.contiguous_format)
+    return cls.make(piece, like.device_mesh, like.placement, like.shape, holder=like.holder)
+
+
+# -- the rules --------------------------------------------------------------------------------------
+
+
+def _refuse(call: Call, info: OperatorInfo) -> Any:
+    raise NotImplementedError(f"{call.func} on owner-layout tensors is refused: {info.why_refused}")
+
+
+def _copy_into(call: Call) -> Any:
+    """``dst.copy_(src)``: this rank's piece of ``src`` into ``dst``'s piece."""
+    dst, src = call.args[0], call.args[1]
+    if (
+        isinstance(src, call.cls)
+        and same_placement(src.placement, dst.placement)
+        and tuple(src.shape) == tuple(dst.shape)
+        and src.device_mesh == dst.device_mesh
+    ):
+        dst._local_tensor.copy_(src._local_tensor)
+        return dst
+    if isinstance(src, DTensor):
+        full = src._local_tensor if all(_replicated(p) for p in src.placements) else full_of(src)
+    elif isinstance(src, torch.Tensor):
+        full = src
+    else:
+        dst._local_tensor.fill_(src)
+        return dst
+    if tuple(full.shape) != tuple(dst.shape):
+        full = full.expand(dst.shape)
+    if dst.dim() == 0 and isinstance(dst.placement, Partial) and not dst.is_holder:
+        return dst
+    dst._local_tensor.copy_(dst.piece_of_full(full))
+    return dst
+
+
+def _value(call: Call) -> Any:
+    """A Python value: metadata answered from global shapes; otherwise every rank reads the
+    whole tensors (a collective unless replicated) and gets the same value."""
+    if call.func is aten.is_same_size.default:
+        return tuple(call.args[0].shape) == tuple(call.args[1].shape)
+    if _all_replicated(call):
+        return call.run([a._local_tensor if isinstance(a, DTensor) else a for a in call.flat])
+    return call.run([full_of(a) for a in call.flat])
+
+
+def _random(call: Call, info: OperatorInfo) -> Any:
+    """Every rank draws the whole result with its own generator and keeps its piece: under one
+    seed the values one process draws, whatever the layout."""
+    self_arg = call.args[0] if call.args else None
+    converted = []
+    for a in call.flat:
+        if info.overwrites and a is self_arg and isinstance(a, call.cls):
+            converted.append(torch.empty(a.shape, dtype=a.dtype, device=a._local_tensor.device))
+        else:
+            converted.append(full_of(a))
+    out = call.run(converted)
+    for a, c in zip(call.flat, converted, strict=True):
+        if id(a) in call.written and isinstance(a, DTensor):
+            write_piece(a, c)
+    like = next((o for o in call.owners if o.dim() > 0), call.owners[0])
+    return call.returns(out, converted, lambda t: lay_out_like(call.cls, like, t))
+
+
+def _replicated_rule(call: Call) -> Any:
+    converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
+    out = call.run(converted)
+    mesh = call.mesh
+    return call.returns(out, converted, lambda t: call.cls.make(t, mesh, Replicate(), t.shape, t.stride()))
+
+
+def _join_partials(call: Call) -> Any:
+    """``stack`` / ``cat`` of 0-dim partial values of several holders (``clip_grad_norm_``'s
+    per-gradient norms): the local values side by side, still partial of the same kind (zeros
+    where a rank holds nothing), as DTensor joins FSDP2's partial norms. None when not that."""
+    tensors = call.args[0] if call.args and isinstance(call.args[0], (list, tuple)) else None
+    if not tensors or not all(isinstance(t, DTensor) and t.dim() == 0 for t in tensors):
+        return None
+    places = [t._spec.placements for t in tensors]
+    if not all(len(p) == 1 and isinstance(p[0], Partial) for p in places):
+        return None
+    if len({placement_key(p[0]) for p in places}) != 1:
+        return None
+    mesh = tensors[0].device_mesh
+    if any(t.device_mesh != mesh for t in tensors):
+        return None
+    out = call.func([t._local_tensor for t in tensors], *call.args[1:], **call.kwargs)
+    return DTensor.from_local(out, mesh, [places[0][0]], run_check=False)
+
+
+def _single_holder(call: Call) -> int | None:
+    """The one rank holding every non-replicated tensor of the call, or None."""
+    if not call.one_mesh() or not all(all(_replicated(p) for p in s.placements) for s in call.stocks):
+        return None
+    holders = set()
+    for o in call.owners:
+        if _replicated(o.placement):
+            continue
+        if o.holder is None or not isinstance(o.placement, (OwnerShard, Partial)):
+            return None
+        holders.add(o.holder)
+    return holders.pop() if len(holders) == 1 else None
+
+
+def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
+    """The holder computes; the others compute shapes on ``meta`` and hold an empty piece."""
+    for a in call.flat:  # every written tensor must be held by the holder: nothing else changes
+        if id(a) in call.written and not (
+            isinstance(a, call.cls) and a.holder == holder and not _replicated(a.placement)
+        ):
+            return None
+    mesh = call.mesh
+    me = local_rank(mesh)
+    if me == holder:
+        converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
+    else:
+        converted = [_meta(a) for a in call.flat]
+    out = call.run(converted)
+    device = call.owners[0]._local_tensor.device
+
+    def wrap(t: torch.Tensor) -> Any:
+        shape = tuple(t.shape)
+        if t.dim() == 0:
+            placement = (norm_partial(call.func, call.args, call.kwargs) if info.norm else None) or Partial("sum")
+            local = t if me == holder else torch.zeros((), dtype=t.dtype, device=device)
+            return call.cls.make(local, mesh, placement, shape, holder=holder)
+        local = t if me == holder else torch.empty((0, *shape[1:]), dtype=t.dtype, device=device)
+        placement = OwnerShard(0, owned_ranges(shape[0], holder, mesh.size()))
+        return call.cls.make(local, mesh, placement, shape, t.stride(), holder=holder)
+
+    return call.returns(out, converted, wrap)
+
+
+def _meta(a: Any) -> Any:
+    if isinstance(a, DTensor):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    return a
+
+
+def _same_layout(call: Call) -> Any:
+    """A pointwise operator on tensors of one placement and shape: the local pieces. None when
+    the call is not that."""
+    big = [o for o in call.owners if o.dim() > 0]
+    if not big or not call.one_mesh():
+        return None
+    like = big[0]
+    if isinstance(like.placement, (Replicate, Partial)):
+        return None
+    for o in big[1:]:
+        if not same_placement(o.placement, like.placement) or tuple(o.shape) != tuple(like.shape):
+            return None
+    for s in call.stocks:
+        if s.dim() > 0:
+            return None
+    tensor_shapes = [tuple(a.shape) for a in call.flat if isinstance(a, torch.Tensor)]
+    try:
+        if tuple(torch.broadcast_shapes(*tensor_shapes)) != tuple(like.shape):
+            return None
+    except RuntimeError:
+        return None
+    converted = []
+    for a in call.flat:
+        if isinstance(a, call.cls) and a.dim() > 0:
+            converted.append(a._local_tensor)
+        elif isinstance(a, DTensor):  # 0-dim: its whole value, the same everywhere
+            if id(a) in call.written:
+                return None
+            converted.append(full_of(a))
+        elif isinstance(a, torch.Tensor) and a.dim() > 0:
+            if id(a) in call.written:
+                return None
+            if a.dim() == like.dim() and a.shape[0] == like.shape[0] and like.shape[0] != 1:
+                converted.append(like.piece_of_full(a))
+            else:
+                converted.append(a)  # broadcast along the rows: the same for every piece
+        else:
+            if isinstance(a, torch.Tensor) and id(a) in call.written:
+                return None
+            converted.append(a)
+    out = call.run(converted)
+    mesh, placement, shape = like.device_mesh, like.placement, like.shape
+    return call.returns(out, converted, lambda t: call.cls.make(t, mesh, placement, shape, holder=like.holder))
+
+
+def _row_blocks(call: Call) -> Any:
+    """``Shard(0)`` row blocks (FSDP2's form) and replicated values: DTensor's own rules on the
+    same local tensors and specs. None when the call has another placement."""
+    if not call.one_mesh() or call.mesh.ndim != 1:
+        return None
+    for o in call.owners:
+        if not (type(o.placement) is Shard or _replicated(o.placement)):
+            return None
+    mesh = call.mesh
+    converted: list[Any] = []
+    for a in call.flat:
+        if isinstance(a, call.cls):
+            converted.append(a._as_stock())
+        elif isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+            converted.append(DTensor.from_local(a, mesh, [Replicate()], run_check=False))
+        else:
+            converted.append(a)
+    out = call.run(converted)
+    for a, c in zip(call.flat, converted, strict=True):
+        if id(a) in call.written and isinstance(a, call.cls) and tuple(c.placements) != tuple(a._spec.placements):
+            raise NotImplementedError(
+                f"{call.func} would change the placement of an owner-layout tensor it writes in place "
+                f"({a.placement} -> {c.placements[0]}); compute out of place, or on full_tensor()"
+            )
+    return call.returns(out, converted, lambda t: adopt(call.cls, t))
+
+
+def adopt(cls: type[OwnerDTensor], t: Any) -> Any:
+    """A DTensor result of DTensor's own rules as an owner-layout tensor when its placement is
+    one of the layout's (``Shard(0)``, ``Replicate()``, a ``Partial``), so that what is computed
+    from it next (``item()`` of a partial sum included) follows these rules too; other
+    placements (``Shard(1)`` of a transposed row block) stay DTensor's."""
+    if not isinstance(t, DTensor) or isinstance(t, cls) or t.device_mesh.ndim != 1:
+        return t
+    p = t.placements[0]
+    if type(p) is Shard and p.dim != 0:
+        return t
+    return cls.make(t._local_tensor, t.device_mesh, p, t.shape, t.stride())
+
+
+def _gathered(call: Call) -> Any:
+    """Whole values on every rank, the operator on them, every written argument's piece back."""
+    converted = [full_of(a) for a in call.flat]
+    out = call.run(converted)
+    for a, c in zip(call.flat, converted, strict=True):
+        if id(a) in call.written and isinstance(a, DTensor):
+            write_piece(a, c)
+    mesh = call.mesh
+    return call.returns(out, converted, lambda t: call.cls.make(t, mesh, Replicate(), t.shape, t.stride()))
+
+
+def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
+    """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
+    owner-layout tensor (see the module docstring for the rules and their order)."""
+    call = Call(cls, func, args, kwargs or {}, info)
+    if info.cls is OpClass.REFUSED:
+        return _refuse(call, info)
+    if func is aten.copy_.default and isinstance(args[0], cls):
+        return _copy_into(call)
+    if info.cls is OpClass.VALUE:
+        return _value(call)
+    if info.cls is OpClass.RANDOM and not _all_replicated(call):
+        return _random(call, info)
+    if _all_replicated(call):
+        return _replicated_rule(call)
+    if info.join:
+        joined = _join_partials(call)
+        if joined is not None:
+            return joined
+    holder = _single_holder(call)
+    if holder is not None and info.meta:
+        out = _holder_local(call, holder, info)
+        if out is not None:
+            return out
+    if info.pointwise:
+        out = _same_layout(call)
+        if out is not None:
+            return out
+    if info.stock_rule:
+        out = _row_blocks(call)
+        if out is not None:
+            return out
+    return _gathered(call)

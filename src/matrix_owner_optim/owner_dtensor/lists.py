@@ -1,0 +1,196 @@
+"""List operators on owner-layout tensors: ``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``.
+
+torch's optimizers (foreach and fused), ``clip_grad_norm_`` and ``GradScaler`` call these with a
+list of tensors of several layouts (a parameter, its gradient and its state share one layout;
+the next parameter may have another). The operator is elementwise over its lists, so the rule is
+per element ``j`` (the ``j``-th tensor of every list):
+
+* **local**: every DTensor of the element has one placement, shape and mesh, and its plain tensors
+  are 0-dim (a fused optimizer's ``state_steps``): the element runs on its local pieces. All local
+  elements run in one call of the operator, so a fused or foreach kernel stays one kernel.
+* **gathered**: anything else (a plain full tensor copied into a parameter, a partial value):
+  the element alone on whole values, every written list gets its piece back.
+
+Reductions: ``_foreach_norm`` of local pieces is a partial norm per element (zeros where a rank
+holds nothing), as DTensor's own ``_foreach_norm`` rule gives; ``_foreach_max`` is gathered (the
+max of an empty piece is an error, not an identity). ``_amp_foreach_non_finite_check_and_unscale_``
+(GradScaler's unscale) then takes the max of ``found_inf`` over each mesh, as DTensor's own handler
+does, so every rank skips the same step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from .. import comm
+from .dispatch import full_of, lay_out_like, write_piece
+from .ops import OperatorInfo, norm_partial
+from .placement import same_placement
+
+if TYPE_CHECKING:
+    from .tensor import OwnerDTensor
+
+aten = torch.ops.aten
+
+__all__ = ["run_lists"]
+
+_GATHERED_ALWAYS = frozenset({"_foreach_max"})
+_FOUND_INF = "_amp_foreach_non_finite_check_and_unscale_"
+
+
+def _is_list(a: Any) -> bool:
+    return isinstance(a, (list, tuple)) and all(t is None or isinstance(t, torch.Tensor) for t in a) and len(a) > 0
+
+
+def _element_ref(elem: list[Any]) -> tuple[bool, Any]:
+    """Whether an element runs on local pieces, and its layout reference (a DTensor or None)."""
+    ref = next((t for t in elem if isinstance(t, DTensor)), None)
+    if ref is None:
+        return True, None
+    for t in elem:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            if (
+                t.device_mesh != ref.device_mesh
+                or tuple(t.shape) != tuple(ref.shape)
+                or len(t.placements) != len(ref.placements)
+                or not all(same_placement(a, b) for a, b in zip(t.placements, ref.placements, strict=True))
+                or any(isinstance(p, Partial) for p in t.placements)
+            ):
+                return False, ref
+        elif t.dim() > 0:
+            return False, ref
+    return True, ref
+
+
+def _scalar_value(a: Any) -> Any:
+    """A non-list argument as the same local value on every rank (a 0-dim DTensor's whole value)."""
+    if isinstance(a, DTensor):
+        return full_of(a) if not all(isinstance(p, Replicate) for p in a.placements) else a._local_tensor
+    return a
+
+
+def _wrap_local(cls: type[OwnerDTensor], t: torch.Tensor, ref: Any, norm: Any) -> Any:
+    """A local element result in its element's layout (a partial norm for ``_foreach_norm``)."""
+    if ref is None:
+        return t
+    if norm is not None:
+        if isinstance(ref, cls) and isinstance(ref.placement, Replicate):
+            return cls.make(t, ref.device_mesh, Replicate(), ())
+        if isinstance(ref, cls) and ref.holder is not None:
+            local = t if ref.is_holder else torch.zeros_like(t)
+            return cls.make(local, ref.device_mesh, norm, (), holder=ref.holder)
+        if all(isinstance(p, Replicate) for p in ref.placements):
+            return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False)
+        return DTensor.from_local(t, ref.device_mesh, [norm], run_check=False)
+    if isinstance(ref, cls):
+        return cls.make(t, ref.device_mesh, ref.placement, ref.shape, holder=ref.holder)
+    return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+def run_lists(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
+    """Run a list operator element by element (see the module docstring)."""
+    base = func._schema.name.split("::")[-1]
+    lists = [i for i, a in enumerate(args) if _is_list(a)]
+    if not lists:
+        raise NotImplementedError(f"{func} on owner-layout tensors with no tensor list argument")
+    n = len(args[lists[0]])
+    if any(len(args[i]) != n for i in lists):
+        raise RuntimeError(f"{func}: tensor lists of different lengths {[len(args[i]) for i in lists]}")
+    others_ok = all(not isinstance(a, DTensor) or a.dim() == 0 for i, a in enumerate(args) if i not in lists)
+    others_ok = others_ok and all(not isinstance(v, DTensor) or v.dim() == 0 for v in kwargs.values())
+    is_norm = base == "_foreach_norm"
+    norm = None
+    if is_norm:
+        p = args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else kwargs.get("ord", 2)
+        norm = norm_partial(aten.linalg_vector_norm.default, (None, p), {}) or Partial("sum")
+    local_js, gathered_js, refs = [], [], []
+    for j in range(n):
+        ok, ref = _element_ref([args[i][j] for i in lists])
+        refs.append(ref)
+        if ok and others_ok and base not in _GATHERED_ALWAYS and not (is_norm and norm is None):
+            local_js.append(j)
+        else:
+            gathered_js.append(j)
+    results: list[Any] = [None] * n
+    returns_list = False
+    if local_js:
+        out = _run_local(func, args, kwargs, lists, local_js, is_norm)
+        if out is not None:
+            returns_list = True
+            for j, t in zip(local_js, out, strict=True):
+                results[j] = _wrap_local(cls, t, refs[j], norm)
+    for j in gathered_js:
+        out = _run_gathered(cls, func, args, kwargs, lists, j, refs[j], info)
+        if out is not None:
+            returns_list = True
+            results[j] = out
+    if base == _FOUND_INF:
+        _agree_found_inf(args, kwargs, lists)
+    if returns_list:
+        return results
+    return None
+
+
+def _unwrap_local(t: Any, zero_if_empty: bool) -> Any:
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        if zero_if_empty and local.numel() == 0:  # the norm of nothing held: 0, the identity
+            return local.new_zeros(1)
+        return local
+    return t
+
+
+def _run_local(func: Any, args: tuple, kwargs: dict, lists: list[int], js: list[int], is_norm: bool) -> Any:
+    largs = [[_unwrap_local(a[j], is_norm) for j in js] if i in lists else _scalar_value(a) for i, a in enumerate(args)]
+    return func(*largs, **{k: _scalar_value(v) for k, v in kwargs.items()})
+
+
+def _run_gathered(
+    cls: type[OwnerDTensor],
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    lists: list[int],
+    j: int,
+    ref: Any,
+    info: OperatorInfo,
+) -> Any:
+    """Element ``j`` alone on whole values; written list elements get their pieces back."""
+    if func._schema.name.split("::")[-1] == "_foreach_copy_":  # the element is a copy_: its own rule
+        dst, src = args[lists[0]][j], args[lists[1]][j]
+        dst.copy_(src)
+        return None
+    fulls = {i: full_of(args[i][j]) for i in lists}
+    fargs = [[fulls[i]] if i in lists else _scalar_value(a) for i, a in enumerate(args)]
+    out = func(*fargs, **{k: _scalar_value(v) for k, v in kwargs.items()})
+    for i in {w[0] for w in info.written} & set(lists):
+        dst = args[i][j]
+        if isinstance(dst, DTensor):
+            write_piece(dst, fulls[i])
+    if out is None or not isinstance(out, (list, tuple)):
+        return None
+    (t,) = out
+    if ref is None:
+        return t
+    return lay_out_like(cls, ref, t) if isinstance(ref, cls) else t
+
+
+def _agree_found_inf(args: tuple, kwargs: dict, lists: list[int]) -> None:
+    """GradScaler's ``found_inf`` as the max over every mesh its gradients are split on (each
+    rank checked its pieces only): every rank then skips, or takes, the same step."""
+    found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
+    groups: list[Any] = []
+    for t in args[lists[0]]:
+        if isinstance(t, DTensor) and not all(isinstance(p, Replicate) for p in t.placements):
+            for dim in range(t.device_mesh.ndim):
+                g = t.device_mesh.get_group(dim)
+                if all(g is not seen for seen in groups):
+                    groups.append(g)
+    for g in groups:
+        comm.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=g, name="found_inf")
