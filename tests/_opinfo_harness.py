@@ -136,9 +136,9 @@ class Trial:
 
 def _supported(t: torch.Tensor) -> bool:
     """A strided dense tensor DTensor can wrap (as torch's DTensorConverter decides)."""
-    return not (
-        t.is_sparse or t.is_sparse_csr or t.is_quantized or t.is_nested or t.is_neg() or t.is_conj()
-    ) and (t.layout == torch.strided)
+    return not (t.is_sparse or t.is_sparse_csr or t.is_quantized or t.is_nested or t.is_neg() or t.is_conj()) and (
+        t.layout == torch.strided
+    )
 
 
 def _call_parts(sample: Any) -> tuple[list[Any], Any]:
@@ -253,7 +253,9 @@ def _same(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float], value
     if got.dtype == torch.bool or not (got.is_floating_point()):
         return ("exact", "") if torch.equal(got, want) else ("WRONG", "values differ")
     both_nan = torch.isnan(got) & torch.isnan(want)
-    if bool(((got == want) | both_nan).all()) and torch.equal(torch.signbit(got[~both_nan]), torch.signbit(want[~both_nan])):
+    if bool(((got == want) | both_nan).all()) and torch.equal(
+        torch.signbit(got[~both_nan]), torch.signbit(want[~both_nan])
+    ):
         return "exact", ""
     try:
         torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1], equal_nan=True)
@@ -305,9 +307,7 @@ def run_trial(op: Any, trial: Trial, sample: Any, tol: tuple[float, float]) -> d
         leaves, ospec = tree_flatten(out_plain)
         out_dt = tree_unflatten(
             [
-                build(_fill_like(a), placement_for(trial.layout, 0, a, W), mesh)
-                if isinstance(a, torch.Tensor)
-                else a
+                build(_fill_like(a), placement_for(trial.layout, 0, a, W), mesh) if isinstance(a, torch.Tensor) else a
                 for a in leaves
             ],
             ospec,
@@ -369,6 +369,25 @@ def _variants(op: Any, sample: Any) -> list[str]:
     return out
 
 
+FIRST_SAMPLES = 8  # the default run tries the first sample with a dense tensor among these
+
+
+def _pick_samples(op: Any, name: str, mode: str) -> list[tuple[int, Any]]:
+    """(index, sample) pairs to run: every sample in the long form; by default the first sample
+    (of the first :data:`FIRST_SAMPLES`) whose arguments include a dense tensor to lay out
+    (factory functions' first samples often have none)."""
+    it = samples(op, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    if mode == "long":
+        return list(enumerate(it))
+    for s, sample in enumerate(it):
+        if s >= FIRST_SAMPLES:
+            break
+        tensors = _tensors(_call_parts(sample)[0])
+        if tensors and all(_supported(t) for t in tensors):
+            return [(s, sample)]
+    return []
+
+
 @dataclass
 class _Log:
     """This rank's verdict file (JSON lines: a ``start`` line before each trial, then its verdict)."""
@@ -396,6 +415,8 @@ def rank_job(rank: int, W: int, mode: str, start: int, log_dir: str, only: froze
     ops = operators()
     n = 0
     with _Log(os.path.join(log_dir, f"rank{rank}.jsonl")) as log:
+        if start == 0:
+            log.write(operators=[_full_name(op) for op in ops])
         for i in range(start, len(ops)):
             began = time.perf_counter()
             op = ops[i]
@@ -404,16 +425,15 @@ def rank_job(rank: int, W: int, mode: str, start: int, log_dir: str, only: froze
                 continue
             tol = tolerance(op)
             try:
-                it = samples(op, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-                sample_list = [next(it)] if mode == "default" else list(it)
-            except StopIteration:
-                sample_list = []
+                sample_list = _pick_samples(op, name, mode)
             except Exception as exc:
-                log.write(op=i, name=name, key=f"{name}|samples", verdict="n/a", detail=f"samples raise {type(exc).__name__}")
+                log.write(
+                    op=i, name=name, key=f"{name}|samples", verdict="n/a", detail=f"samples raise {type(exc).__name__}"
+                )
                 sample_list = []
             if not sample_list:
-                log.write(op=i, name=name, key=f"{name}|samples", verdict="n/a", detail="no sample")
-            for s, sample in enumerate(sample_list):
+                log.write(op=i, name=name, key=f"{name}|samples", verdict="n/a", detail="no sample with a dense tensor")
+            for s, sample in sample_list:
                 tensors = _tensors(_call_parts(sample)[0])
                 if not tensors or not all(_supported(t) for t in tensors):
                     log.write(op=i, name=name, key=f"{name}|s{s}", verdict="n/a", detail="no dense tensor argument")
@@ -437,7 +457,7 @@ class Summary:
     W: int
     trials: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {verdict, detail, op, ...}
     aborted: list[str] = field(default_factory=list)
-    operators: int = 0
+    operator_names: list[str] = field(default_factory=list)  # every operator with float32 samples
 
     def counts(self) -> dict[str, int]:
         c = Counter("exact" if t["verdict"] in ("exact", "close") else t["verdict"] for t in self.trials.values())
@@ -459,7 +479,13 @@ class Summary:
         for t in self.trials.values():
             if t["verdict"] == "n/a" or "layout" not in t:
                 continue
-            cls = "exact" if t["verdict"] in ("exact", "close") else t["verdict"] if t["verdict"] == "refused" else "other"
+            cls = (
+                "exact"
+                if t["verdict"] in ("exact", "close")
+                else t["verdict"]
+                if t["verdict"] == "refused"
+                else "other"
+            )
             g[f"{t['layout']}/{t['variant']}"][cls] += 1
         return {k: dict(v) for k, v in sorted(g.items())}
 
@@ -489,6 +515,9 @@ def summarize(W: int, log_dir: str, summary: Summary) -> int | None:
         d: set[int] = set()
         last = None
         for row in rows:
+            if "operators" in row:
+                summary.operator_names = row["operators"]
+                continue
             if row.get("done"):
                 d.add(row["op"])
             elif row.get("start"):
@@ -513,13 +542,13 @@ def summarize(W: int, log_dir: str, summary: Summary) -> int | None:
             base["detail"] = "; ".join(f"rank {r}: {x['verdict']} {x['detail']}" for r, x in enumerate(present))[:800]
         summary.trials[key] = base
     every_done = set.intersection(*done) if done else set()
-    started = {row["op"] for rows in per_rank for row in rows}
+    started = {row["op"] for rows in per_rank for row in rows if "op" in row}
     pending = sorted(started - every_done)
     if not pending:
         return None
     op = pending[0]
     flight = next((k for k in in_flight if k is not None), f"op {op}")
-    name = next((row["name"] for rows in per_rank for row in rows if row["op"] == op), str(op))
+    name = next((row["name"] for rows in per_rank for row in rows if row.get("op") == op), str(op))
     summary.trials[flight] = {"op": op, "name": name, "verdict": "ABORTED", "detail": "a rank timed out or died"}
     summary.aborted.append(flight)
     return op
@@ -536,7 +565,6 @@ def run_world(
     """Every operator's trials at world size ``W``, resuming after each hang at the next
     operator (at most ``max_aborts`` times, then the rest is left unrun and reported)."""
     summary = Summary(W)
-    summary.operators = len(operators())
     start = 0
     with tempfile.TemporaryDirectory(prefix="moo-opinfo-") as root:
         attempt = 0
@@ -558,11 +586,12 @@ def run_world(
                 on_abort(f"W={W}: aborted at {summary.aborted[-1]}: {(crashed or '')[:300]}")
             attempt += 1
             start = aborted_at + 1
-            if start >= summary.operators or (max_aborts is not None and attempt > max_aborts):
-                if start < summary.operators:
+            total = len(summary.operator_names)
+            if start >= total or (max_aborts is not None and attempt > max_aborts):
+                if start < total:
                     summary.trials[f"ops {start}.. not run"] = {
                         "op": start,
-                        "name": f"{summary.operators - start} operators",
+                        "name": f"{total - start} operators",
                         "verdict": "NOT-RUN",
                         "detail": f"left after {attempt} aborts",
                     }
