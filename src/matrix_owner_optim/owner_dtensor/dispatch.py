@@ -17,9 +17,11 @@ The rules, in the order they are tried (``dispatch``):
 * **replicated**: every tensor whole on every rank: computed locally, as on plain tensors.
 * **partial join**: ``stack``/``cat`` of 0-dim partial values (``clip_grad_norm_``'s norms).
 * **holder-local**: every tensor held by one rank: that rank computes, the others compute shapes
-  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere).
+  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere). An
+  operator whose meta kernel is not exercised by DTensor is first tried on ``meta`` by every
+  rank; if that fails (no kernel, a shape read from data), every rank gathers instead.
 * **same layout**: a pointwise operator on tensors of one placement and shape: local pieces.
-* **row blocks**: ``Shard(0)`` (FSDP2's form) with DTensor's own sharding rules.
+* **row blocks**: a reduction of ``Shard(0)`` rows (FSDP2's form) with DTensor's own rule.
 * **gathered**: anything else: full values, computed on every rank, and every written argument
   (in place, ``out=``, lists) gets its piece back; new results are replicated.
 
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..planning.metadata import chunk_row_range
 from .ops import OpClass, OperatorInfo, mutated_arguments, norm_partial
 from .placement import OwnerShard, owned_ranges, placement_key, same_placement
 
@@ -279,12 +282,24 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
             return None
     mesh = call.mesh
     me = local_rank(mesh)
+    metas = None
+    if not info.meta_trusted:  # every rank, the holder too, checks the shapes compute on meta
+        try:
+            metas = [_meta(a) for a in call.flat]
+            meta_out = call.run(metas)
+        except Exception:  # no meta kernel, or a shape read from data: every rank gathers instead
+            return None
     if me == holder:
         converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
+        out = call.run(converted)
+    elif metas is not None:
+        converted, out = metas, meta_out
     else:
         converted = [_meta(a) for a in call.flat]
-    out = call.run(converted)
-    device = call.owners[0]._local_tensor.device
+        out = call.run(converted)
+    # where the holder's result lives (the others computed on meta): a factory's device= if given
+    device = torch.device(call.kwargs["device"]) if call.kwargs.get("device") is not None else None
+    device = device or call.owners[0]._local_tensor.device
 
     def wrap(t: torch.Tensor) -> Any:
         shape = tuple(t.shape)
@@ -353,12 +368,20 @@ def _same_layout(call: Call) -> Any:
 
 
 def _row_blocks(call: Call) -> Any:
-    """``Shard(0)`` row blocks (FSDP2's form) and replicated values: DTensor's own rules on the
-    same local tensors and specs. None when the call has another placement."""
+    """A reduction of ``Shard(0)`` row blocks (FSDP2's form; a gradient norm, a sum) with
+    replicated values: DTensor's own rule on the same local tensors and specs, a partial result
+    and no gather. Only where every rank holds rows: DTensor's rules run the operator on every
+    local piece, and reducing an empty piece can raise on that rank alone. None otherwise."""
     if not call.one_mesh() or call.mesh.ndim != 1:
         return None
+    W = call.mesh.size()
     for o in call.owners:
-        if not (type(o.placement) is Shard or _replicated(o.placement)):
+        if _replicated(o.placement):
+            continue
+        if type(o.placement) is not Shard or o.dim() == 0:
+            return None
+        n = int(o.shape[0])
+        if any(b <= a for a, b in (chunk_row_range(n, W, r) for r in range(W))):
             return None
     mesh = call.mesh
     converted: list[Any] = []
@@ -430,7 +453,7 @@ def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info
         out = _same_layout(call)
         if out is not None:
             return out
-    if info.stock_rule:
+    if info.stock_rule and info.reduction:
         out = _row_blocks(call)
         if out is not None:
             return out

@@ -112,10 +112,12 @@ class OperatorInfo:
     inplace: bool  # writes its first argument and returns it
     mutates: bool  # writes any argument (in place, ``out=``, lists)
     overwrites: bool  # random in-place that never reads the values it overwrites
-    meta: bool  # computes shapes on ``meta`` with no data (holder-local needs it off the holder)
+    meta: bool  # has a meta kernel and a data-independent result shape
+    meta_trusted: bool  # pointwise, or DTensor has a rule for it: its meta kernel is exercised
     stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
     norm: bool
     join: bool
+    reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
     written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
@@ -164,9 +166,11 @@ def operator_info(func: Any) -> OperatorInfo:
         mutates=any(writes),
         overwrites=func in OVERWRITING_RANDOM,
         meta=_has_meta(func),
+        meta_trusted=pointwise or _stock_rule(func),
         stock_rule=_stock_rule(func),
         norm=func in NORMS,
         join=func in JOINS,
+        reduction=torch.Tag.reduction in func.tags,
         written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
     )
     if namespace in _COLLECTIVE_NAMESPACES:
@@ -180,6 +184,14 @@ def operator_info(func: Any) -> OperatorInfo:
         why = (
             "it replaces or resizes the storage of an owner-layout tensor, whose piece must keep the "
             "shape its placement says: build a new tensor instead (full_tensor() gives the whole value)"
+        )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if torch.Tag.inplace_view in func.tags:
+        why = (
+            "an in-place view (t_, transpose_, squeeze_, unsqueeze_, as_strided_) changes a tensor's shape in "
+            "place, which no DTensor can (stock DTensor refuses it too): use the out-of-place view (t(), "
+            "transpose(), ...); for an init that needs one (nn.init.orthogonal_), initialise before "
+            "fully_shard, or on full_tensor() and copy_ the result back"
         )
         return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
     if base.startswith(("_foreach_", "_fused_", "_amp_foreach_")):

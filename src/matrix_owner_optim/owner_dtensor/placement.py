@@ -18,7 +18,15 @@ from torch.distributed.tensor import Shard
 
 from .. import comm
 
-__all__ = ["OwnerShard", "contiguous_stride", "gather_ranges", "owned_ranges", "placement_key", "same_placement"]
+__all__ = [
+    "OwnerShard",
+    "as_bytes",
+    "contiguous_stride",
+    "gather_ranges",
+    "owned_ranges",
+    "placement_key",
+    "same_placement",
+]
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -121,23 +129,29 @@ def placement_key(p: Any) -> Any:
     )
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage as a flat ``uint8`` tensor: gloo has no int16, uint16-64 or complex, so the
+    layout's gathers move bytes, whatever the dtype (no copy when ``t`` is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, ...], group: Any) -> torch.Tensor:
-    """The full tensor from every rank's row range (one broadcast when one rank holds it all)."""
+    """The full tensor, in new storage, from every rank's row range (one broadcast when one rank
+    holds it all); moved as bytes, so every dtype travels."""
     holder = placement.holder
     rank = dist.get_rank(group)
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
     if holder is not None:
         if rank == holder:  # new storage on the holder too: the result never aliases the piece
-            full = local.clone(memory_format=torch.contiguous_format)
-        else:
-            full = torch.empty(shape, dtype=local.dtype, device=local.device)
-        comm.broadcast(full, group_src=holder, group=group, name="owner_full_tensor")
+            full.copy_(local)
+        comm.broadcast(as_bytes(full), group_src=holder, group=group, name="owner_full_tensor")
         return full
-    row = 1
+    row = local.element_size()
     for s in shape[1:]:
         row *= int(s)
     sizes = [(b - a) * row for a, b in placement.ranges]
-    recv = torch.empty(sum(sizes), dtype=local.dtype, device=local.device)
-    send = local.contiguous().reshape(-1)
+    recv = torch.empty(sum(sizes), dtype=torch.uint8, device=local.device)
+    send = as_bytes(local)
     world = len(sizes)
     comm.all_to_all_single(
         recv,
@@ -147,9 +161,9 @@ def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, 
         group=group,
         op="owner_full_tensor",
     )
-    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    flat = as_bytes(full)
     offset = 0
     for (a, b), n in zip(placement.ranges, sizes, strict=True):
-        full[a:b].copy_(recv[offset : offset + n].view((b - a, *shape[1:])))
+        flat[a * row : b * row].copy_(recv[offset : offset + n])
         offset += n
     return full

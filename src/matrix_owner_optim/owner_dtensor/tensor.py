@@ -21,7 +21,7 @@ from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
 from .ops import OpClass, operator_info
-from .placement import OwnerShard, contiguous_stride, gather_ranges, owned_ranges
+from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
 
 aten = torch.ops.aten
 
@@ -203,7 +203,7 @@ class OwnerDTensor(DcpChunks, DTensor):
             return gather_ranges(local, p, tuple(self.shape), group)
         if isinstance(p, Partial) and self._holder is not None:
             full = local.clone() if self.is_holder else torch.empty((), dtype=local.dtype, device=local.device)
-            comm.broadcast(full, group_src=self._holder, group=group, name="owner_full_tensor")
+            comm.broadcast(as_bytes(full), group_src=self._holder, group=group, name="owner_full_tensor")
             return full
         if type(p) is Shard:  # torch.chunk's rows, gathered as explicit ranges
             n, W = int(self.shape[0]), self.device_mesh.size()
