@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from _opinfo_harness import GOOD, PG_TIMEOUT_S, Summary, run_world
+from _opinfo_harness import PG_TIMEOUT_S, Summary, run_world
 from _owner_contract import collectives_job, reads_job
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 
@@ -78,15 +78,10 @@ def test_every_operator_is_tried(opinfo: Summary) -> None:
 
 
 def test_operators_exact_or_refused_on_every_rank(opinfo: Summary) -> None:
-    """No operator is silently wrong, raises on some ranks only, differs across ranks or hangs."""
+    """No operator is silently wrong, raises on some ranks only, differs across ranks, hangs, or
+    raises with a message that does not name it (a refusal is one exception type on every rank
+    whose message names the aten/c10d operator or the OpInfo's name)."""
     assert not opinfo.other(), _report(opinfo)
-
-
-def test_refusals_name_the_operator(opinfo: Summary) -> None:
-    """Every refusal is one exception type on every rank with a message naming the operator."""
-    refused = [t for t in opinfo.trials.values() if t["verdict"] == "refused"]
-    assert all(t["verdict"] in GOOD for t in refused)
-    assert all(":" in t["detail"] for t in refused), refused[:5]
 
 
 # -- the rest of the contract ---------------------------------------------------------------------------
