@@ -92,7 +92,7 @@ class ShardTree:
             if t.plan is not None:
                 if tree.plan is not None and tree.plan is not t.plan and tree.plan.digest() != t.plan.digest():
                     raise ValueError(
-                        f"fully_shard({type(module).__name__}): {_call(tree.plan_from, module, name_of)} was "
+                        f"fully_shard({_class_name(module)}): {_call(tree.plan_from, module, name_of)} was "
                         f"given plan {tree.plan.digest()[:12]} and {_call(t.plan_from, module, name_of)} plan "
                         f"{t.plan.digest()[:12]}; one tree is planned from one plan. Give plan= on one call "
                         "(the root's), or the same plan to every call"
@@ -102,7 +102,7 @@ class ShardTree:
             if t.cost is not None:
                 if tree.cost is not None and tree.cost is not t.cost and tree.cost != t.cost:
                     raise ValueError(
-                        f"fully_shard({type(module).__name__}): {_call(tree.cost_from, module, name_of)} named "
+                        f"fully_shard({_class_name(module)}): {_call(tree.cost_from, module, name_of)} named "
                         f"cost model {tree.cost.name!r} ({tree.cost!r}) and {_call(t.cost_from, module, name_of)} "
                         f"named {t.cost.name!r} ({t.cost!r}); one tree is priced by one cost model. Pass "
                         "preconditioner= to one call (the root's), or the same to every call"
@@ -120,11 +120,11 @@ class ShardTree:
             return self.context
         if self.phase is PlanPhase.FAILED:
             raise RuntimeError(
-                f"sharding of this {type(self.root.modules[0]).__name__} failed earlier ({self.failure}); "
+                f"sharding of this {_class_name(self.root.modules[0])} failed earlier ({self.failure}); "
                 "build the model again and call fully_shard on it"
             )
         if self.cost is not None:
-            cost, why = self.cost, f"named by fully_shard({type(self.cost_from).__name__}, preconditioner=...)"
+            cost, why = self.cost, f"named by fully_shard({_class_name(self.cost_from)}, preconditioner=...)"
         elif offered is not None:
             cost, why = offered, "offered when the plan was fixed (the optimizer's matrix optimizer, or fix_plan())"
         else:
@@ -138,14 +138,14 @@ class ShardTree:
         for st, unit in zip(self.states, context.units, strict=True):
             st.unit = unit
         self.context, self.phase = context, PlanPhase.PLANNED
-        what = type(self.root.modules[0]).__name__
+        what = _class_name(self.root.modules[0])
         if self.plan is not None:
             _log.info(
                 "sharding plan of %s fixed over %d ranks: the plan given to fully_shard(%s, plan=...), "
                 "priced by %s when it was made",
                 what,
                 context.groups.world_size,
-                type(self.plan_from).__name__,
+                _class_name(self.plan_from),
                 self.plan.preconditioner,
             )
         else:
@@ -164,4 +164,13 @@ def _call(module: nn.Module | None, top: nn.Module, name_of: Callable[[nn.Module
     """Words for the ``fully_shard`` call on ``module`` (``top``: the call being made)."""
     if module is None or module is top:
         return "this call"
-    return f"the call on its submodule {name_of(module)!r} ({type(module).__name__})"
+    return f"the call on its submodule {name_of(module)!r} ({_class_name(module)})"
+
+
+def _class_name(module: nn.Module | None) -> str:
+    """The user's class name of ``module`` (a sharded module's class is a dynamic subclass
+    ``OwnerSharded<Class>`` of ``(OwnerShardedModule, <Class>)``)."""
+    cls = type(module)
+    if cls.__name__.startswith("OwnerSharded") and len(cls.__bases__) == 2:
+        return cls.__bases__[1].__name__
+    return cls.__name__
