@@ -93,7 +93,9 @@ class OwnerShardState:
     @property
     def root(self) -> OwnerShardState:
         """The outermost call of this call's tree (itself until a call around it adopts it)."""
-        return self.tree.root
+        root = self.tree.root
+        assert isinstance(root, OwnerShardState)
+        return root
 
     # -- the tree --------------------------------------------------------------------------------
     def register(self) -> None:

@@ -24,20 +24,18 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
 from ..planning.cost import CostModel
 from ..planning.metadata import ShardingPlan
 from ..planning.registry import DEFAULT_COST
-from .build import build_context
+from .build import PlannedCall, build_context
 from .context import ShardingContext
+from .unit import ShardedUnit
 
-if TYPE_CHECKING:
-    from .state import OwnerShardState
-
-__all__ = ["PlanPhase", "ShardTree"]
+__all__ = ["PlanPhase", "ShardTree", "TreeMember"]
 
 _log = logging.getLogger(__name__)
 
@@ -50,12 +48,19 @@ class PlanPhase(enum.Enum):
     FAILED = "failed"
 
 
+class TreeMember(PlannedCall, Protocol):
+    """What the tree reads and sets of one call's state (``state.OwnerShardState`` is one)."""
+
+    unit: ShardedUnit | None  # set when the plan is fixed
+    tree: ShardTree  # the tree it belongs to: this object
+
+
 @dataclass(eq=False)
 class ShardTree:
     """The facts of one tree of ``fully_shard`` calls (module docstring); every state of the tree
     points to this one object."""
 
-    states: list[OwnerShardState] = field(default_factory=list)  # planning order, the root last
+    states: list[TreeMember] = field(default_factory=list)  # planning order, the root last
     plan: ShardingPlan | None = None  # given by a call (plan=), else planned when fixed
     plan_from: nn.Module | None = None  # the module of the call that gave it
     cost: CostModel | None = None  # named by a call; once fixed, the cost that priced the plan
@@ -66,7 +71,7 @@ class ShardTree:
     context: ShardingContext | None = None  # the runtime, once the plan is fixed
 
     @property
-    def root(self) -> OwnerShardState:
+    def root(self) -> TreeMember:
         """The outermost call's state."""
         return self.states[-1]
 
