@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..tensors import itemsize
+from .registry import DEFAULT_COST
 
 __all__ = [
     "chunk_row_range",
@@ -193,7 +194,7 @@ class ShardingPlan:
     world_size: int
     shards: dict[str, MatrixShard]
     loads: list[RankLoad] = field(default_factory=list)
-    preconditioner: str = "muon"
+    preconditioner: str = DEFAULT_COST.name  # the name of the cost model that priced it
 
     # -- lookups --------------------------------------------------------------------
     def __getitem__(self, fqn: str) -> MatrixShard:
