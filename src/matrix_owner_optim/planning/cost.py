@@ -2,9 +2,10 @@
 
 The planner balances what these functions report. Each preconditioner states its own cost
 (``Muon.cost_model`` and so on point at the objects below), and a third-party optimizer can
-bring its own: each name's cost is part of its entry in the one preconditioner registry
-(:mod:`.registry`; ``register_preconditioner(name, factory, cost_model=...)``, or the factory's
-``cost_model`` attribute). Costs are estimates for balancing, not measurements.
+bring its own: each name's cost is part of its entry in the one optimizer registry
+(:mod:`.registry`; ``register_optimizer(name, factory, cost_model=...)``, or the factory's
+``cost_model`` attribute), and ``registry.resolve_cost`` is the one rule that picks it.
+Costs are estimates for balancing, not measurements.
 """
 
 from __future__ import annotations
