@@ -376,7 +376,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     refused(
         "failed_earlier",
         RuntimeError,
-        r"sharding of this OwnerShardedGPT failed earlier",
+        r"sharding of this GPT failed earlier",  # the user's class, not the sharded subclass
         lambda: model.sharding_plan,
     )
     # 19. fully_shard twice on a module; and on a parent of an already-sharded block

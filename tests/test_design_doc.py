@@ -48,6 +48,7 @@ NOT_PACKAGE = {
     "RegisterPostBackwardFunction": "FSDP2's autograd function whose backward the runtime mirrors",
     "FSDPState": "FSDP2's per-call state object, the model for OwnerShardState",
     "FSDPModule": "FSDP2's module mixin, the model for OwnerShardedModule",
+    "FSDPStateContext": "FSDP2's tree-wide state every FSDPState points to, the model for ShardTree",
     "DeviceMesh": "torch's device mesh (torch.distributed.device_mesh)",
     "Placement": "DTensor's placement base class, named to say UpdateLayout is not one",
     "_fully_shard/": "FSDP2's package (torch/distributed/fsdp/_fully_shard/), the model for sharding/",
@@ -59,20 +60,6 @@ NOT_PACKAGE = {
 
 # The document's variables for package objects, resolved as these classes.
 VARIABLES = {"opt": "OwnerRoutedOptimizer", "advice": "MeshAdvice", "plan": "ShardingPlan"}
-
-# TEMPORARY (issue 22): names in "The runtime (`sharding/`)" (and its subsections Lazy sharding,
-# The lifecycle of a unit, Collectives and bytes) and "The optimizer (`optim/`)" that do not
-# exist in the package today. Those sections are being rewritten in parallel, so this branch
-# lists their mismatches here instead of editing them; the lead empties this set at merge time.
-# Each entry must still be a missing name of one of those sections, or the test fails.
-_BEING_REWRITTEN: set[str] = set()
-_REWRITTEN_SECTIONS = (
-    "The runtime (`sharding/`)",
-    "Lazy sharding",
-    "The lifecycle of a unit",
-    "Collectives and bytes",
-    "The optimizer (`optim/`)",
-)
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CAMEL = re.compile(r"_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*")
@@ -364,15 +351,151 @@ def test_every_layout_path_exists() -> None:
 
 
 def test_every_symbol_design_md_names_exists() -> None:
-    missing = [m for m in _missing() if m[0] not in _BEING_REWRITTEN]
+    missing = _missing()
     assert not missing, "DESIGN.md names what the package does not have:\n" + "\n".join(
         f"  line {line} ({section}): `{span}`: {why}" for span, section, line, why in missing
     )
 
 
-def test_the_being_rewritten_allowance_is_exact() -> None:
-    """Each temporary entry is still missing, and in a section being rewritten."""
-    missing = {span: section for span, section, _, _ in _missing()}
-    for name in _BEING_REWRITTEN:
-        assert name in missing, f"_BEING_REWRITTEN: `{name}` exists now (or is gone): remove it"
-        assert missing[name] in _REWRITTEN_SECTIONS, (name, missing[name])
+# -- statements, not only symbols ---------------------------------------------------------------
+_MUTATORS = {
+    "append",
+    "extend",
+    "add",
+    "update",
+    "setdefault",
+    "pop",
+    "popitem",
+    "clear",
+    "insert",
+    "remove",
+    "discard",
+}
+_CACHES = {"cache", "lru_cache"}
+
+
+def _module_state(tree: ast.Module) -> set[str]:
+    """The names a module binds at module level and changes afterwards (item or attribute
+    assignment, a mutating method, ``global``), and its module-level functions that cache
+    (``functools.cache`` / ``lru_cache``)."""
+    bound: set[str] = set()
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        bound |= {t.id for t in targets if isinstance(t, ast.Name)}
+    changed: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            changed |= set(node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            changed |= {
+                t.value.id
+                for t in targets
+                if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name)
+            }
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+            if isinstance(node.func.value, ast.Name):
+                changed.add(node.func.value.id)
+    caches = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any(
+            (d.func if isinstance(d, ast.Call) else d) is not None and _decorator_name(d) in _CACHES
+            for d in node.decorator_list
+        )
+    }
+    return (bound & changed) | caches
+
+
+def _decorator_name(node: ast.expr) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def test_the_module_level_state_design_md_lists_is_what_the_modules_bind() -> None:
+    """ "Module-level state that remains" lists every ``path: NAME`` of state the library keeps at
+    module level (the toolbox is not the library), and nothing else."""
+    text = DESIGN.read_text()
+    start = text.index("### Module-level state that remains")
+    section = text[start : text.index("\n## ", start)]
+    listed = set(re.findall(r"`([a-z_/]+\.py): ([A-Za-z_]+)`", section))
+    assert len(listed) >= 5, listed
+    index = _index()
+    found = {
+        (index.files[name].relative_to(PKG).as_posix(), state)
+        for name, tree in index.modules.items()
+        if not name.startswith("matrix_owner_optim.toolbox")
+        for state in _module_state(tree)
+    }
+    assert listed == found, f"listed, not bound: {sorted(listed - found)}; bound, not listed: {sorted(found - listed)}"
+
+
+def _imports(index: _Index) -> dict[str, set[str]]:
+    """Package module -> the package modules it imports (relative imports resolved; imports under
+    ``if TYPE_CHECKING:`` are for the type checker only and left out)."""
+    out: dict[str, set[str]] = {}
+    for name, tree in index.modules.items():
+        package = name if index.files[name].name == "__init__.py" else name.rpartition(".")[0]
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                mod = ".".join(p for p in (base, node.module or "") if p)
+                targets |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in index.modules else mod for a in node.names}
+        out[name] = {t for t in targets if t in index.modules and t != name}
+    return out
+
+
+def test_imports_point_the_way_design_md_says() -> None:
+    """ "Imports point downward, with no cycle": ``sharding`` and ``optim`` never import each other,
+    ``preconditioners`` never import ``torch.distributed``, nothing in the library imports
+    ``toolbox``, and no library module imports itself back through others."""
+    index = _index()
+    graph = _imports(index)
+    pkg = "matrix_owner_optim"
+    bad = []
+    for name, targets in graph.items():
+        if name.startswith(f"{pkg}.toolbox") or name == f"{pkg}.__main__":  # the commands, not the library
+            continue
+        for a, b in ((f"{pkg}.sharding", f"{pkg}.optim"), (f"{pkg}.optim", f"{pkg}.sharding"), (pkg, f"{pkg}.toolbox")):
+            if name.startswith(a) and any(t == b or t.startswith(b + ".") for t in targets):
+                bad.append((name, b))
+        if name.startswith(f"{pkg}.preconditioners") and any(
+            isinstance(n, (ast.Import, ast.ImportFrom)) and "torch.distributed" in ast.unparse(n)
+            for n in ast.walk(index.modules[name])
+        ):
+            bad.append((name, "torch.distributed"))
+    assert not bad, bad
+    library = {
+        n: {t for t in ts if not t.startswith(f"{pkg}.toolbox")}
+        for n, ts in graph.items()
+        if not n.startswith(f"{pkg}.toolbox")
+    }
+    # a cycle: a module reachable from one of the modules it imports (package __init__s that
+    # import their own submodules are edges like any other)
+    cycles = []
+    for start in library:
+        seen, todo = set(), list(library[start] - {n for n in library[start] if start.startswith(n + ".")})
+        while todo:
+            n = todo.pop()
+            if n == start:
+                cycles.append(start)
+                break
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(t for t in library.get(n, ()) if not n.startswith(t + "."))
+    assert not cycles, f"import cycles through: {sorted(cycles)}"

@@ -90,8 +90,10 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
 def test_param_groups_have_the_same_structure_and_split_by_role() -> None:
     model, _ = twin_models()
     opt = OwnerRoutedOptimizer(model.named_parameters(), matrix_options={"lr": 0.02})
-    assert [g["role"] for g in opt.param_groups] == ["matrix", "tail"]
-    assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[1]["lr"] == 1e-3
+    # one group per tensor role ("role"), each naming the optimizer that steps it ("optimizer")
+    assert [g["role"] for g in opt.param_groups] == ["matrix", "tail", "rows"]
+    assert [g["optimizer"] for g in opt.param_groups] == ["matrix", "tail", "tail"]
+    assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[1]["lr"] == opt.param_groups[2]["lr"] == 1e-3
     assert "betas" in opt.param_groups[1] and "ns_steps" in opt.param_groups[0]
     # names: wte (tied head) and wpe are embeddings -> tail optimizer; Linear weights -> matrix
     n_matrix = len(opt.param_groups[0]["params"])
@@ -338,13 +340,13 @@ def test_child_groups_read_and_write_the_parent_groups() -> None:
     opt = OwnerRoutedOptimizer(model.named_parameters(), matrix_options={"lr": 0.02})
     parent, child = opt.param_groups[0], opt.matrix_optimizer.param_groups[0]
     assert child["params"] is not parent["params"]  # its own list: this rank's proxies
-    assert "param_names" in parent and "param_names" not in child and "role" not in child
+    assert "param_names" in parent and "param_names" not in child and "role" not in child and "optimizer" not in child
     parent["lr"] = 0.5  # a scheduler's write: the child reads it, nothing is copied
     assert child["lr"] == 0.5 and child.get("lr") == 0.5 and dict(child)["lr"] == 0.5
     child["d"] = 3.0  # a value the child sets itself (Prodigy's d): in the parent at once
     assert parent["d"] == 3.0 and "d" in child
     assert opt.state_dict()["param_groups"][0]["d"] == 3.0
-    assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role"})
+    assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role", "optimizer"})
 
 
 def test_load_keeps_live_values_a_saved_group_lacks() -> None:
@@ -353,9 +355,10 @@ def test_load_keeps_live_values_a_saved_group_lacks() -> None:
     sd = copy.deepcopy(opt.state_dict())
     assert [g["role"] for g in sd["param_groups"]] == ["matrix", "tail"]
     for g in sd["param_groups"]:
-        del g["role"]
+        del g["role"], g["optimizer"]  # saved before the groups recorded them
     del sd["param_groups"][1]["eps"]  # saved before the tail optimizer had this hyperparameter
     opt.load_state_dict(sd)
     assert opt.param_groups[1]["eps"] == 1e-8 and opt.param_groups[1]["role"] == "tail"
+    assert opt.param_groups[1]["optimizer"] == "tail"
     model(torch.randn(3, 4)).square().mean().backward()
     opt.step()  # the child still reads every hyperparameter it needs

@@ -124,7 +124,7 @@ def _resident(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, i
         ),
         "gathered": 0,
     }
-    for unit in _state(model).root.context.units:
+    for unit in _state(model).tree.context.units:
         for h in unit.handles:
             if not h.aliases_resident:
                 out["gathered"] += h.unsharded.untyped_storage().nbytes()

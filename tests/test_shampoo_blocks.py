@@ -32,7 +32,8 @@ from _tolerances import LOCKSTEP_RTOL
 from _tolerances import SHAMPOO_BLOCKS_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.planning import Role, get_cost_model, get_matrix_shard, plan_model
+from matrix_owner_optim.optim.routing import OptimizerKind
+from matrix_owner_optim.planning import get_cost_model, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.bands import declare_row_band
 from matrix_owner_optim.planning.cost import MUON_COST, row_block_of, shampoo_cost, soap_cost
 from matrix_owner_optim.preconditioners import Muon, Shampoo
@@ -136,7 +137,7 @@ def test_no_cut_for_an_optimizer_that_steps_whole_matrices() -> None:
 
 def test_the_optimizers_block_size_reaches_the_plan() -> None:
     def matrix_cost(**kw: Any) -> Any:  # what prices a plan this optimizer fixes
-        return OwnerRoutedOptimizer(_model(), **kw)._roles[Role.MATRIX].cost
+        return OwnerRoutedOptimizer(_model(), **kw)._kinds[OptimizerKind.MATRIX].cost
 
     assert row_block_of(matrix_cost(matrix="shampoo", matrix_options={"max_preconditioner_dim": B})) == B
     assert row_block_of(matrix_cost(matrix="shampoo")) == 1024  # Shampoo's default block

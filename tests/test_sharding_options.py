@@ -377,9 +377,11 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
         torch_fully_shard(model, mesh=mesh)
     a, b = _groups(list(model.named_parameters()))
     opt = OwnerRoutedOptimizer(a, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
-    n_groups = len(opt.param_groups)  # a plain list is split into one group per role
-    opt.add_param_group({"params": b, "lr": HALF_LR})  # the matrix and the tail lr of group B
-    assert len(opt.param_groups) == n_groups + 1 and opt.param_groups[-1]["lr"] == HALF_LR
+    n_groups = len(opt.param_groups)  # a plain list is split into one group per tensor role
+    opt.add_param_group({"params": b, "lr": HALF_LR})  # the lr of group B: its tail and rows tensors
+    added = opt.param_groups[n_groups:]
+    assert [(g["role"], g["optimizer"]) for g in added] == [("tail", "tail"), ("rows", "tail")]
+    assert all(g["lr"] == HALF_LR for g in added)
     ref_opts = _reference_for(opt, ref)
     norm_types = [2.0, 1.0, math.inf]
     for step in range(3):

@@ -8,7 +8,7 @@ commands (``matrix-owner-optim``) and is never imported by the library.
 
 from . import checkpoint
 from .comm import CommCounter
-from .optim import OwnerRoutedOptimizer, register_preconditioner
+from .optim import OwnerRoutedOptimizer, register_optimizer, register_preconditioner
 from .planning import MatrixShard, MeshAdvice, Role, ShardingPlan, get_matrix_shard, plan_mesh, plan_model
 from .sharding import (
     MixedPrecisionPolicy,
@@ -18,7 +18,7 @@ from .sharding import (
     register_fsdp_forward_method,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one home of the version (pyproject.toml reads it)
 
 __all__ = [
     "CommCounter",
@@ -37,5 +37,6 @@ __all__ = [
     "plan_mesh",
     "plan_model",
     "register_fsdp_forward_method",
+    "register_optimizer",
     "register_preconditioner",
 ]

@@ -5,8 +5,9 @@ get_optimizer_state_dict(model, optimizer)})``; ``load`` is the matching ``dcp.l
 by ``set_model_state_dict`` / ``set_optimizer_state_dict``. Everything that makes the owner
 layout checkpointable lives in the state dicts themselves (``model.state_dict()`` and
 ``OwnerRoutedOptimizer.state_dict()`` give pieces of global tensors keyed by fqn), so a trainer
-can call those tools directly; this module adds only error messages that name the file, the
-parameter and both shapes before any tensor is read. A checkpoint written at W ranks on any
+can call those tools directly. This module adds two things: error messages that name the file,
+the parameter and both shapes before any tensor is read, and an atomic replace of the checkpoint
+directory (below). A checkpoint written at W ranks on any
 layout (owner layout, stock FSDP2, DDP, one process) loads at any W' on any layout.
 
 Every call is collective over ``process_group`` (default: the world group) when a process group
@@ -256,7 +257,7 @@ def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str
             saved_groups.setdefault(index, set()).add(name)
     for i, group in enumerate(groups):
         have = saved_groups.get(str(i))
-        absent = sorted(set(group) - (have or set()) - {"params", "param_names"})
+        absent = sorted(set(group) - (have or set()) - {"params", "param_names", "optimizer"})
         if have is None or absent:
             role = group.get("role", "?")
             raise CheckpointError(

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .planning.cost import CostModel
 
 __all__ = ["LazyPlan", "fix_lazy_plans", "link_lazy_plan", "unlink_lazy_plan"]
 
@@ -26,7 +29,7 @@ _ATTR = "_moo_lazy_plan"
 class LazyPlan(Protocol):
     """A tree of ``fully_shard`` calls whose plan is not fixed yet (``sharding.state``)."""
 
-    def fix_plan(self, preconditioner: Any = None) -> Any: ...
+    def fix_plan(self, cost: CostModel | None = None) -> Any: ...
 
 
 def link_lazy_plan(param: torch.Tensor, owner: LazyPlan) -> None:
@@ -43,14 +46,14 @@ def _owner(param: Any) -> LazyPlan | None:
     return ref() if ref is not None else None
 
 
-def fix_lazy_plans(params: Iterable[Any], preconditioner: Any = None) -> None:
+def fix_lazy_plans(params: Iterable[Any], cost: CostModel | None = None) -> None:
     """Fix the plan of every pending ``fully_shard`` tree ``params`` belong to, in the order the
-    parameters come (the same on every rank: fixing a plan is collective). ``preconditioner`` (a
-    name, a cost model or an optimizer class) prices the matrices unless a ``fully_shard`` call
-    of the tree named one. Parameters of no pending tree are skipped."""
+    parameters come (the same on every rank: fixing a plan is collective). ``cost`` (resolved by
+    the caller: ``planning.registry.resolve_cost``) prices the matrices unless a ``fully_shard``
+    call of the tree named one. Parameters of no pending tree are skipped."""
     seen: set[int] = set()
     for p in params:
         owner = _owner(p)
         if owner is not None and id(owner) not in seen:
             seen.add(id(owner))
-            owner.fix_plan(preconditioner)
+            owner.fix_plan(cost)

@@ -3,7 +3,15 @@
 from .dtensor_layout import DTensorLayout
 from .layouts import LAYOUTS, LocalLayout, UpdateLayout, register_layout
 from .owner_routed import OwnerRoutedOptimizer
-from .registry import ENTRY_POINT_GROUP, available_preconditioners, register_preconditioner, resolve_optimizer
+from .registry import (
+    ENTRY_POINT_GROUP,
+    PRECONDITIONER_ENTRY_POINT_GROUP,
+    available_optimizers,
+    available_preconditioners,
+    register_optimizer,
+    register_preconditioner,
+    resolve_optimizer,
+)
 from .replicated_layout import ReplicatedLayout
 from .role_optimizer import ChildGroup, RoleOptimizer
 from .simulation import simulated_parameters
@@ -23,7 +31,10 @@ __all__ = [
     "DTensorLayout",
     "ReplicatedLayout",
     "ENTRY_POINT_GROUP",
+    "PRECONDITIONER_ENTRY_POINT_GROUP",
+    "available_optimizers",
     "available_preconditioners",
+    "register_optimizer",
     "register_preconditioner",
     "resolve_optimizer",
     "simulated_parameters",

@@ -231,7 +231,7 @@ class DTensorLayout(UpdateLayout):
                 [dtype] * len(rps),
                 W,
                 bucket.loads,
-                preconditioner=self.config.matrix_cost,
+                cost=self.config.matrix_cost,
                 group=bucket.group,
             )
             for rp, owner in zip(rps, owners, strict=True):

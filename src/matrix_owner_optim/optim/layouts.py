@@ -25,6 +25,7 @@ from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, me
 from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
+from ..planning.registry import DEFAULT_COST
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -69,12 +70,12 @@ class LayoutConfig:
     """What every update layout of one optimizer may need to know.
 
     ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
-    model; None: Muon's); ``replicated`` is ``"owner"`` (each replicated matrix updated by one
-    owner, results shared) or ``"redundant"`` (every rank updates every replicated matrix, no
-    communication).
+    model; by default ``planning.registry.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
+    replicated matrix updated by one owner, results shared) or ``"redundant"`` (every rank
+    updates every replicated matrix, no communication).
     """
 
-    matrix_cost: CostModel | None = None
+    matrix_cost: CostModel = DEFAULT_COST
     replicated: str = "owner"
 
 

@@ -25,7 +25,7 @@ skipped on every rank together (one scalar all-reduce) and counted in ``skipped_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..comm import comm_phase
+from ..lazy_plan import fix_lazy_plans
 from ..owner_dtensor import is_owner_dtensor
 from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides, conv_params
@@ -44,18 +45,22 @@ from . import state_dict as sd_
 from .layouts import LayoutConfig, UpdateLayout, layout_for
 from .registry import OptimizerFactory, choose_optimizer
 from .replicated_layout import ReplicatedLayout
-from .role_optimizer import RoleOptimizer, first_nonfinite, optimizer_role
+from .role_optimizer import RoleOptimizer, first_nonfinite
 from .routing import (
+    OptimizerKind,
     RoutedParam,
     UserGroup,
     check_matrix_views,
     declare_matrix_views,
     normalize_params,
+    optimizer_kind,
     resolve_roles,
     swapped_in,
 )
 
 __all__ = ["OwnerRoutedOptimizer"]
+
+MATRIX, TAIL = OptimizerKind.MATRIX, OptimizerKind.TAIL
 
 
 class OwnerRoutedOptimizer(torch.optim.Optimizer):
@@ -64,12 +69,15 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     Args:
         params: the model (roles by module type), ``model.named_parameters()`` (roles by
             name), ``model.parameters()`` (roles from the sharding plan, else by shape), or
-            param-group dicts of any of those. A group may carry ``"role"`` to force a role,
-            and any hyperparameter of the matrix or tail optimizer to override it.
+            param-group dicts of any of those. A group may carry ``"role"`` to force its
+            tensors' role, and any hyperparameter of the matrix or tail optimizer to override it.
+            The optimizer's own groups hold one tensor role each (``"role"``) and say which
+            optimizer steps them (``"optimizer"``: ``"matrix"`` or ``"tail"``), so
+            ``OwnerRoutedOptimizer(opt.param_groups)`` routes every tensor as ``opt`` did.
         matrix: registered name (``"muon"``, ``"shampoo"``, ``"soap"``, ...) or optimizer class
             for the ``matrix`` role. Any per-tensor optimizer works. Its cost model (the
-            configured optimizer's ``cost_model``, else its registry entry's) prices a sharding
-            plan this optimizer fixes.
+            configured optimizer's ``cost_model``, else its registry entry's:
+            ``planning.registry.resolve_cost``) prices a sharding plan this optimizer fixes.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
         tail: name or class for ``tail`` and ``rows`` parameters (default AdamW).
         tail_options: keyword arguments of the tail optimizer.
@@ -90,6 +98,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             call. Off by default: the check costs that all-reduce and one host sync per step.
         process_group: the ranks that step this optimizer together (default: the default
             process group); only the non-finite check communicates over it.
+
+    Collective under ``fully_shard``: the constructor's first step fixes the sharding plan of
+    every pending tree the parameters belong to (a collective that re-lays out the model, priced
+    by the matrix optimizer's cost unless a ``fully_shard`` call named one), so every rank must
+    build it, with the same parameters in the same order. ``add_param_group`` of parameters of a
+    pending tree, and parameters a framework swaps into ``param_groups``, fix theirs the same way.
 
     The layout decides what a step moves: zero bytes for owner-shaped parameters and in one
     process; see :mod:`matrix_owner_optim.optim.layouts` for the others.
@@ -123,29 +137,32 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._process_group = process_group
         self._report_logged = False  # the routing report is logged once, at the first step
         chosen = (choose_optimizer(matrix, what="matrix"), choose_optimizer(tail, what="tail"))
-        self._roles: dict[Role, RoleOptimizer] = {
-            Role.MATRIX: RoleOptimizer(Role.MATRIX, chosen[0], matrix_options),
-            Role.TAIL: RoleOptimizer(Role.TAIL, chosen[1], tail_options),
+        self._kinds: dict[OptimizerKind, RoleOptimizer] = {
+            MATRIX: RoleOptimizer(MATRIX, chosen[0], matrix_options),
+            TAIL: RoleOptimizer(TAIL, chosen[1], tail_options),
         }
         # keys whose inner optimizer itself defaults to an infinity (a threshold that is off)
-        self._infinite_ok = set().union(*(r.infinite_ok for r in self._roles.values()))
+        self._infinite_ok = set().union(*(r.infinite_ok for r in self._kinds.values()))
         self._overrides = RoleOverrides(roles)
         self._views = ViewOverrides(matrix_views)
-        self._config = LayoutConfig(matrix_cost=self._roles[Role.MATRIX].cost, replicated=replicated)
+        self._config = LayoutConfig(matrix_cost=self._kinds[MATRIX].cost, replicated=replicated)
         self._routed: list[RoutedParam] = []
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)
         # per parent group: ids of the parameters it was routed with (to see a framework's swap)
         self._group_param_ids: list[list[int]] = []
         user_groups, self._type_roles = normalize_params(params)
-        # roles for all groups at once: one warning lists every matrix routed by shape alone
+        # Step 1, collective: fix the sharding plan of every pending fully_shard tree these
+        # parameters belong to, priced by the matrix optimizer's cost (unless a fully_shard call
+        # named one). Every rank builds the optimizer, so every rank fixes the plans alike.
+        self._fix_plans(rp.param for g in user_groups for rp in g.params)
+        # roles for all groups at once (pure): one warning lists every matrix routed by shape alone
         resolve_roles(
             user_groups,
             self._type_roles,
             self._overrides,
             check_globs=False,
             views=self._views,
-            preconditioner=self._config.matrix_cost,  # the lazy plan is priced by the chosen optimizer
             convs=conv_params(params) if isinstance(params, torch.nn.Module) else None,
         )
         # torch's constructor calls add_param_group once per group; we hand it our groups.
@@ -155,6 +172,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters("OwnerRoutedOptimizer(...)")
 
     # -- construction -------------------------------------------------------------------------
+    def _fix_plans(self, params: Iterable[torch.Tensor]) -> None:
+        """Collective: fix the sharding plan of every pending ``fully_shard`` tree ``params``
+        belong to (in parameter order, the same on every rank), priced by the matrix optimizer's
+        cost model, the one this optimizer was built with (a ``fully_shard`` call that named a
+        cost wins). Parameters of no pending tree are skipped."""
+        fix_lazy_plans(params, self._config.matrix_cost)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (tensors or ``(name, tensor)`` pairs); it is split by role like the others."""
         user_group: UserGroup | None = param_group.get("_moo_group")
@@ -167,14 +191,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if id(rp.param) in known:
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
-            resolve_roles(
-                [user_group],
-                type_roles,
-                self._overrides,
-                check_globs=False,
-                views=self._views,
-                preconditioner=self._config.matrix_cost,
-            )
+            self._fix_plans(rp.param for rp in user_group.params)  # collective, as in the constructor
+            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views)
         if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
             have = "with" if "param_names" in self.param_groups[0] else "without"
             raise ValueError(
@@ -183,17 +201,19 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 "((name, tensor) pairs or 'param_names') or none"
             )
         for key in user_group.options:
-            if not any(key in r.defaults for r in self._roles.values()):
+            if not any(key in r.defaults for r in self._kinds.values()):
                 raise ValueError(
                     f"param group option {key!r} is accepted by neither the matrix optimizer "
-                    f"({self._roles[Role.MATRIX].name}) nor the tail optimizer ({self._roles[Role.TAIL].name})"
+                    f"({self._kinds[MATRIX].name}) nor the tail optimizer ({self._kinds[TAIL].name})"
                 )
         self._route(user_group.params)
-        for role, ropt in self._roles.items():
-            rps = [rp for rp in user_group.params if optimizer_role(rp.role) is role]
+        for role in Role:  # one parent group per tensor role: "role" is the tensors' role
+            rps = [rp for rp in user_group.params if rp.role is role]
             if not rps:
                 continue
-            group = {"params": [rp.param for rp in rps], "role": role.value, **ropt.defaults}
+            kind = optimizer_kind(role)
+            ropt = self._kinds[kind]
+            group = {"params": [rp.param for rp in rps], "role": role.value, "optimizer": kind.value, **ropt.defaults}
             group.update({k: v for k, v in user_group.options.items() if k in ropt.defaults})
             if user_group.named:  # as torch.optim records the names of (name, tensor) pairs
                 group["param_names"] = [rp.name for rp in rps]
@@ -205,10 +225,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         """Give ``rps`` to their roles' layouts (which set each one's proxy and owner)."""
         self._check_names(rps)
         self._check_one_layout(rps)
-        matrix = self._roles[Role.MATRIX]
+        matrix = self._kinds[MATRIX]
         check_matrix_views(rps, matrix.factory, matrix.name)
-        for role, ropt in self._roles.items():
-            ropt.route([rp for rp in rps if optimizer_role(rp.role) is role], self._config)
+        for kind, ropt in self._kinds.items():
+            ropt.route([rp for rp in rps if optimizer_kind(rp.role) is kind], self._config)
         declare_matrix_views(rps)  # how the matrix optimizer reads each proxy
         self._routed.extend(rps)
 
@@ -245,24 +265,29 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                     f"{what}: param group {i} holds {len(g['params'])} parameters, {len(ids)} were routed; "
                     "replace parameters one for one (or build the optimizer after sharding the model)"
                 )
-        if self.state or any(r.child is not None and r.child.state for r in self._roles.values()):
+        if self.state or any(r.child is not None and r.child.state for r in self._kinds.values()):
             raise RuntimeError(
                 f"{what}, after optimizer state exists; that state belongs to the old tensors and "
                 "their layout. Swap parameters before the first step, or build the optimizer on "
                 "the sharded model (and load state through get/set_optimizer_state_dict)"
             )
         previous = {id(rp.param): rp for rp in self._routed}
+        self._fix_plans(p for g in groups for p in g["params"])  # collective; priced as at construction
         regrouped = [
-            (i, Role(g["role"]), [swapped_in(previous[pid], p) for p, pid in zip(g["params"], ids, strict=True)])
+            (
+                i,
+                OptimizerKind(g["optimizer"]),
+                [swapped_in(previous[pid], p) for p, pid in zip(g["params"], ids, strict=True)],
+            )
             for i, (g, ids) in enumerate(zip(groups, self._group_param_ids, strict=True))
         ]
         self._routed = []
-        for ropt in self._roles.values():
+        for ropt in self._kinds.values():
             ropt.reset()
         self._consolidated = None
-        for i, role, rps in regrouped:
+        for i, kind, rps in regrouped:
             self._route(rps)
-            self._roles[role].attach(self, i, rps)
+            self._kinds[kind].attach(self, i, rps)
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
 
     def _check_names(self, new: list[RoutedParam]) -> None:
@@ -300,7 +325,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         ]
         replicated = [
             rp
-            for r in self._roles.values()
+            for r in self._kinds.values()
             for cls, lay in r.layouts.items()
             if cls is ReplicatedLayout
             for rp in lay.entries
@@ -326,7 +351,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         check would cost a host sync per step)."""
         for i, group in enumerate(self.param_groups):
             for key, value in group.items():
-                if key in ("params", "param_names", "role"):
+                if key in ("params", "param_names", "role", "optimizer"):
                     continue
                 bad = first_nonfinite(value, allow_inf=key in self._infinite_ok)
                 if bad is not None:
@@ -354,7 +379,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if self.last_step_skipped:
                 self.skipped_steps += 1
                 return loss
-            roles = list(self._roles.values())
+            roles = list(self._kinds.values())
             for ropt in roles:
                 ropt.before_step()
             for ropt in roles:  # the children read the parent groups' values (ChildGroup)
@@ -397,7 +422,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
         super().zero_grad(set_to_none=set_to_none)
-        for ropt in self._roles.values():
+        for ropt in self._kinds.values():
             ropt.zero_grad(set_to_none)
 
     # -- state -------------------------------------------------------------------------------------
@@ -474,10 +499,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         loaded = sd_.local_state(
             saved_state, groups, saved_groups, self._routed, self._layout_of(), self.state, self._label
         )
-        needed = [set(self._roles[Role(g["role"])].defaults) for g in groups]
+        needed = [set(self._kinds[OptimizerKind(g["optimizer"])].defaults) for g in groups]
         sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there
         for rp in self._routed:
-            ropt = self._roles[optimizer_role(rp.role)]
+            ropt = self._kinds[optimizer_kind(rp.role)]
             values = loaded.get(id(rp))
             if rp.proxy is None or values is None:
                 self.state.pop(rp.param, None)
@@ -495,16 +520,16 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     @property
     def matrix_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer updating this rank's matrices (None if it updates none)."""
-        return self._roles[Role.MATRIX].child
+        return self._kinds[MATRIX].child
 
     @property
     def tail_optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer updating this rank's tail and ``rows`` rows (None if none)."""
-        return self._roles[Role.TAIL].child
+        return self._kinds[TAIL].child
 
     def layouts(self) -> list[UpdateLayout]:
         """Every update layout of this optimizer, the matrix role's first (see :mod:`.layouts`)."""
-        return [lay for ropt in self._roles.values() for lay in ropt.layouts.values()]
+        return [lay for ropt in self._kinds.values() for lay in ropt.layouts.values()]
 
     def extra_resident_bytes(self) -> int:
         """Bytes the layouts keep beyond params, grads and state (e.g. owners' full copies)."""
@@ -533,8 +558,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         tensor left to the tail optimizer, named (see :mod:`.report`)."""
         return report.report_of_routes(
             [rp for rp in self._routed if rp.param.requires_grad],  # what is stepped
-            self._roles[Role.MATRIX].name,
-            self._roles[Role.TAIL].name,
+            self._kinds[MATRIX].name,
+            self._kinds[TAIL].name,
             large_numel,
         )
 
@@ -542,6 +567,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         counts = {r.value: sum(1 for rp in self._routed if rp.role is r) for r in Role}
         local = sum(1 for rp in self._routed if rp.proxy is not None)
         return (
-            f"OwnerRoutedOptimizer(matrix={self._roles[Role.MATRIX].name}, tail={self._roles[Role.TAIL].name}, "
+            f"OwnerRoutedOptimizer(matrix={self._kinds[MATRIX].name}, tail={self._kinds[TAIL].name}, "
             f"roles={counts}, local={local}/{len(self._routed)})"
         )

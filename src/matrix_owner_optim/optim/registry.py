@@ -1,35 +1,40 @@
-"""Matrix and tail optimizers by name: the optimizer side of the preconditioner registry.
+"""Matrix and tail optimizers by name: the optimizer side of the optimizer registry.
 
 The registry itself, one entry per name holding the factory and its cost model, is
-:mod:`matrix_owner_optim.planning.registry` (built-ins in code, ``register_preconditioner``,
-the entry-point group ``matrix_owner_optim.preconditioners``; collisions raise naming both
-sides). This module resolves what ``OwnerRoutedOptimizer(matrix=..., tail=...)`` was given, a
-name or a factory, into a :class:`ChosenOptimizer`: the factory to build, the name to report,
-and the cost model that prices the plan.
+:mod:`matrix_owner_optim.planning.registry` (built-ins in code, ``register_optimizer``, alias
+``register_preconditioner``, the entry-point groups ``matrix_owner_optim.optimizers`` and
+``matrix_owner_optim.preconditioners``; collisions raise naming both sides). This module resolves
+what ``OwnerRoutedOptimizer(matrix=..., tail=...)`` was given, a name or a factory, into a
+:class:`ChosenOptimizer`: the factory to build, the name to report, and what was given (from
+which ``planning.registry.resolve_cost`` prices the plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.cost import CostModel
 from ..planning.registry import (
     BUILTINS,
     ENTRY_POINT_GROUP,
+    PRECONDITIONER_ENTRY_POINT_GROUP,
     OptimizerFactory,
+    available_optimizers,
     available_preconditioners,
-    get_cost_model,
     lookup,
+    register_optimizer,
     register_preconditioner,
 )
 
 __all__ = [
     "BUILTINS",
     "ENTRY_POINT_GROUP",
+    "PRECONDITIONER_ENTRY_POINT_GROUP",
     "ChosenOptimizer",
     "OptimizerFactory",
+    "available_optimizers",
     "available_preconditioners",
     "choose_optimizer",
+    "register_optimizer",
     "register_preconditioner",
     "resolve_optimizer",
 ]
@@ -37,16 +42,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ChosenOptimizer:
-    """What ``matrix=`` or ``tail=`` named: the factory, its name for reports, and its cost."""
+    """What ``matrix=`` or ``tail=`` named: its name for reports, the factory, and ``spec``, the
+    name or factory exactly as given (``resolve_cost(spec, built=...)`` prices it)."""
 
     name: str
     factory: OptimizerFactory
-    cost: CostModel
+    spec: str | OptimizerFactory
 
 
 def choose_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> ChosenOptimizer:
-    """A built-in, registered or entry-point name (its registry entry), or an optimizer class /
-    factory as is (its ``cost_model``, else the cost it was registered with, else Muon's).
+    """A built-in, registered or entry-point name (its registry entry's factory), or an optimizer
+    class / factory as is.
 
     Raises:
         ValueError: for an unknown name (listing the known ones), a name two sources provide
@@ -54,18 +60,17 @@ def choose_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> C
     """
     if not isinstance(spec, str):
         if callable(spec):
-            return ChosenOptimizer(getattr(spec, "__name__", str(spec)), spec, get_cost_model(spec))
+            return ChosenOptimizer(getattr(spec, "__name__", str(spec)), spec, spec)
         raise TypeError(f"{what}= must be an optimizer name or class, got {spec!r}")
     entry = lookup(spec)  # raises on a collision before anything is imported
     if entry is None:
-        names = ", ".join(available_preconditioners())
+        names = ", ".join(available_optimizers())
         raise ValueError(
             f"unknown {what} optimizer {spec!r}; available: {names}. Register one with "
-            "matrix_owner_optim.register_preconditioner or the entry-point group "
+            "matrix_owner_optim.register_optimizer or the entry-point group "
             f"{ENTRY_POINT_GROUP!r}."
         )
-    factory = entry.load(what, spec)
-    return ChosenOptimizer(spec, factory, entry.cost_model())
+    return ChosenOptimizer(spec, entry.load(what, spec), spec)
 
 
 def resolve_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> OptimizerFactory:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import comm
 from ..agreement import check_plan_agreement
 from ..planning import Role, TensorSpec, plan_tensors
-from ..planning.cost import itemsize
+from ..planning.cost import CostModel, itemsize
 from ..planning.metadata import get_shard_rank
 from ..tensors import is_dtensor
 from .layouts import LayoutConfig, UpdateLayout, is_multi_rank, matrix_view
@@ -50,7 +50,7 @@ def plan_owners(
     world_size: int,
     loads: list[int],
     *,
-    preconditioner: Any = None,
+    cost: CostModel,
     group: Any = None,
 ) -> list[int]:
     """Owners (ranks of ``group``) for matrices ``rps``; updates ``loads`` (bytes per rank).
@@ -72,7 +72,7 @@ def plan_owners(
         )
         for rp, shape, dtype in zip(rps, shapes, dtypes, strict=True)
     ]
-    plan = plan_tensors(specs, world_size, preconditioner=preconditioner or "muon", split_stacks=False)
+    plan = plan_tensors(specs, world_size, cost=cost, split_stacks=False)
     check_plan_agreement(
         plan,
         group,
@@ -128,7 +128,7 @@ class ReplicatedLayout(UpdateLayout):
             [rp.param.dtype for rp in matrices],
             self.world_size,
             self._loads,
-            preconditioner=self.config.matrix_cost,
+            cost=self.config.matrix_cost,
         )
         owner_of = {id(rp): o for rp, o in zip(matrices, owners, strict=True)}
         for rp in entries:

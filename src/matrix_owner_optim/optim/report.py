@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
@@ -113,16 +113,6 @@ class RoutingReport:
     def stacks(self) -> list[RouteRow]:
         """The matrix-role tensors stepped as several matrices (experts, fused blocks)."""
         return [r for r in self.rows if r.matrices > 1]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "matrix_optimizer": self.matrix_optimizer,
-            "tail_optimizer": self.tail_optimizer,
-            "summary": self.summary(),
-            "stacks": [asdict(r) for r in self.stacks()],
-            "left_to_tail": [asdict(r) for r in self.left_to_tail()],
-        }
 
     def format(self, max_named: int = 32) -> str:
         """The report as text: one line per (optimizer, role), then the named tensors."""

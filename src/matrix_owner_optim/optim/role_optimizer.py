@@ -1,10 +1,12 @@
-"""One optimizer per role, and the child groups through which its hyperparameters flow one way.
+"""The two optimizers (matrix and tail), and the child groups through which their
+hyperparameters flow one way.
 
-``OwnerRoutedOptimizer`` splits every user param group into a ``matrix`` group and a ``tail``
-group (``tail`` and ``rows`` tensors). Each of the two roles is one :class:`RoleOptimizer`:
-what builds its child optimizer (the chosen factory, its options, the defaults it fills into a
-group), the child itself once this rank updates any tensor of the role, the child's groups by
-parent group, and the update layouts of the role's parameters.
+``OwnerRoutedOptimizer`` splits every user param group into one group per tensor role it holds
+(``matrix``, ``tail``, ``rows``: the group's ``"role"``), each stepped by one of two optimizers
+(the group's ``"optimizer"``: ``matrix``, or ``tail`` for ``tail`` and ``rows`` tensors). Each
+is one :class:`RoleOptimizer`: what builds its child optimizer (the chosen factory, its options,
+the defaults it fills into a group), the child itself once this rank updates any tensor it
+steps, the child's groups by parent group, and the update layouts of its parameters.
 
 Hyperparameters have one home, the parent's param group, which users, learning-rate schedulers
 and ``state_dict`` read and write. A child's group is a :class:`ChildGroup`: a ``dict`` holding
@@ -23,21 +25,16 @@ from typing import Any, NoReturn
 import torch
 
 from ..planning.cost import CostModel
-from ..planning.metadata import Role
+from ..planning.registry import resolve_cost
 from .layouts import LayoutConfig, UpdateLayout, layout_for
 from .registry import ChosenOptimizer, OptimizerFactory
-from .routing import RoutedParam
+from .routing import OptimizerKind, RoutedParam
 
-__all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "optimizer_role", "probe_defaults"]
+__all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
 
 # Keys a child group keeps for itself; every other key is the parent group's.
-_OWN_KEYS = frozenset({"params", "param_names", "role"})
+_OWN_KEYS = frozenset({"params", "param_names", "role", "optimizer"})
 _MISSING = object()
-
-
-def optimizer_role(role: Role) -> Role:
-    """The role whose optimizer updates a tensor of ``role`` (``rows`` rows: the tail's)."""
-    return Role.MATRIX if role is Role.MATRIX else Role.TAIL
 
 
 class ChildGroup(dict):  # type: ignore[type-arg]
@@ -45,8 +42,8 @@ class ChildGroup(dict):  # type: ignore[type-arg]
 
     ``owner.param_groups[index]`` is the parent group. Reads, writes, ``in``, iteration,
     ``get``/``setdefault``/``pop``/``update`` and the views go to the parent for every key but
-    ``params`` (and ``param_names``/``role``, which the parent keeps for its own parameters), so
-    a torch optimizer handed this group (``torch.optim.Optimizer.add_param_group`` accepts a
+    ``params`` (and ``param_names``/``role``/``optimizer``, which the parent keeps for its own
+    parameters), so a torch optimizer handed this group (``torch.optim.Optimizer.add_param_group`` accepts a
     ``dict`` subclass) sees one source of truth. A copy (``dict(group)``, ``copy``, pickling)
     is a plain ``dict`` of the current values.
     """
@@ -196,30 +193,29 @@ def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
 
 
 class RoleOptimizer:
-    """The optimizer of one role (``matrix``, or ``tail`` for tail and ``rows`` tensors).
+    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors).
 
     Attributes:
-        role: ``Role.MATRIX`` or ``Role.TAIL``.
+        kind: ``OptimizerKind.MATRIX`` or ``OptimizerKind.TAIL``.
         name: the optimizer as the user named it (reports, error messages).
         factory, options: what builds the child: ``factory(groups, **options)``.
         defaults: the hyperparameters the factory fills into a group (every parent group of
-            this role starts with them).
-        cost: what the planner charges per tensor: the configured optimizer's own
-            ``cost_model`` where it states one, else its registry entry's.
+            this kind starts with them).
+        cost: what the planner charges per tensor (``planning.registry.resolve_cost`` of the
+            optimizer as given and as configured: a configured Shampoo's blocks count).
         child: the optimizer stepping this rank's proxies (None while this rank updates
             none of the role's tensors).
         groups: parent group index -> the child's :class:`ChildGroup` for it.
         layouts: the update layout of each kind that holds some of the role's tensors.
     """
 
-    def __init__(self, role: Role, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
-        self.role = role
+    def __init__(self, kind: OptimizerKind, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
+        self.kind = kind
         self.name = chosen.name
         self.factory = chosen.factory
         self.options: dict[str, Any] = dict(options or {})
-        self.defaults, probe = probe_defaults(self.factory, self.options, role.value)
-        stated = getattr(probe, "cost_model", None)
-        self.cost: CostModel = stated if isinstance(stated, CostModel) else chosen.cost
+        self.defaults, probe = probe_defaults(self.factory, self.options, kind.value)
+        self.cost: CostModel = resolve_cost(chosen.spec, built=probe)  # the one rule, as configured
         self.child: torch.optim.Optimizer | None = None
         self.groups: dict[int, ChildGroup] = {}
         self.layouts: dict[type[UpdateLayout], UpdateLayout] = {}

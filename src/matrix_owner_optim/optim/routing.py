@@ -1,14 +1,21 @@
 """Which optimizer updates which parameter: normalising ``params`` and resolving roles.
 
-``OwnerRoutedOptimizer`` accepts what ``torch.optim`` optimizers accept, and a module. Roles
-come, in order of precedence, from a ``"role"`` key of a param group, from ``roles=`` globs
-(wherever names are known), from the parameter's :class:`MatrixShard` (after ``fully_shard``),
-from the module types (when a module is given), from the name, and finally from the shape.
+``OwnerRoutedOptimizer`` accepts what ``torch.optim`` optimizers accept, and a module. A
+tensor's role (:class:`~..planning.metadata.Role`: ``matrix``, ``tail``, ``rows``) comes, in
+order of precedence, from a ``"role"`` key of a param group, from ``roles=`` globs (wherever
+names are known), from the parameter's :class:`MatrixShard` (after ``fully_shard``), from the
+module types (when a module is given), from the name, and finally from the shape. Which
+optimizer steps it, its :class:`OptimizerKind`, follows from the role (``rows`` tensors: the
+tail optimizer) and is recorded under its own group key, ``"optimizer"``.
+
+Resolving roles is pure: it reads the parameters' metadata and fixes nothing (the optimizer
+fixes pending sharding plans first, as a step of its own).
 
 Routing by shape alone (``model.parameters()`` of a model that is not sharded: DDP or one
 process) cannot tell an embedding table or an output head from a weight matrix, so it sends
-every 2D tensor to the matrix optimizer. That is allowed but never silent: one warning per
-param group lists every parameter routed so, and says how to give names.
+every 2D tensor to the matrix optimizer. That is allowed but never silent: one warning, for
+every group the call resolves together, lists every parameter routed so and says how to give
+names.
 
 A >2D tensor in the ``matrix`` role is updated through a 2D ``(out, rest)`` view of its storage;
 one whose memory layout admits no such view (a channels-last conv kernel) is refused here,
@@ -22,6 +29,7 @@ conv kernel is one ``(out, rest)`` matrix), declared on the tensor it updates
 
 from __future__ import annotations
 
+import enum
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +38,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..lazy_plan import fix_lazy_plans
 from ..planning.bands import declare_row_band
 from ..planning.metadata import MatrixShard, Role, get_matrix_shard, get_shard_rank, parse_role
 from ..planning.roles import RoleOverrides, module_roles, role_from_name, router_fqns, validate_role
@@ -38,14 +45,28 @@ from ..planning.views import MatrixView, ViewOverrides, declare_matrix_view
 from ..tensors import is_dtensor
 
 __all__ = [
+    "OptimizerKind",
     "RoutedParam",
     "UserGroup",
     "normalize_params",
     "resolve_roles",
     "check_matrix_views",
     "declare_matrix_views",
+    "optimizer_kind",
     "swapped_in",
 ]
+
+
+class OptimizerKind(str, enum.Enum):
+    """Which of the two optimizers steps a tensor: a param group's ``"optimizer"`` key."""
+
+    MATRIX = "matrix"
+    TAIL = "tail"
+
+
+def optimizer_kind(role: Role) -> OptimizerKind:
+    """The optimizer that steps a tensor of ``role`` (``tail`` and ``rows`` tensors: the tail's)."""
+    return OptimizerKind.MATRIX if role is Role.MATRIX else OptimizerKind.TAIL
 
 
 @dataclass(eq=False)
@@ -85,6 +106,7 @@ class UserGroup:
     params: list[RoutedParam]
     options: dict[str, Any] = field(default_factory=dict)
     role: Role | None = None
+    kind: OptimizerKind | None = None  # a recorded "optimizer" key (a param_groups round trip)
     names_given: bool = True  # False: names read off a module (routing only, not recorded)
 
     @property
@@ -162,10 +184,36 @@ def normalize_params(params: Any, start_index: int = 0) -> tuple[list[UserGroup]
             seen.add(id(p))
             routed.append(RoutedParam(p, name, index))
             index += 1
-        options = {k: v for k, v in g.items() if k not in ("params", "param_names", "role")}
+        options = {k: v for k, v in g.items() if k not in ("params", "param_names", "role", "optimizer")}
         role = parse_role(cast("str | Role", g["role"]), where="param group 'role'") if "role" in g else None
-        groups.append(UserGroup(routed, options, role, names_given=not from_module))
+        groups.append(UserGroup(routed, options, role, _parse_kind(g), names_given=not from_module))
     return groups, type_roles
+
+
+def _parse_kind(group: Mapping[str, Any]) -> OptimizerKind | None:
+    """A group's recorded ``"optimizer"`` (``"matrix"`` or ``"tail"``), checked."""
+    if "optimizer" not in group:
+        return None
+    try:
+        return OptimizerKind(group["optimizer"])
+    except ValueError:
+        raise ValueError(
+            f"param group 'optimizer' is {group['optimizer']!r}; OwnerRoutedOptimizer records 'matrix' "
+            "or 'tail' there (which optimizer steps the group). To choose a tensor's role, set "
+            "'role' ('matrix', 'tail' or 'rows')"
+        ) from None
+
+
+def check_recorded_kind(group: UserGroup) -> None:
+    """Refuse a group whose recorded ``"optimizer"`` disagrees with its tensors' roles (it is
+    recorded, not a switch: a role is chosen with ``"role"``)."""
+    for rp in group.params:
+        if group.kind is not None and optimizer_kind(rp.role) is not group.kind:
+            raise ValueError(
+                f"param group 'optimizer' is {group.kind.value!r}, but parameter {rp.label!r} has role "
+                f"{rp.role.value!r}, which the {optimizer_kind(rp.role).value} optimizer steps. "
+                "'optimizer' is recorded by OwnerRoutedOptimizer; choose a role with 'role' instead"
+            )
 
 
 def resolve_roles(
@@ -176,21 +224,18 @@ def resolve_roles(
     check_globs: bool = True,
     views: ViewOverrides | None = None,
     convs: Mapping[int, bool] | None = None,
-    preconditioner: Any = None,
 ) -> None:
     """Fill ``role`` (and ``shard``, and ``view`` of matrices) of every :class:`RoutedParam`,
     validating matrix shapes. ``views`` are the ``matrix_views=`` globs; ``convs`` says per
     parameter object whether its module is a convolution (known when a module was given).
+    Pure: it reads the parameters' sharding metadata as it is (fix pending plans first).
 
     Warns once (for all ``groups`` together) listing the parameters routed to ``matrix`` by
     their shape alone (no name, no sharding plan, no module), and raises for a >2D ``matrix``
-    whose memory layout has no 2D view.
+    whose memory layout has no 2D view, or a group whose recorded ``"optimizer"`` disagrees.
     """
     by_shape: list[str] = []
     views = views if views is not None else ViewOverrides(None)
-    # a module passed to fully_shard is sharded lazily: the optimizer fixes the plan of every
-    # pending tree its parameters belong to, priced by its matrix optimizer
-    fix_lazy_plans((rp.param for g in groups for rp in g.params), preconditioner)
     for g in groups:
         for rp in g.params:
             rp.shard = get_matrix_shard(rp.param)
@@ -235,6 +280,7 @@ def resolve_roles(
                     "fully_shard(..., plan=plan_model(model, W, roles={...: 'matrix'}))"
                 )
             rp.role = role
+        check_recorded_kind(g)
     if by_shape:
         warnings.warn(
             f"{len(by_shape)} parameter(s) without names were routed by shape alone to the "
@@ -321,11 +367,11 @@ def _require_matrix_view(rp: RoutedParam) -> None:
 def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
     """The routing of ``param``, a tensor a framework put into ``param_groups`` in place of
     ``previous.param`` (Accelerate's FSDP2 ``prepare``): same name, index and role, the sharding
-    metadata of the new tensor, checked as :func:`resolve_roles` checks a new parameter."""
+    metadata of the new tensor, checked as :func:`resolve_roles` checks a new parameter. Pure, as
+    :func:`resolve_roles`: the optimizer fixes the new tensors' pending plans first."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
     rp = RoutedParam(param, previous.name, previous.index, role=previous.role)
-    fix_lazy_plans([param])
     rp.shard = get_matrix_shard(param)
     if rp.shard is not None and rp.shard.role is Role.ROWS and rp.role is Role.MATRIX:
         raise ValueError(

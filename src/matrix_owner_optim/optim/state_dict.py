@@ -256,11 +256,11 @@ def _load_value(rp: RoutedParam, layout: UpdateLayout, key: str, value: Any, cur
 def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], needed: list[set[str]]) -> None:
     """Set every param group's values to the saved ones, in place (the child groups read them
     there), keeping the live ``params`` and, where the save has none, the live ``param_names``,
-    ``role`` and values of the keys in ``needed[i]`` (the hyperparameters group ``i``'s child
+    ``role``, ``optimizer`` and values of the keys in ``needed[i]`` (the hyperparameters group ``i``'s child
     optimizer reads: a state dict saved by an older version may lack one, as torch's
     ``__setstate__`` fills defaults in for)."""
     for g, sg, keys in zip(groups, saved_groups, needed, strict=True):
-        live = {k: v for k, v in g.items() if k not in sg and (k in keys or k in ("param_names", "role"))}
+        live = {k: v for k, v in g.items() if k not in sg and (k in keys or k in ("param_names", "role", "optimizer"))}
         params_ = g["params"]
         g.clear()
         g.update(sg)

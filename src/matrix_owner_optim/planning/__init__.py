@@ -21,7 +21,7 @@ from .metadata import (
     parse_role,
 )
 from .planner import plan_model, plan_tensors
-from .registry import available_cost_models, get_cost_model, register_cost_model
+from .registry import DEFAULT_COST, available_cost_models, get_cost_model, register_cost_model, resolve_cost
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 
@@ -32,9 +32,11 @@ __all__ = [
     "SOAP_COST",
     "CostModel",
     "FunctionCostModel",
+    "DEFAULT_COST",
     "available_cost_models",
     "get_cost_model",
     "register_cost_model",
+    "resolve_cost",
     "MatrixShard",
     "RankLoad",
     "attach_matrix_shard",

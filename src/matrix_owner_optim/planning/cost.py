@@ -2,13 +2,15 @@
 
 The planner balances what these functions report. Each preconditioner states its own cost
 (``Muon.cost_model`` and so on point at the objects below), and a third-party optimizer can
-bring its own: each name's cost is part of its entry in the one preconditioner registry
-(:mod:`.registry`; ``register_preconditioner(name, factory, cost_model=...)``, or the factory's
-``cost_model`` attribute). Costs are estimates for balancing, not measurements.
+bring its own: each name's cost is part of its entry in the one optimizer registry
+(:mod:`.registry`; ``register_optimizer(name, factory, cost_model=...)``, or the factory's
+``cost_model`` attribute), and ``registry.resolve_cost`` is the one rule that picks it.
+Costs are estimates for balancing, not measurements.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,7 +182,9 @@ def shampoo_cost(
     momentum: bool = False,
     grafting_state: bool = False,
 ) -> FunctionCostModel:
-    """The cost of :class:`~matrix_owner_optim.preconditioners.Shampoo` configured like this.
+    """The cost of :class:`~matrix_owner_optim.preconditioners.Shampoo` configured like this:
+    one object per configuration (a cache), so a configuration is one cost model, identical
+    wherever it is asked for (``SHAMPOO_COST`` is the default one).
 
     Blocks of at most ``max_preconditioner_dim`` per side each keep their factors and roots
     (``2 (r^2 + c^2)`` elements for an ``r x c`` block, one side only when one-sided), and pay
@@ -192,7 +196,25 @@ def shampoo_cost(
     max_preconditioner_dim``: the planner may split a heavy matrix between owners into bands of
     whole blocks, and a band costs exactly the sum over its blocks.
     """
+    return _shampoo_cost(
+        int(max_preconditioner_dim),
+        int(precondition_frequency),
+        max_aspect_ratio,
+        bool(filtered_grad),
+        bool(momentum),
+        bool(grafting_state),
+    )
 
+
+@functools.cache
+def _shampoo_cost(
+    max_preconditioner_dim: int,
+    precondition_frequency: int,
+    max_aspect_ratio: float | None,
+    filtered_grad: bool,
+    momentum: bool,
+    grafting_state: bool,
+) -> BlockedCostModel:
     def blocks(shape: Shape) -> list[tuple[int, int]]:
         m, n = as_matrix_shape(shape)
         return [(r, c) for r in block_sizes(m, max_preconditioner_dim) for c in block_sizes(n, max_preconditioner_dim)]
@@ -265,14 +287,19 @@ def soap_cost(
     merge_dims: bool = False,
     precondition_frequency: int = SOAP_PRECONDITION_FREQUENCY,
 ) -> FunctionCostModel:
-    """The cost of :class:`~matrix_owner_optim.preconditioners.SOAP` configured like this.
+    """The cost of :class:`~matrix_owner_optim.preconditioners.SOAP` configured like this (one object
+    per configuration, as :func:`shampoo_cost`).
 
     Each dimension of the working shape (see :func:`soap_working_shape`) of at most
     ``max_precond_dim`` keeps a factor and its eigenbasis (``2 d^2`` elements) and pays its
     rotations and, every ``precondition_frequency`` steps, a power-iteration refresh; a larger
     dimension keeps nothing and is left unrotated. Adam's two moments are per element.
     """
+    return _soap_cost(int(max_precond_dim), bool(merge_dims), int(precondition_frequency))
 
+
+@functools.cache
+def _soap_cost(max_precond_dim: int, merge_dims: bool, precondition_frequency: int) -> FunctionCostModel:
     def dims(shape: Shape) -> tuple[int, list[int]]:
         m, n = as_matrix_shape(shape)
         work = soap_working_shape(m, n, max_precond_dim, merge_dims)

@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import nn
 
-from .cost import CostModel
 from .metadata import ShardingPlan, recorded_unit_prefixes
 from .planner import plan_tensors
+from .registry import CostSpec, resolve_cost
 from .roles import TensorSpec, specs_from_module
 
 __all__ = ["MESH_DIM_NAMES", "MeshAdvice", "MeshCandidate", "plan_mesh", "divisors_descending"]
@@ -252,7 +252,7 @@ def plan_mesh(
     *,
     unit_prefixes: Sequence[str] | None = None,
     roles: Mapping[str, str] | None = None,
-    preconditioner: str | CostModel | type = "muon",
+    preconditioner: CostSpec | None = None,
     max_imbalance: float = 1.1,
     memory_per_rank: int | float | None = None,
 ) -> MeshAdvice:
@@ -281,10 +281,11 @@ def plan_mesh(
         TypeError: ``model`` is neither a module nor a list of TensorSpec.
     """
     _check_args(world_size, max_imbalance, memory_per_rank)
+    cost = resolve_cost(preconditioner)  # the one resolution, at this edge
     specs = _specs(model, roles, unit_prefixes)
     cands: list[MeshCandidate] = []
     for shard in divisors_descending(world_size):
-        plan = plan_tensors(specs, shard, preconditioner=preconditioner)
+        plan = plan_tensors(specs, shard, cost=cost)
         imb = plan.imbalance()
         resident = tuple(int(x.resident_bytes) for x in plan.loads)
         cand = MeshCandidate(

@@ -1,9 +1,11 @@
 """MatrixShard and ShardingPlan: the metadata contract between sharding and optimizer.
 
-The sharding runtime reads a :class:`MatrixShard` to know where a parameter lives and
-which slice of its unit's flat buffer it occupies; the optimizer reads the same record
-to know whether this rank updates it and with which optimizer. Nothing here touches a
-process group, so plans can be built and inspected for any world size in one process.
+The sharding runtime reads a :class:`MatrixShard` to know where a parameter lives (its owner,
+or which rank holds which rows) and which unit gathers it (the unit lays out its segments from
+these records: ``sharding/collectives.py``'s ``SegmentLayout``); the optimizer reads the same
+record to know whether this rank updates it and its role (the role decides which optimizer
+steps it). Nothing here touches a process group, so plans can be built and inspected for any
+world size in one process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from ..tensors import itemsize
+from .registry import DEFAULT_COST
 
 __all__ = [
     "chunk_row_range",
@@ -191,7 +194,7 @@ class ShardingPlan:
     world_size: int
     shards: dict[str, MatrixShard]
     loads: list[RankLoad] = field(default_factory=list)
-    preconditioner: str = "muon"
+    preconditioner: str = DEFAULT_COST.name  # the name of the cost model that priced it
 
     # -- lookups --------------------------------------------------------------------
     def __getitem__(self, fqn: str) -> MatrixShard:

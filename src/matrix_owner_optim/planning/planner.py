@@ -28,7 +28,7 @@ from .cost import (
     row_block_of,
 )
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
-from .registry import get_cost_model
+from .registry import DEFAULT_COST, CostSpec, resolve_cost
 from .roles import TensorSpec, specs_from_module
 from .views import MatrixView, default_matrix_view
 
@@ -77,12 +77,15 @@ def plan_tensors(
     specs: Sequence[TensorSpec],
     world_size: int,
     *,
-    preconditioner: str | CostModel | type = "muon",
+    cost: CostModel = DEFAULT_COST,
     tail_cost: CostModel = ADAMW_COST,
     refine_iterations: int = 200,
     split_stacks: bool = True,
 ) -> ShardingPlan:
     """Place ``specs`` (in model order) on ``world_size`` ranks and return the plan.
+
+    ``cost`` prices the matrices (resolved by the caller: ``planning.registry.resolve_cost``;
+    the plan records its ``name``), ``tail_cost`` the tail and ``rows`` tensors.
 
     ``split_stacks``: a heavy stack of matrices (fused experts) may be split over owners at
     expert boundaries (``MatrixShard.row_owners``); False keeps every matrix whole on one owner
@@ -95,8 +98,13 @@ def plan_tensors(
             if name in seen:
                 raise ValueError(f"parameter name {name!r} appears twice in the plan input")
             seen.add(name)
-    matrix_cost = get_cost_model(preconditioner)
-    cost_name = getattr(matrix_cost, "name", str(preconditioner))
+    if not isinstance(cost, CostModel):
+        raise TypeError(
+            f"plan_tensors(cost=...) takes a CostModel, got {type(cost).__name__}; resolve a name or an "
+            "optimizer class with planning.registry.resolve_cost first"
+        )
+    matrix_cost = cost
+    cost_name = cost.name
     W = world_size
 
     # -- fixed per-rank load from evenly sharded tensors -----------------------------------
@@ -389,7 +397,7 @@ def plan_model(
     world_size: int,
     *,
     roles: Mapping[str, str] | None = None,
-    preconditioner: str | CostModel | type = "muon",
+    preconditioner: CostSpec | None = None,
     unit_prefixes: Sequence[str] | None = None,
     matrix_views: Mapping[str, str | MatrixView] | None = None,
 ) -> ShardingPlan:
@@ -400,7 +408,7 @@ def plan_model(
         world_size: data-parallel size to plan for (1 to thousands).
         roles: ``{"fqn-glob": "matrix" | "tail" | "rows"}`` overriding the defaults.
         preconditioner: registered name, :class:`CostModel`, or optimizer class whose
-            ``cost_model`` prices the matrices.
+            ``cost_model`` prices the matrices (``resolve_cost``; None: ``DEFAULT_COST``).
         unit_prefixes: module fqns in ``fully_shard`` call order (blocks first, ``""`` for the
             root). When omitted, the units recorded by an earlier ``fully_shard`` call are used,
             or the whole model is one unit.
@@ -416,4 +424,5 @@ def plan_model(
     if unit_prefixes is None:
         unit_prefixes = recorded_unit_prefixes(model)
     specs = specs_from_module(model, roles=roles, unit_prefixes=unit_prefixes, matrix_views=matrix_views)
-    return plan_tensors(specs, world_size, preconditioner=preconditioner)
+    cost = resolve_cost(preconditioner)  # an unknown name fails before anything is planned
+    return plan_tensors(specs, world_size, cost=cost)

@@ -1,13 +1,20 @@
-"""The preconditioner registry: one entry per name, holding the optimizer's factory and its cost.
+"""The optimizer registry: one entry per name, holding the optimizer's factory and its cost; and
+the one rule that turns what a user names into the cost model that prices a plan.
 
 Every name ``OwnerRoutedOptimizer(matrix=..., tail=...)``, ``plan_model(preconditioner=...)``
-and ``fully_shard(preconditioner=...)`` accept is one :class:`PreconditionerEntry`: the factory
+and ``fully_shard(preconditioner=...)`` accept is one :class:`OptimizerEntry`: the factory
 that builds the optimizer (an object, or a ``"module:attribute"`` target imported on first use)
 and the :class:`~.cost.CostModel` the planner prices its tensors with. The optimizer layer reads
-the factory (``optim.registry.resolve_optimizer``), the planner the cost
-(:func:`get_cost_model`); both read this one table, so a name cannot mean one optimizer
-to the router and another to the planner. It lives in ``planning`` because imports point
-downward (``optim`` reads ``planning``): the table imports no optimizer until one is resolved.
+the factory (``optim.registry.resolve_optimizer``), the planner the cost; both read this one
+table, so a name cannot mean one optimizer to the router and another to the planner. It holds
+matrix optimizers (Muon, Shampoo, SOAP) and coordinate-wise ones (AdamW, SGD) alike. It lives in
+``planning`` because imports point downward (``optim`` reads ``planning``): the table imports no
+optimizer until one is resolved.
+
+**One resolution of a cost.** :func:`resolve_cost` is the only place a name, an optimizer class
+or a built optimizer becomes a :class:`~.cost.CostModel`, and :data:`DEFAULT_COST` is the only
+default. The edges call it (``fully_shard``, ``plan_model``, ``plan_mesh``,
+``OwnerRoutedOptimizer``); everything below them takes a ``CostModel``.
 
 Three sources of names, none of which can silently replace another:
 
@@ -15,16 +22,19 @@ Three sources of names, none of which can silently replace another:
   with their cost models and imported only when first resolved (so ``torch_optimizer`` is
   imported only for ``torch_optimizer_shampoo``). They exist whether or not this package's
   metadata is installed.
-* **Code**: :func:`register_preconditioner` (a name already taken raises unless
-  ``overwrite=True``).
+* **Code**: :func:`register_optimizer` (a name already taken raises unless
+  ``overwrite=True``); ``register_preconditioner`` is the same function under its first name.
 * **Entry points** of installed distributions in the group :data:`ENTRY_POINT_GROUP`
-  (``name = "pkg.module:Factory"``), loaded lazily on first use. An entry point whose name is a
+  (``name = "pkg.module:Factory"``), or in the group it was first named,
+  :data:`PRECONDITIONER_ENTRY_POINT_GROUP` (read alike, so existing plugins keep working),
+  loaded lazily on first use. An entry point whose name is a
   built-in's (pointing elsewhere), a code registration's, or another distribution's raises
   when that name is resolved, naming both sides; other names keep working.
 
 A factory is anything called as ``factory(param_groups, **options)`` that returns a
 ``torch.optim.Optimizer`` over whole tensors. Its cost is the one registered with it, else the
-``cost_model`` attribute it carries, else Muon's (a conservative estimate, never zero).
+``cost_model`` attribute it carries, else :data:`DEFAULT_COST` (Muon's: a conservative
+estimate, never zero).
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeAlias
 
 from .cost import (
     ADAMW_COST,
@@ -48,31 +58,50 @@ from .cost import (
 
 __all__ = [
     "BUILTINS",
+    "DEFAULT_COST",
     "ENTRY_POINT_GROUP",
+    "PRECONDITIONER_ENTRY_POINT_GROUP",
+    "CostSpec",
+    "OptimizerEntry",
     "OptimizerFactory",
     "PreconditionerEntry",
     "available_cost_models",
+    "available_optimizers",
     "available_preconditioners",
     "get_cost_model",
     "lookup",
     "register_cost_model",
+    "register_optimizer",
     "register_preconditioner",
+    "resolve_cost",
 ]
 
-ENTRY_POINT_GROUP = "matrix_owner_optim.preconditioners"
+ENTRY_POINT_GROUP = "matrix_owner_optim.optimizers"
+# The group's first name, read alike: plugins declared there keep working.
+PRECONDITIONER_ENTRY_POINT_GROUP = "matrix_owner_optim.preconditioners"
+_GROUPS = (ENTRY_POINT_GROUP, PRECONDITIONER_ENTRY_POINT_GROUP)
+
+# The one default cost: a plan no one priced is priced as Muon (one state buffer of the
+# parameter's size plus an orthogonalisation: conservative, never zero).
+DEFAULT_COST: CostModel = MUON_COST
 
 # ``factory(param_groups, **options) -> torch.optim.Optimizer``
 OptimizerFactory = Callable[..., Any]
 
+# What the edges accept for a cost: a registered name, a cost model, or an optimizer class /
+# factory (its ``cost_model``, else the cost registered with it). Below the edges: ``CostModel``.
+CostSpec: TypeAlias = "str | CostModel | OptimizerFactory"
+
 
 @dataclass(eq=False)
-class PreconditionerEntry:
+class OptimizerEntry:
     """One registered name: where its optimizer comes from, the optimizer, and its cost.
 
     ``target`` is a ``"module:attribute"`` imported by :meth:`load` on first use (built-ins,
     entry points); ``factory`` the optimizer class or factory once known; ``cost`` the cost
-    model registered with it (``None``: the factory's own ``cost_model``, else Muon's).
-    An entry made by :func:`register_cost_model` alone has a cost and no factory.
+    model registered with it (``None``: the factory's own ``cost_model``, else
+    :data:`DEFAULT_COST`). An entry made by :func:`register_cost_model` alone has a cost and no
+    factory.
     """
 
     name: str
@@ -88,24 +117,20 @@ class PreconditionerEntry:
             if self.target is None:
                 raise ValueError(
                     f"{what} optimizer {spelled or self.name!r} has a cost model (register_cost_model) "
-                    "but no optimizer; register one with matrix_owner_optim.register_preconditioner"
+                    "but no optimizer; register one with matrix_owner_optim.register_optimizer"
                 )
             self.factory = _import_target(self.target, spelled or self.name, what, self.source)
         return self.factory
 
-    def cost_model(self) -> CostModel:
-        """The cost the planner prices this optimizer's tensors with (imports the factory only
-        when no cost was registered with the name: an entry point's own ``cost_model``)."""
-        if self.cost is not None:
-            return self.cost
-        return _stated_cost(self.load()) or MUON_COST
+
+PreconditionerEntry = OptimizerEntry  # the entry's first name, kept for code that imports it
 
 
-def _builtin(name: str, target: str, cost: CostModel) -> PreconditionerEntry:
-    return PreconditionerEntry(name, "built-in", target=target, cost=cost)
+def _builtin(name: str, target: str, cost: CostModel) -> OptimizerEntry:
+    return OptimizerEntry(name, "built-in", target=target, cost=cost)
 
 
-_BUILTIN_ENTRIES: dict[str, PreconditionerEntry] = {
+_BUILTIN_ENTRIES: dict[str, OptimizerEntry] = {
     e.name: e
     for e in (
         _builtin("muon", "matrix_owner_optim.preconditioners:Muon", MUON_COST),
@@ -123,7 +148,7 @@ _BUILTIN_ENTRIES: dict[str, PreconditionerEntry] = {
 BUILTINS: Mapping[str, str] = MappingProxyType({n: e.target for n, e in _BUILTIN_ENTRIES.items() if e.target})
 
 # Every name known so far: the built-ins, code registrations, and entry points once looked up.
-_entries: dict[str, PreconditionerEntry] = dict(_BUILTIN_ENTRIES)
+_entries: dict[str, OptimizerEntry] = dict(_BUILTIN_ENTRIES)
 
 
 def _normalize(name: str) -> str:
@@ -136,8 +161,9 @@ def _same_target(a: str, b: str) -> bool:
     return a.replace(" ", "") == b.replace(" ", "")
 
 
-def _stated_cost(factory: Any) -> CostModel | None:
-    cost = getattr(factory, "cost_model", None)
+def _stated_cost(obj: Any) -> CostModel | None:
+    """The ``cost_model`` an optimizer class, factory or built optimizer carries, if it is one."""
+    cost = getattr(obj, "cost_model", None)
     return cost if isinstance(cost, CostModel) else None
 
 
@@ -157,29 +183,29 @@ def _import_target(target: str, name: str, what: str, source: str) -> OptimizerF
     return obj
 
 
-def _is_code(entry: PreconditionerEntry | None) -> bool:
+def _is_code(entry: OptimizerEntry | None) -> bool:
     return entry is not None and entry.source == "code"
 
 
-def register_preconditioner(
+def register_optimizer(
     name: str, factory: OptimizerFactory, *, cost_model: CostModel | None = None, overwrite: bool = False
 ) -> None:
     """Make ``name`` usable as ``matrix=`` or ``tail=`` of ``OwnerRoutedOptimizer`` and as
-    ``preconditioner=`` of the planner.
+    ``preconditioner=`` of the planner (``register_preconditioner`` is this function).
 
     Args:
         name: case-insensitive name.
         factory: an optimizer class, or any callable ``factory(params, **options)``.
         cost_model: what the planner charges per tensor; default: ``factory.cost_model`` where
-            it has one, else Muon's cost.
+            it has one, else :data:`DEFAULT_COST`.
         overwrite: replace a built-in or an existing registration instead of raising.
     """
     key = _normalize(name)
     if not callable(factory):
-        raise TypeError(f"register_preconditioner({name!r}): factory must be callable, got {factory!r}")
+        raise TypeError(f"register_optimizer({name!r}): factory must be callable, got {factory!r}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(
-            f"register_preconditioner({name!r}): cost_model must have name, state_bytes(shape, dtype) "
+            f"register_optimizer({name!r}): cost_model must have name, state_bytes(shape, dtype) "
             f"and flops(shape), got {cost_model!r}"
         )
     existing = _entries.get(key)
@@ -197,9 +223,10 @@ def register_preconditioner(
         if cost_model is None:
             return  # the same factory again: nothing changes
     kept_cost = existing.cost if existing is not None and existing.factory is None and existing.target is None else None
-    _entries[key] = PreconditionerEntry(
-        key, "code", factory=factory, cost=cost_model or _stated_cost(factory) or kept_cost
-    )
+    _entries[key] = OptimizerEntry(key, "code", factory=factory, cost=cost_model or _stated_cost(factory) or kept_cost)
+
+
+register_preconditioner = register_optimizer  # the first name, kept: users' code calls it
 
 
 def register_cost_model(name: str, model: CostModel) -> None:
@@ -210,7 +237,7 @@ def register_cost_model(name: str, model: CostModel) -> None:
     key = _normalize(name)
     entry = lookup(key)
     if entry is None:
-        _entries[key] = PreconditionerEntry(key, "code", cost=model)
+        _entries[key] = OptimizerEntry(key, "code", cost=model)
     else:
         entry.cost = model
 
@@ -221,9 +248,11 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
 
 
 def _entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """Every entry point of both groups, by normalised name."""
     out: dict[str, list[importlib.metadata.EntryPoint]] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        out.setdefault(ep.name.strip().lower(), []).append(ep)
+    for group in _GROUPS:
+        for ep in importlib.metadata.entry_points(group=group):
+            out.setdefault(ep.name.strip().lower(), []).append(ep)
     return out
 
 
@@ -238,7 +267,7 @@ def _entry_point_for(key: str) -> importlib.metadata.EntryPoint | None:
             raise ValueError(
                 f"optimizer name {key!r} is a built-in ({BUILTINS[key]}), and distribution "
                 f"{_dist_name(ep)!r} also declares it in the entry-point group "
-                f"{ENTRY_POINT_GROUP!r} ({ep.value}). Refusing to choose: rename the entry point "
+                f"{ep.group!r} ({ep.value}). Refusing to choose: rename the entry point "
                 f"in {_dist_name(ep)!r} or uninstall it."
             )
         return None
@@ -249,9 +278,9 @@ def _entry_point_for(key: str) -> importlib.metadata.EntryPoint | None:
     if len(distinct) > 1:
         a, b = distinct[0], distinct[1]
         raise ValueError(
-            f"optimizer name {key!r} is declared in the entry-point group {ENTRY_POINT_GROUP!r} "
-            f"by distribution {_dist_name(a)!r} ({a.value}) and by distribution "
-            f"{_dist_name(b)!r} ({b.value}). Refusing to choose: rename one or uninstall one."
+            f"optimizer name {key!r} is declared by distribution {_dist_name(a)!r} ({a.value}, "
+            f"entry-point group {a.group!r}) and by distribution {_dist_name(b)!r} ({b.value}, "
+            f"group {b.group!r}). Refusing to choose: rename one or uninstall one."
         )
     registered = _entries.get(key)
     if distinct and _is_code(registered):
@@ -259,28 +288,31 @@ def _entry_point_for(key: str) -> importlib.metadata.EntryPoint | None:
         assert registered is not None
         raise ValueError(
             f"optimizer name {key!r} is registered in code ({registered.factory or registered.cost!r}) and "
-            f"declared by distribution {_dist_name(ep)!r} ({ep.value}) in {ENTRY_POINT_GROUP!r}. "
+            f"declared by distribution {_dist_name(ep)!r} ({ep.value}) in {ep.group!r}. "
             "Refusing to choose: register under another name."
         )
     return distinct[0] if distinct else None
 
 
-def lookup(name: str) -> PreconditionerEntry | None:
+def lookup(name: str) -> OptimizerEntry | None:
     """The entry of ``name`` (case-insensitive), or None if no source provides it. Raises
     ``ValueError`` when two sources provide it (naming both), before anything is imported."""
     key = _normalize(name)
     ep = _entry_point_for(key)
     entry = _entries.get(key)
     if entry is None and ep is not None:
-        entry = PreconditionerEntry(key, f"entry point of {_dist_name(ep)!r}", target=ep.value)
+        entry = OptimizerEntry(key, f"entry point of {_dist_name(ep)!r}", target=ep.value)
         _entries[key] = entry
     return entry
 
 
-def available_preconditioners() -> list[str]:
+def available_optimizers() -> list[str]:
     """Every name that ``resolve_optimizer`` may accept (built-in, registered and installed)."""
     with_optimizer = {n for n, e in _entries.items() if e.factory is not None or e.target is not None}
     return sorted(with_optimizer | set(_entry_points()))
+
+
+available_preconditioners = available_optimizers  # the first name, kept
 
 
 def available_cost_models() -> list[str]:
@@ -288,32 +320,49 @@ def available_cost_models() -> list[str]:
     return sorted(set(_entries) | set(_entry_points()))
 
 
-def get_cost_model(preconditioner: str | CostModel | Callable[..., Any] | None) -> CostModel:
-    """Resolve a registered name (the cost of its registry entry), a :class:`CostModel`, or an
-    optimizer class carrying ``cost_model`` (or registered in code with one); None is Muon's.
+def resolve_cost(spec: CostSpec | None, *, built: object | None = None) -> CostModel:
+    """The cost model that prices a plan for ``spec``: the one rule, used by every edge.
 
-    An optimizer without a stated cost is charged like Muon (one state buffer of the
-    parameter's size plus an orthogonalisation): a conservative estimate, never zero. An unknown
-    name raises ``ValueError`` listing the known ones.
+    In order: a :class:`~.cost.CostModel` is itself; ``built`` (an optimizer as configured,
+    e.g. ``Shampoo(..., max_preconditioner_dim=32)``) prices by the ``cost_model`` it states;
+    ``None`` is :data:`DEFAULT_COST`; a name is its registry entry's cost (registered with the
+    name, else its factory's ``cost_model``); an optimizer class or factory is its own
+    ``cost_model``, else the cost registered in code with it. What states no cost is priced as
+    :data:`DEFAULT_COST`.
+
+    Raises:
+        ValueError: for an unknown name (listing the known ones) or a name two sources provide.
+        TypeError: for anything else (naming what was given).
     """
-    if preconditioner is None:
-        return MUON_COST
-    if isinstance(preconditioner, str):
-        entry = lookup(preconditioner)
-        if entry is None:
-            raise ValueError(
-                f"no cost model for preconditioner {preconditioner!r}; known: "
-                f"{', '.join(available_cost_models())}. Register one with "
-                "matrix_owner_optim.register_preconditioner(name, factory, cost_model=...) or "
-                "planning.register_cost_model."
-            )
-        return entry.cost_model()
-    if isinstance(preconditioner, CostModel):
-        return preconditioner
-    stated = _stated_cost(preconditioner)
+    if isinstance(spec, CostModel):
+        return spec
+    stated = _stated_cost(built)
     if stated is not None:
         return stated
-    for entry in _entries.values():  # a factory registered in code with a cost, passed as itself
-        if _is_code(entry) and entry.factory is preconditioner and entry.cost is not None:
-            return entry.cost
-    return MUON_COST
+    if spec is None:
+        return DEFAULT_COST
+    if isinstance(spec, str):
+        entry = lookup(spec)
+        if entry is None:
+            raise ValueError(
+                f"no cost model for preconditioner {spec!r}; known: "
+                f"{', '.join(available_cost_models())}. Register one with "
+                "matrix_owner_optim.register_optimizer(name, factory, cost_model=...) or "
+                "planning.register_cost_model."
+            )
+        return entry.cost or _stated_cost(entry.load()) or DEFAULT_COST
+    if callable(spec):
+        stated = _stated_cost(spec)
+        if stated is not None:
+            return stated
+        for entry in _entries.values():  # a factory registered in code with a cost, passed as itself
+            if _is_code(entry) and entry.factory is spec and entry.cost is not None:
+                return entry.cost
+        return DEFAULT_COST
+    raise TypeError(
+        f"preconditioner= must be a registered name, a CostModel or an optimizer class, got "
+        f"{type(spec).__name__} {spec!r}"
+    )
+
+
+get_cost_model = resolve_cost  # the first name, kept: the same function

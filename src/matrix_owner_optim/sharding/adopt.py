@@ -49,7 +49,7 @@ def adoption_hook(state: OwnerShardState) -> Callable[[nn.Module, Any], None]:
 def adopt_assigned(state: OwnerShardState) -> int:
     """Adopt every parameter of ``state``'s modules that is not the owner layout's own (see the
     module docstring); the number of places re-registered."""
-    ctx = state.root.context
+    ctx = state.tree.context
     count = 0
     made: dict[int, nn.Parameter] = {}
     for m in state.modules:

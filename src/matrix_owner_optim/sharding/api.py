@@ -24,14 +24,14 @@ from torch import nn
 from .. import comm
 from ..owner_dtensor import mesh_of_group
 from ..planning.metadata import ShardingPlan
-from ..planning.registry import get_cost_model
+from ..planning.registry import CostSpec, resolve_cost
 from .adopt import adoption_hook
 from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
 from .ignored import is_ignored, mark_ignored
 from .module import swap_class
 from .replicated import as_owner_dtensors
-from .state import OwnerShardState, PlanPhase, state_of
+from .state import OwnerShardState, PlanPhase, ShardTree, state_of, trees_inside
 
 __all__ = ["fully_shard", "mesh_device", "move_states_to_device"]
 
@@ -47,7 +47,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     plan: ShardingPlan | None = None,
-    preconditioner: Any = None,
+    preconditioner: CostSpec | None = None,
 ) -> Any:
     """Owner-shaped sharding of ``module``'s parameters not already in a child unit.
 
@@ -71,11 +71,15 @@ def fully_shard(
         dp_mesh_dims: only None.
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
-            units and segments follow the ``fully_shard`` calls).
+            units and segments follow the ``fully_shard`` calls). A tree-wide fact: give it on
+            one call (the root's); a call inside the tree given another plan is refused.
         preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
-            ``"shampoo"``, a ``CostModel`` or an optimizer class). Default: the optimizer that
-            fixes the plan (``OwnerRoutedOptimizer`` built before the first forward passes its
-            own), else Muon's.
+            ``"shampoo"``, a ``CostModel`` or an optimizer class; resolved here, once, by
+            ``planning.registry.resolve_cost``). A tree-wide fact: name it on one call (the
+            root's); a call inside the tree naming another is refused, naming both. Default:
+            the optimizer that fixes the plan (``OwnerRoutedOptimizer`` built before the first
+            forward offers its own), else ``DEFAULT_COST`` (Muon's). Fixing the plan logs which
+            cost priced it.
 
     Returns ``module``. Nothing moves until the plan is fixed (module docstring); build the
     optimizer after the ``fully_shard`` calls.
@@ -99,14 +103,18 @@ def fully_shard(
     check_unsupported_arguments(shard_placement_fn, offload_policy, dp_mesh_dims)
     check_reshard_after_forward_type(reshard_after_forward)
     _check_mp_policy(mp_policy)
-    if preconditioner is not None:
-        get_cost_model(preconditioner)  # an unknown name fails here, before anything is recorded
+    # the one resolution of the cost, at this edge: an unknown name fails before anything is recorded
+    cost = resolve_cost(preconditioner) if preconditioner is not None else None
     group, replicate_group = _resolve_group(mesh)
     rsf = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(group))
     if plan is not None:
         check_plan_world_size(plan, dist.get_world_size(group))
     for m in modules:
         _check_submodules(m, group, replicate_group)
+    names = {id(sub): name for m in modules for name, sub in m.named_modules()}
+    tree = ShardTree.join(  # refuses a call inside naming another plan or cost, before anything changes
+        trees_inside(modules), module=modules[0], plan=plan, cost=cost, name_of=lambda m: names.get(id(m), "?")
+    )
     device = mesh_device(mesh, group)
     device_mesh = mesh_of_group(group, device.type)
     mark_ignored(modules, ignored_params)  # the last check: nothing is recorded if it refuses
@@ -120,8 +128,7 @@ def fully_shard(
         replicate_group=replicate_group,
         reshard_after_forward=rsf,
         mp_policy=mp_policy,
-        plan=plan,
-        preconditioner=preconditioner,
+        tree=tree,
     )
     state.register()
     for m in modules:
@@ -143,7 +150,7 @@ def _check_submodules(module: nn.Module, group: Any, replicate_group: Any) -> No
                 f"({_mesh_words(group, replicate_group)}); one model is planned over one mesh, "
                 "so pass the same mesh to every fully_shard call of the model"
             )
-        if sub_state.root.phase is not PlanPhase.PENDING:
+        if sub_state.tree.phase is not PlanPhase.PENDING:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its submodule {name!r} "
                 f"({type(sub).__name__}) is already sharded (its plan was fixed by a forward or "

@@ -1,9 +1,10 @@
 """Fixing a tree's plan: plan (or validate the given plan), agree, re-point the parameters, build
 the units and the :class:`~.context.ShardingContext` that drives them.
 
-Called once per tree by its root state's ``lazy_init`` (``sharding/state.py``). Every rank runs
-the same steps on the same model; the plan digest all-gather is the first collective, before any
-data moves.
+Called once per tree by ``ShardTree.fix`` (``sharding/tree.py``, reached through the root state's
+``lazy_init``), with the tree's plan source and the cost model that prices it, both resolved
+above. Every rank runs the same steps on the same model; the plan digest all-gather is the first
+collective, before any data moves.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from ..agreement import check_plan_agreement
 from ..lazy_plan import unlink_lazy_plan
 from ..owner_dtensor import OwnerDTensor
 from ..pieces import placement_of
+from ..planning.cost import CostModel
 from ..planning.metadata import MatrixShard, ShardingPlan, attach_matrix_shard, record_unit_prefixes
 from ..planning.planner import plan_tensors
 from ..planning.roles import TensorSpec, specs_from_module
 from ..tensors import local_tensor
-from .context import ShardingContext
+from .context import ShardingContext, TreeSettings
 from .handle import ParamHandle
 from .ignored import is_ignored
 from .replicated import current_parameter
@@ -40,8 +42,6 @@ class PlannedCall(Protocol):
     group: Any
     replicate_group: Any
     mp_policy: Any
-    plan: ShardingPlan | None
-    preconditioner: Any
     options: UnitOptions
 
 
@@ -55,9 +55,12 @@ def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
         )
 
 
-def build_context(states: Sequence[PlannedCall], preconditioner: Any = None) -> ShardingContext:
-    """Plan the tree of ``states`` (one unit per call, planning order) as one model, shard
-    every parameter in place and build the units (``context.units[i]`` is call ``i``'s)."""
+def build_context(
+    states: Sequence[PlannedCall], *, plan: ShardingPlan | None, cost: CostModel, settings: TreeSettings
+) -> ShardingContext:
+    """Plan the tree of ``states`` (one unit per call, planning order) as one model priced by
+    ``cost`` (or apply the given ``plan``), shard every parameter in place and build the units
+    (``context.units[i]`` is call ``i``'s); ``settings`` are the tree's (the prefetch switch)."""
     group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [m for st in states for m in st.modules]
@@ -78,13 +81,10 @@ def build_context(states: Sequence[PlannedCall], preconditioner: Any = None) -> 
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
     locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
-    given = next((s.plan for s in reversed(states) if s.plan is not None), None)
-    if given is not None:
-        _validate_plan(given, specs, W)
-        plan = given
+    if plan is not None:
+        _validate_plan(plan, specs, W)
     else:
-        named = next((s.preconditioner for s in reversed(states) if s.preconditioner is not None), None)
-        plan = plan_tensors(specs, W, preconditioner=named if named is not None else preconditioner)
+        plan = plan_tensors(specs, W, cost=cost)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(  # the first collective, before any data moves
         plan,
@@ -138,7 +138,7 @@ def build_context(states: Sequence[PlannedCall], preconditioner: Any = None) -> 
         parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
         parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
         unit.parent = units[parent] if parent is not None else None
-    ctx = ShardingContext(groups, plan, units)
+    ctx = ShardingContext(groups, plan, units, settings)
     for st in states:
         _check_prefetch_targets(st, ctx)
     return ctx

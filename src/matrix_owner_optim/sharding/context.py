@@ -1,10 +1,12 @@
 """The runtime of one tree of units: it drives every unit, the way FSDP2's root state does.
 
 A :class:`ShardingContext` is made when a tree's plan is fixed (``sharding/build.py``) and is
-owned by the tree's root :class:`~.state.OwnerShardState`. The module hooks call it, and it
-calls the units; units never call back. It keeps what the units share and what crosses units:
+held by the tree (:class:`~.tree.ShardTree`, which every state of the tree points to). The
+module hooks call it, and it calls the units; units never call back. It keeps what the units
+share and what crosses units:
 
-* the process groups, the plan and the units (call order);
+* the process groups, the plan and the units (call order), and the tree's settings (read live:
+  ``set_auto_prefetch`` sets them on the tree, their one home);
 * the prefetch orders recorded from the previous pass, and the explicit prefetch targets;
 * the one reduce-scatter in flight (a :class:`~.unit.ReductionInFlight` record it lands);
 * the iteration state.
@@ -24,6 +26,8 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import nn
 from torch.autograd import Variable
 
@@ -33,7 +37,13 @@ from .handle import ParamHandle
 from .ignored import is_ignored
 from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
 
-__all__ = ["ShardingContext"]
+__all__ = ["ShardingContext", "TreeSettings"]
+
+
+class TreeSettings(Protocol):
+    """What the context reads of its tree's settings, live (``tree.ShardTree`` is one)."""
+
+    auto_prefetch: bool  # the next-unit prefetch, on or off for the whole tree
 
 
 class ShardingContext:
@@ -42,7 +52,7 @@ class ShardingContext:
     groups: ShardGroups
     plan: ShardingPlan
     units: list[ShardedUnit]
-    auto_prefetch: bool
+    settings: TreeSettings
     forward_order: list[ShardedUnit]  # recorded from the previous pass (same on every rank)
     backward_order: list[ShardedUnit]
     prefetch_log: list[tuple[str, int, int]]  # (phase, issuing unit, prefetched unit), this pass
@@ -50,11 +60,13 @@ class ShardingContext:
     interrupted_backwards: int  # backwards that never finished (an exception), healed since
     method_depth: int  # inside a method registered with register_fsdp_forward_method
 
-    def __init__(self, groups: ShardGroups, plan: ShardingPlan, units: list[ShardedUnit]) -> None:
+    def __init__(
+        self, groups: ShardGroups, plan: ShardingPlan, units: list[ShardedUnit], settings: TreeSettings
+    ) -> None:
         self.groups = groups
         self.plan = plan
         self.units = units
-        self.auto_prefetch = True
+        self.settings = settings
         self.forward_order = []
         self.backward_order = []
         self.prefetch_log = []
@@ -152,7 +164,7 @@ class ShardingContext:
     ) -> None:
         if explicit is not None:
             targets = [t for t in (self.unit_of(m) for m in explicit) if t is not None]
-        elif self.auto_prefetch:
+        elif self.settings.auto_prefetch:
             at = next((i for i, u in enumerate(order) if u is unit), None)
             targets = order[at + 1 : at + 2] if at is not None else []
         else:

@@ -186,8 +186,8 @@ class FSDP2Methods:
                 f"reset_iter_state() was called on {type(self).__name__}, which is not the root of its "
                 "fully_shard tree; call it on the module of the outermost fully_shard call (the model)"
             )
-        if state.context is not None:  # a pending plan has no iteration state
-            state.context.reset_iteration()
+        if state.tree.context is not None:  # a pending plan has no iteration state
+            state.tree.context.reset_iteration()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of ``set_gradient_divide_factor``."""

@@ -141,9 +141,6 @@ class ParamHandle:
         module, name = self.locations[0]
         return module._parameters.get(name)
 
-    def has_grad(self) -> bool:
-        return self.unsharded.grad is not None or self.accumulated is not None
-
     def accumulate(self, reduce_dtype: torch.dtype) -> None:
         """Move this backward's unsharded gradient into the unsynced accumulator."""
         g = self.unsharded.grad

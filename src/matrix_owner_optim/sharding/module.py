@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..owner_dtensor import OwnerDTensor
 from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
+from ..planning.registry import CostSpec, resolve_cost
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .fsdp_api import FSDP2Methods
@@ -65,7 +66,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def _moo_context(self) -> ShardingContext | None:
         """The runtime of this module's tree (None while its plan is pending)."""
-        return _require_state(self).root.context
+        return _require_state(self).tree.context
 
     def _moo_units(self) -> list[ShardedUnit]:
         """This module's unit and every unit nested in it (call order); the plan must be fixed."""
@@ -86,25 +87,26 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
                 found.append(st)
         return found
 
-    def fix_plan(self, preconditioner: Any = None) -> ShardingPlan:
+    def fix_plan(self, preconditioner: CostSpec | None = None) -> ShardingPlan:
         """Fix the sharding plan of this module's ``fully_shard`` tree now and shard it
         (collective: call it on every rank). Otherwise the first forward or the optimizer's
-        construction fixes it. ``preconditioner`` prices the matrices unless a ``fully_shard``
-        call named one (default: Muon's cost)."""
-        return _require_state(self).fix_plan(preconditioner).plan
+        construction fixes it. ``preconditioner`` (resolved by ``resolve_cost``) prices the
+        matrices unless a ``fully_shard`` call named one (default: ``DEFAULT_COST``)."""
+        cost = resolve_cost(preconditioner) if preconditioner is not None else None
+        return _require_state(self).fix_plan(cost).plan
 
     @property
     def sharding_plan(self) -> ShardingPlan:
         """The plan of this module's tree; it must be fixed (see :meth:`fix_plan`)."""
-        root = _require_state(self).root
-        if root.phase is PlanPhase.FAILED:
-            root.lazy_init()  # raises with the reason
-        if root.context is None:
+        tree = _require_state(self).tree
+        if tree.phase is PlanPhase.FAILED:
+            tree.fix()  # raises with the reason
+        if tree.context is None:
             raise RuntimeError(
                 f"{type(self).__name__}: the sharding plan is not fixed yet; the first forward, "
                 "unshard(), fix_plan() or building the optimizer fixes it"
             )
-        return root.context.plan
+        return tree.context.plan
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit and every unit nested in it; until :meth:`reshard`,
@@ -163,14 +165,10 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         _require_state(self).options.gradient_divide_factor = factor
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """FSDP2's micro-batching hint. Here every reduction completes inside backward, so the
-        end of any backward leaves nothing in flight; the flag is recorded for scripts that
-        read it back (``is_last_backward``)."""
-        _require_state(self).options.is_last_backward = bool(is_last_backward)
-
-    @property
-    def is_last_backward(self) -> bool:
-        return _require_state(self).options.is_last_backward
+        """FSDP2's micro-batching hint, accepted so FSDP2 scripts run unchanged, and nothing
+        else: here every reduction completes inside backward, so the end of any backward leaves
+        nothing in flight and there is nothing for the hint to change."""
+        _require_state(self)
 
     def set_modules_to_forward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
         """After this module's all-gather in forward, issue those of ``modules`` (async), as
@@ -192,10 +190,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def set_auto_prefetch(self, enabled: bool) -> None:
         """Turn the automatic next-unit prefetch (on by default) on or off for the whole model."""
-        root = _require_state(self).root
-        root.auto_prefetch = bool(enabled)
-        if root.context is not None:
-            root.context.auto_prefetch = bool(enabled)
+        _require_state(self).tree.auto_prefetch = bool(enabled)  # its one home: the context reads it there
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         """Refused, as FSDP2 refuses it ("FSDP does not support deepcopy"): a sharded module's

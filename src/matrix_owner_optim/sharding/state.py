@@ -2,17 +2,19 @@
 
 What is planned together is found through the module tree, as FSDP2 finds the states its root
 initialises: a ``fully_shard`` call *adopts* the states of the calls made before on modules
-inside it (blocks first, the root last), so the outermost call is the *root* of a tree and its
-state holds the tree (call order within each adopted tree, adopted trees in module order,
-itself last). Modules sharded without a common root call are separate trees, planned
-separately, as FSDP2 treats every module without an enclosing ``fully_shard`` as its own root.
+inside it (blocks first, the root last), so the outermost call is the *root* of a tree. The
+tree's facts (its states in planning order, the plan given to it, the cost that prices it, its
+:class:`PlanPhase`, its context, the automatic prefetch) live in one
+:class:`~.tree.ShardTree` that every state of the tree points to (``OwnerShardState.tree``):
+adoption re-points the adopted states to the new tree, never copies a fact. Modules sharded
+without a common root call are separate trees, planned separately, as FSDP2 treats every module
+without an enclosing ``fully_shard`` as its own root.
 
 A tree is planned once, lazily (the plan balances the whole tree), by the root's
 :meth:`OwnerShardState.lazy_init` at the first of: the first forward of any unit of the tree,
 ``unshard()`` / ``fix_plan()`` on one of its modules, or the optimizer's construction (through
 :func:`~matrix_owner_optim.lazy_plan.fix_lazy_plans`, the parameters' link to their state).
-Its :class:`PlanPhase` goes PENDING -> PLANNED (or FAILED, with the reason, if planning
-raised: a rebuilt model is the way on). Setters only record :class:`~.unit.UnitOptions`.
+Setters only record :class:`~.unit.UnitOptions`.
 
 The hooks are this object's methods: they fix the plan if needed and hand the unit to the
 tree's :class:`~.context.ShardingContext`, which drives it.
@@ -20,7 +22,7 @@ tree's :class:`~.context.ShardingContext`, which drives it.
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,23 +30,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..lazy_plan import link_lazy_plan
-from ..planning.metadata import ShardingPlan, get_matrix_shard
-from .build import build_context
+from ..planning.cost import CostModel
+from ..planning.metadata import get_matrix_shard
 from .context import ShardingContext
 from .outputs import grad_tensors
+from .tree import PlanPhase, ShardTree
 from .unit import ShardedUnit, UnitOptions, in_backward
 
-__all__ = ["OwnerShardState", "PlanPhase", "state_of"]
+__all__ = ["OwnerShardState", "PlanPhase", "ShardTree", "state_of", "trees_inside"]
 
 _STATE_ATTR = "_moo_state"
-
-
-class PlanPhase(enum.Enum):
-    """Where a tree's plan is: recorded, fixed (units built), or failed."""
-
-    PENDING = "pending"
-    PLANNED = "planned"
-    FAILED = "failed"
 
 
 def state_of(module: nn.Module) -> OwnerShardState | None:
@@ -52,23 +47,29 @@ def state_of(module: nn.Module) -> OwnerShardState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
+def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
+    """The trees of the ``fully_shard`` calls made before on modules inside ``modules`` (what a
+    call on them adopts), in module order."""
+    trees: list[ShardTree] = []
+    for m in modules:
+        for sub in m.modules():
+            st = state_of(sub)
+            if st is not None and not any(t is st.tree for t in trees):
+                trees.append(st.tree)
+    return trees
+
+
 class OwnerShardState:
-    """Everything one ``fully_shard`` call knows (one object, registered on each of its modules)."""
+    """Everything one ``fully_shard`` call knows (one object, registered on each of its modules);
+    what its whole tree knows is ``tree``."""
 
     modules: list[nn.Module]  # the call's modules (several in FSDP2's list form)
     group: Any  # shard process group
     replicate_group: Any  # HSDP replicate group, or None
     mp_policy: Any
-    plan: ShardingPlan | None  # given by the user, or None: planned at lazy init
-    preconditioner: Any  # prices the plan's matrices (None: the optimizer's, else Muon)
     options: UnitOptions  # what the set_* methods record
-    root: OwnerShardState  # the outermost call of this call's tree (itself until adopted)
-    tree: list[OwnerShardState]  # on a root: every state of the tree, planning order
-    auto_prefetch: bool  # on a root: the next-unit prefetch for the whole tree
-    phase: PlanPhase  # on a root
-    failure: str | None  # on a root: why planning failed
+    tree: ShardTree  # this call's tree: the one object every state of the tree points to
     unit: ShardedUnit | None  # set when the plan is fixed
-    context: ShardingContext | None  # on a root: set when the plan is fixed
 
     def __init__(
         self,
@@ -78,42 +79,33 @@ class OwnerShardState:
         replicate_group: Any,
         reshard_after_forward: bool,
         mp_policy: Any,
-        plan: ShardingPlan | None,
-        preconditioner: Any,
+        tree: ShardTree,
     ) -> None:
+        """``tree``: the tree this call forms (``ShardTree.join`` of the trees inside its modules);
+        :meth:`register` makes this state its root."""
         self.modules = modules
         self.group = group
         self.replicate_group = replicate_group
         self.mp_policy = mp_policy
-        self.plan = plan
-        self.preconditioner = preconditioner
         self.options = UnitOptions(reshard_after_forward=reshard_after_forward)
-        self.root = self
-        self.tree = [self]
-        self.auto_prefetch = True
-        self.phase = PlanPhase.PENDING
-        self.failure = None
+        self.tree = tree
         self.unit = None
-        self.context = None
+
+    @property
+    def root(self) -> OwnerShardState:
+        """The outermost call of this call's tree (itself until a call around it adopts it)."""
+        root = self.tree.root
+        assert isinstance(root, OwnerShardState)
+        return root
 
     # -- the tree --------------------------------------------------------------------------------
     def register(self) -> None:
-        """Record this state on its modules, adopt the trees inside them, install the hooks and
-        link the parameters that wait for the plan (``fully_shard``'s last step)."""
-        roots: list[OwnerShardState] = []
-        for m in self.modules:
-            for sub in m.modules():
-                st = state_of(sub)
-                if st is not None and st.root is st and not any(r is st for r in roots):
-                    roots.append(st)
-        tree: list[OwnerShardState] = []
-        for r in roots:
-            tree.extend(r.tree)
-            self.auto_prefetch = self.auto_prefetch and r.auto_prefetch
-        for st in tree:
-            st.root = self
-            st.tree = [st]
-        self.tree = [*tree, self]
+        """Become the root of ``tree`` and re-point every state in it to that one object, record
+        this state on its modules, install the hooks and link the parameters that wait for the
+        plan (``fully_shard``'s last step)."""
+        self.tree.states.append(self)
+        for st in self.tree.states:
+            st.tree = self.tree
         for m in self.modules:
             m.__dict__[_STATE_ATTR] = self
             m.register_forward_pre_hook(self.pre_forward_hook, with_kwargs=True)
@@ -128,33 +120,15 @@ class OwnerShardState:
                 if get_matrix_shard(p) is None:
                     link_lazy_plan(p, self)
 
-    def fix_plan(self, preconditioner: Any = None) -> ShardingContext:
+    def fix_plan(self, cost: CostModel | None = None) -> ShardingContext:
         """Fix this call's tree's plan now (collective: every rank fixes it alike); the tree's
-        :class:`ShardingContext`. ``preconditioner`` prices it unless a call named one."""
-        return self.root.lazy_init(preconditioner)
+        :class:`ShardingContext`. ``cost`` prices it unless a call of the tree named one."""
+        return self.root.lazy_init(cost)
 
-    def lazy_init(self, preconditioner: Any = None) -> ShardingContext:
-        """On a root: plan the tree and build its units (once)."""
-        assert self.root is self, "lazy_init runs on a tree's root"
-        if self.phase is PlanPhase.PLANNED:
-            assert self.context is not None
-            return self.context
-        if self.phase is PlanPhase.FAILED:
-            raise RuntimeError(
-                f"sharding of this {type(self.modules[0]).__name__} failed earlier ({self.failure}); "
-                "build the model again and call fully_shard on it"
-            )
-        try:
-            self.context = build_context(self.tree, preconditioner)
-        except BaseException as exc:
-            self.phase = PlanPhase.FAILED
-            self.failure = f"{type(exc).__name__}: {exc}"
-            raise
-        for st, unit in zip(self.tree, self.context.units, strict=True):
-            st.unit = unit
-        self.context.auto_prefetch = self.auto_prefetch
-        self.phase = PlanPhase.PLANNED
-        return self.context
+    def lazy_init(self, cost: CostModel | None = None) -> ShardingContext:
+        """On a root: plan the tree and build its units (once; :meth:`ShardTree.fix`)."""
+        assert self.tree.root is self, "lazy_init runs on a tree's root"
+        return self.tree.fix(cost)
 
     def require_unit(self) -> tuple[ShardingContext, ShardedUnit]:
         """The tree's context and this call's unit, fixing the plan if it is pending."""

@@ -135,7 +135,6 @@ class UnitOptions:
     gradient_divide_factor: float | None = None  # None: the data-parallel size (the average)
     forward_prefetch: list[nn.Module] | None = None  # explicit targets; None: automatic
     backward_prefetch: list[nn.Module] | None = None
-    is_last_backward: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ class ShardedUnit:
         self.module = members[0]
         self.members = members
         self.handles = handles
-        self.parent = None  # set by the context once every unit exists
+        self.parent = None  # set by build_context (build.py) once every unit of the tree exists
         self.options = options
         self.mp_policy = mp_policy
         self.is_root = is_root

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...planning import ADAMW_COST, Role, ShardingPlan, get_cost_model
+from ...planning import ADAMW_COST, Role, ShardingPlan, resolve_cost
 from ...planning.cost import as_matrix_shape, itemsize
 
 
@@ -75,7 +75,7 @@ def plan_stats(plan: ShardingPlan, nodes: int, gpus_per_node: int) -> PlanStats:
     if plan.world_size != W:
         raise ValueError(f"plan is for world size {plan.world_size}, but {nodes} nodes x {gpus_per_node} GPUs = {W}")
     G = gpus_per_node
-    cost = get_cost_model(plan.preconditioner)
+    cost = resolve_cost(plan.preconditioner)
     node_of = [r // G for r in range(W)]
 
     matrices: list[MatrixInfo] = []

@@ -1,0 +1,181 @@
+"""One tree of ``fully_shard`` calls: the facts its calls share, in one object they all point to.
+
+A tree is the ``fully_shard`` calls planned together: the outermost call (the root) and every
+call inside it. What is true of the whole tree lives in one :class:`ShardTree`, as FSDP2 keeps
+tree-wide facts in one ``FSDPStateContext`` that every state points to: the plan given to it, the
+cost model that prices it, where its plan is (:class:`PlanPhase`), why planning failed, its
+runtime (:class:`~.context.ShardingContext`) and the automatic prefetch. Every call's
+``OwnerShardState.tree`` is its tree. A call that adopts the calls made before inside it forms
+one new tree of theirs (:meth:`ShardTree.join`) and re-points their states to it; no fact is
+copied into a state, so none goes stale.
+
+A tree has one plan source and one price. A call inside the tree that named another plan or
+cost model than the tree's (``fully_shard(plan=...)``, ``fully_shard(preconditioner=...)``) is
+refused when the tree forms, naming both calls. The plan is fixed once (:meth:`ShardTree.fix`,
+collective), priced by the cost a call named, else the one offered by whoever fixes it (the
+optimizer offers its matrix optimizer's), else ``planning.registry.DEFAULT_COST``; the tree
+keeps the cost that priced it (``cost``) and logs it (logger ``matrix_owner_optim.sharding.tree``,
+INFO).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import nn
+
+from ..planning.cost import CostModel
+from ..planning.metadata import ShardingPlan
+from ..planning.registry import DEFAULT_COST
+from .build import PlannedCall, build_context
+from .context import ShardingContext
+from .unit import ShardedUnit
+
+__all__ = ["PlanPhase", "ShardTree", "TreeMember"]
+
+_log = logging.getLogger(__name__)
+
+
+class PlanPhase(enum.Enum):
+    """Where a tree's plan is: recorded, fixed (units built), or failed."""
+
+    PENDING = "pending"
+    PLANNED = "planned"
+    FAILED = "failed"
+
+
+class TreeMember(PlannedCall, Protocol):
+    """What the tree reads and sets of one call's state (``state.OwnerShardState`` is one)."""
+
+    unit: ShardedUnit | None  # set when the plan is fixed
+    tree: ShardTree  # the tree it belongs to: this object
+
+
+@dataclass(eq=False)
+class ShardTree:
+    """The facts of one tree of ``fully_shard`` calls (module docstring); every state of the tree
+    points to this one object."""
+
+    states: list[TreeMember] = field(default_factory=list)  # planning order, the root last
+    plan: ShardingPlan | None = None  # given by a call (plan=), else planned when fixed
+    plan_from: nn.Module | None = None  # the module of the call that gave it
+    cost: CostModel | None = None  # named by a call; once fixed, the cost that priced the plan
+    cost_from: nn.Module | None = None  # the module of the call that named it (None: not named)
+    auto_prefetch: bool = True  # the next-unit prefetch, for the whole tree
+    phase: PlanPhase = PlanPhase.PENDING
+    failure: str | None = None  # why planning failed
+    context: ShardingContext | None = None  # the runtime, once the plan is fixed
+
+    @property
+    def root(self) -> TreeMember:
+        """The outermost call's state."""
+        return self.states[-1]
+
+    @classmethod
+    def join(
+        cls,
+        trees: Sequence[ShardTree],
+        *,
+        module: nn.Module,
+        plan: ShardingPlan | None,
+        cost: CostModel | None,
+        name_of: Callable[[nn.Module], str],
+    ) -> ShardTree:
+        """The tree a ``fully_shard`` call on ``module`` forms of the ``trees`` inside it (module
+        order) and its own ``plan`` and ``cost`` (None: not given). Changes nothing (the call's
+        state re-points the adopted states when it registers); refuses two different plans or
+        cost models, naming the two calls (``name_of`` names a module inside ``module``)."""
+        tree = cls(plan=plan, plan_from=module if plan is not None else None)
+        tree.cost, tree.cost_from = cost, module if cost is not None else None
+        for t in trees:
+            tree.states.extend(t.states)
+            tree.auto_prefetch = tree.auto_prefetch and t.auto_prefetch
+            if t.plan is not None:
+                if tree.plan is not None and tree.plan is not t.plan and tree.plan.digest() != t.plan.digest():
+                    raise ValueError(
+                        f"fully_shard({_class_name(module)}): {_call(tree.plan_from, module, name_of)} was "
+                        f"given plan {tree.plan.digest()[:12]} and {_call(t.plan_from, module, name_of)} plan "
+                        f"{t.plan.digest()[:12]}; one tree is planned from one plan. Give plan= on one call "
+                        "(the root's), or the same plan to every call"
+                    )
+                if tree.plan is None:
+                    tree.plan, tree.plan_from = t.plan, t.plan_from
+            if t.cost is not None:
+                if tree.cost is not None and tree.cost is not t.cost and tree.cost != t.cost:
+                    raise ValueError(
+                        f"fully_shard({_class_name(module)}): {_call(tree.cost_from, module, name_of)} named "
+                        f"cost model {tree.cost.name!r} ({tree.cost!r}) and {_call(t.cost_from, module, name_of)} "
+                        f"named {t.cost.name!r} ({t.cost!r}); one tree is priced by one cost model. Pass "
+                        "preconditioner= to one call (the root's), or the same to every call"
+                    )
+                if tree.cost is None:
+                    tree.cost, tree.cost_from = t.cost, t.cost_from
+        return tree
+
+    def fix(self, offered: CostModel | None = None) -> ShardingContext:
+        """Fix the tree's plan now, once (collective: every rank fixes it alike) and return its
+        runtime. ``offered`` prices it unless a call named a cost (default: ``DEFAULT_COST``).
+        A failure leaves the tree FAILED with the reason: the model must be rebuilt."""
+        if self.phase is PlanPhase.PLANNED:
+            assert self.context is not None
+            return self.context
+        if self.phase is PlanPhase.FAILED:
+            raise RuntimeError(
+                f"sharding of this {_class_name(self.root.modules[0])} failed earlier ({self.failure}); "
+                "build the model again and call fully_shard on it"
+            )
+        if self.cost is not None:
+            cost, why = self.cost, f"named by fully_shard({_class_name(self.cost_from)}, preconditioner=...)"
+        elif offered is not None:
+            cost, why = offered, "offered when the plan was fixed (the optimizer's matrix optimizer, or fix_plan())"
+        else:
+            cost, why = DEFAULT_COST, "the default: no fully_shard call named one and none was offered"
+        try:
+            context = build_context(self.states, plan=self.plan, cost=cost, settings=self)
+        except BaseException as exc:
+            self.phase = PlanPhase.FAILED
+            self.failure = f"{type(exc).__name__}: {exc}"
+            raise
+        for st, unit in zip(self.states, context.units, strict=True):
+            st.unit = unit
+        self.context, self.phase = context, PlanPhase.PLANNED
+        what = _class_name(self.root.modules[0])
+        if self.plan is not None:
+            _log.info(
+                "sharding plan of %s fixed over %d ranks: the plan given to fully_shard(%s, plan=...), "
+                "priced by %s when it was made",
+                what,
+                context.groups.world_size,
+                _class_name(self.plan_from),
+                self.plan.preconditioner,
+            )
+        else:
+            self.cost = cost  # the cost that priced the plan, for whatever fixes this tree's tensors later
+            _log.info(
+                "sharding plan of %s fixed over %d ranks: priced by %s (%s)",
+                what,
+                context.groups.world_size,
+                cost.name,
+                why,
+            )
+        return context
+
+
+def _call(module: nn.Module | None, top: nn.Module, name_of: Callable[[nn.Module], str]) -> str:
+    """Words for the ``fully_shard`` call on ``module`` (``top``: the call being made)."""
+    if module is None or module is top:
+        return "this call"
+    return f"the call on its submodule {name_of(module)!r} ({_class_name(module)})"
+
+
+def _class_name(module: nn.Module | None) -> str:
+    """The user's class name of ``module`` (a sharded module's class is a dynamic subclass
+    ``OwnerSharded<Class>`` of ``(OwnerShardedModule, <Class>)``)."""
+    cls = type(module)
+    if cls.__name__.startswith("OwnerSharded") and len(cls.__bases__) == 2:
+        return cls.__bases__[1].__name__
+    return cls.__name__
