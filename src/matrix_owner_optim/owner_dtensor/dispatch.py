@@ -7,8 +7,10 @@ or refused on every rank, and any collective a rule issues is issued by every ra
 
 The rules, in the order they are tried (``dispatch``):
 
-* **refused** (collectives, storage surgery): ``NotImplementedError`` naming the operator and what
-  to do, on every rank.
+* **refused** (collectives, storage surgery, in-place views, sparse layouts): an error naming the
+  operator and what to do, on every rank (for collectives, the error stock DTensor raises).
+* **factories** (``new_empty``, ``new_zeros``, ...): they read only dtype and device, so their
+  result is a plain tensor, the same on every rank (how ``nn.init.orthogonal_`` builds its draw).
 * **lists** (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``): ``lists.py``, element by element.
 * ``copy_`` into an owner-layout tensor: this rank's piece of the source (the load path).
 * **value** (``item()``, ``bool()``, ``equal``): a collective read; every rank gets the value.
@@ -41,7 +43,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..planning.metadata import chunk_row_range
-from .ops import OpClass, OperatorInfo, mutated_arguments, norm_partial
+from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
 from .placement import OwnerShard, owned_ranges, placement_key, same_placement
 
 if TYPE_CHECKING:
@@ -177,6 +179,13 @@ def lay_out_like(cls: type[OwnerDTensor], like: Any, full: torch.Tensor) -> Any:
 
 
 def _refuse(call: Call, info: OperatorInfo) -> Any:
+    if info.why_refused.startswith("a collective") and any(
+        isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in call.flat
+    ):  # plain tensors beside a DTensor: stock DTensor's error for this mix
+        raise RuntimeError(
+            f"{call.func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor "
+            f"before calling distributed operators! ({info.why_refused})"
+        )
     raise NotImplementedError(f"{call.func} on owner-layout tensors is refused: {info.why_refused}")
 
 
@@ -446,6 +455,8 @@ def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info
         return call.args[0]  # out= kernels resize their out tensor to the shape it already has
     if info.cls is OpClass.REFUSED:
         return _refuse(call, info)
+    if func in NEW_FACTORIES:  # only self's dtype and device are read: a plain (replicated) tensor
+        return func(args[0]._local_tensor, *args[1:], **(kwargs or {}))
     if func is aten.copy_.default and isinstance(args[0], cls):
         return _copy_into(call)
     if info.cls is OpClass.VALUE:

@@ -22,6 +22,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "JOINS",
+    "NEW_FACTORIES",
     "NORMS",
     "OpClass",
     "OperatorInfo",
@@ -80,6 +81,18 @@ OVERWRITING_RANDOM = frozenset(
         aten.log_normal_.default,
         aten.cauchy_.default,
         aten.bernoulli_.float,
+    }
+)
+
+# Factories that read only their first argument's dtype and device: the result has no relation to
+# the layout, so it is a plain tensor (the same on every rank: replicated by the layout's rule).
+NEW_FACTORIES = frozenset(
+    {
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
     }
 )
 
@@ -193,6 +206,9 @@ def operator_info(func: Any) -> OperatorInfo:
             "transpose(), ...); for an init that needs one (nn.init.orthogonal_), initialise before "
             "fully_shard, or on full_tensor() and copy_ the result back"
         )
+        return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
+    if "sparse" in base or base.startswith("_to_dense"):
+        why = "sparse layouts of owner-layout tensors are not supported: call full_tensor() first"
         return OperatorInfo(OpClass.REFUSED, why_refused=why, **info)  # type: ignore[arg-type]
     if base.startswith(("_foreach_", "_fused_", "_amp_foreach_")):
         return OperatorInfo(OpClass.LIST, **info)  # type: ignore[arg-type]

@@ -238,6 +238,29 @@ class OwnerDTensor(DcpChunks, DTensor):
 
     # -- operators --------------------------------------------------------------------------------
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        """``out=`` given an owner-layout tensor: the result computed out of place, then copied
+        into each ``out`` tensor (its piece, by the ``copy_`` rule). Composite operators' out
+        kernels write their result below dispatch in ways no ``__torch_dispatch__`` sees, so
+        this is the one place ``out=`` is exact by construction. Everything else passes through
+        unchanged (DTensor's own ``__torch_function__`` is disabled)."""
+        kwargs = kwargs or {}
+        out = kwargs.get("out")
+        with torch._C.DisableTorchFunctionSubclass():
+            if out is None or not any(isinstance(o, OwnerDTensor) for o in _as_tuple(out)):
+                return func(*args, **kwargs)
+            result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+            for o, r in zip(_as_tuple(out), _as_tuple(result), strict=True):
+                if tuple(o.shape) != tuple(r.shape):
+                    raise RuntimeError(
+                        f"{getattr(func, '__name__', func)}: out= tensor of shape {tuple(o.shape)} for a result of "
+                        f"shape {tuple(r.shape)}: an owner-layout tensor cannot be resized in place; pass an out= "
+                        "tensor of the result's shape"
+                    )
+                o.copy_(r)
+            return out
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
         (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
@@ -245,6 +268,10 @@ class OwnerDTensor(DcpChunks, DTensor):
         if info.cls is OpClass.LIST:
             return run_lists(cls, func, args, kwargs or {}, info)
         return dispatch(cls, func, args, kwargs or {}, info)
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 torch.serialization.add_safe_globals([OwnerDTensor, OwnerShard, _NormPartial])
