@@ -189,6 +189,25 @@ def _refuse(call: Call, info: OperatorInfo) -> Any:
     raise NotImplementedError(f"{call.func} on owner-layout tensors is refused: {info.why_refused}")
 
 
+SHAPE_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.alias.default})
+
+
+def _keeps_shape_view(call: Call) -> bool:
+    """Whether a view asks for the shape its owner-layout input has (a view of the same piece)."""
+    a = call.args[0]
+    if not isinstance(a, call.cls) or isinstance(a.placement, Partial):
+        return False
+    if call.func is aten.alias.default:
+        return True
+    shape = [int(s) for s in call.args[1]]
+    if shape.count(-1) == 1 and a.numel() > 0:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        shape[shape.index(-1)] = a.numel() // known
+    return tuple(shape) == tuple(a.shape)
+
+
 def _keeps_shape(call: Call) -> bool:
     """Whether a ``resize_`` / ``resize_as_`` asks for the shape the tensor has (a no-op)."""
     target = call.args[1]
@@ -437,14 +456,24 @@ def adopt(cls: type[OwnerDTensor], t: Any) -> Any:
 
 
 def _gathered(call: Call) -> Any:
-    """Whole values on every rank, the operator on them, every written argument's piece back."""
+    """Whole values on every rank, the operator on them, every written argument's piece back. A
+    view computed this way views the gathered copy, not the tensor: it is marked, and writing it
+    is refused (the write could not reach the tensor)."""
     converted = [full_of(a) for a in call.flat]
     out = call.run(converted)
     for a, c in zip(call.flat, converted, strict=True):
         if id(a) in call.written and isinstance(a, DTensor):
             write_piece(a, c, call.func)
     mesh = call.mesh
-    return call.returns(out, converted, lambda t: call.cls.make(t, mesh, Replicate(), t.shape, t.stride()))
+    is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in call.func._schema.returns)
+
+    def wrap(t: torch.Tensor) -> Any:
+        r = call.cls.make(t, mesh, Replicate(), t.shape, t.stride())
+        if is_view:
+            r._gathered_view = True
+        return r
+
+    return call.returns(out, converted, wrap)
 
 
 def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
@@ -455,6 +484,22 @@ def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info
         return call.args[0]  # out= kernels resize their out tensor to the shape it already has
     if info.cls is OpClass.REFUSED:
         return _refuse(call, info)
+    for a in call.flat:
+        if id(a) in call.written and getattr(a, "_gathered_view", False):
+            raise NotImplementedError(
+                f"{func} writes a view that was computed on a gathered copy of an owner-layout tensor (a view "
+                "the layout cannot keep in place): the write would not reach the tensor. Write the tensor "
+                "itself (or its full_tensor() and copy_ it back)"
+            )
+    if func in SHAPE_VIEWS and _keeps_shape_view(call):
+        like = call.args[0]
+        return call.cls.make(
+            like._local_tensor.view(like._local_tensor.shape),
+            like.device_mesh,
+            like.placement,
+            like.shape,
+            holder=like.holder,
+        )
     if func in NEW_FACTORIES:  # only self's dtype and device are read: a plain (replicated) tensor
         return func(args[0]._local_tensor, *args[1:], **(kwargs or {}))
     if func is aten.copy_.default and isinstance(args[0], cls):

@@ -132,6 +132,8 @@ def placement_key(p: Any) -> Any:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s storage as a flat ``uint8`` tensor: gloo has no int16, uint16-64 or complex, so the
     layout's gathers move bytes, whatever the dtype (no copy when ``t`` is contiguous)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

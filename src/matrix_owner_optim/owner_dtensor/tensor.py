@@ -80,6 +80,7 @@ class OwnerDTensor(DcpChunks, DTensor):
     """
 
     _holder: int | None
+    _gathered_view: bool = False  # a view of a gathered copy (dispatch.py): writing it is refused
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
