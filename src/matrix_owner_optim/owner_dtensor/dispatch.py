@@ -133,12 +133,13 @@ def full_of(a: Any) -> Any:
     return a
 
 
-def write_piece(dst: Any, full: torch.Tensor) -> None:
+def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:
     """Write this rank's piece of ``full`` (the new whole value of ``dst``) into ``dst``."""
     if tuple(full.shape) != tuple(dst.shape):
         raise RuntimeError(
-            f"an operator changed the shape of an owner-layout tensor it writes from {tuple(dst.shape)} to "
-            f"{tuple(full.shape)} (an out= tensor of the wrong size): pass an out= tensor of the result's shape"
+            f"{func or 'an operator'} would change the shape of an owner-layout tensor it writes from "
+            f"{tuple(dst.shape)} to {tuple(full.shape)} (an out= tensor of another size; a DTensor cannot be "
+            "resized in place): pass an out= tensor of the result's shape"
         )
     if hasattr(dst, "piece_of_full"):
         if isinstance(dst.placement, Partial):
@@ -177,6 +178,13 @@ def lay_out_like(cls: type[OwnerDTensor], like: Any, full: torch.Tensor) -> Any:
 
 def _refuse(call: Call, info: OperatorInfo) -> Any:
     raise NotImplementedError(f"{call.func} on owner-layout tensors is refused: {info.why_refused}")
+
+
+def _keeps_shape(call: Call) -> bool:
+    """Whether a ``resize_`` / ``resize_as_`` asks for the shape the tensor has (a no-op)."""
+    target = call.args[1]
+    shape = tuple(target.shape) if isinstance(target, torch.Tensor) else tuple(int(s) for s in target)
+    return shape == tuple(call.args[0].shape)
 
 
 def _copy_into(call: Call) -> Any:
@@ -228,7 +236,7 @@ def _random(call: Call, info: OperatorInfo) -> Any:
     out = call.run(converted)
     for a, c in zip(call.flat, converted, strict=True):
         if id(a) in call.written and isinstance(a, DTensor):
-            write_piece(a, c)
+            write_piece(a, c, call.func)
     like = next((o for o in call.owners if o.dim() > 0), call.owners[0])
     return call.returns(out, converted, lambda t: lay_out_like(call.cls, like, t))
 
@@ -315,6 +323,10 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
 
 
 def _meta(a: Any) -> Any:
+    """An argument as ``meta``, to compute the result's shape with no data (a ``device=`` too:
+    a factory asked for ``cpu`` would otherwise try to copy data out of ``meta``)."""
+    if isinstance(a, torch.device):
+        return torch.device("meta")
     if isinstance(a, DTensor):
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
     if isinstance(a, torch.Tensor):
@@ -421,7 +433,7 @@ def _gathered(call: Call) -> Any:
     out = call.run(converted)
     for a, c in zip(call.flat, converted, strict=True):
         if id(a) in call.written and isinstance(a, DTensor):
-            write_piece(a, c)
+            write_piece(a, c, call.func)
     mesh = call.mesh
     return call.returns(out, converted, lambda t: call.cls.make(t, mesh, Replicate(), t.shape, t.stride()))
 
@@ -430,6 +442,8 @@ def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info
     """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
     owner-layout tensor (see the module docstring for the rules and their order)."""
     call = Call(cls, func, args, kwargs or {}, info)
+    if func in (aten.resize_.default, aten.resize_as_.default) and _keeps_shape(call):
+        return call.args[0]  # out= kernels resize their out tensor to the shape it already has
     if info.cls is OpClass.REFUSED:
         return _refuse(call, info)
     if func is aten.copy_.default and isinstance(args[0], cls):

@@ -172,7 +172,7 @@ def _run_gathered(
     for i in {w[0] for w in info.written} & set(lists):
         dst = args[i][j]
         if isinstance(dst, DTensor):
-            write_piece(dst, fulls[i])
+            write_piece(dst, fulls[i], func)
     if out is None or not isinstance(out, (list, tuple)):
         return None
     (t,) = out
