@@ -180,8 +180,8 @@ def lay_out_like(cls: type[OwnerDTensor], like: Any, full: torch.Tensor) -> Any:
 
 def _refuse(call: Call, info: OperatorInfo) -> Any:
     if info.why_refused.startswith("a collective") and any(
-        isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in call.flat
-    ):  # plain tensors beside a DTensor: stock DTensor's error for this mix
+        isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.numel() != 1 for a in call.flat
+    ):  # plain non-scalar tensors beside a DTensor: stock DTensor's error for this mix
         raise RuntimeError(
             f"{call.func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor "
             f"before calling distributed operators! ({info.why_refused})"

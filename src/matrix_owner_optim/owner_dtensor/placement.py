@@ -134,7 +134,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     layout's gathers move bytes, whatever the dtype (no copy when ``t`` is contiguous)."""
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = torch.as_strided(t.contiguous(), (t.numel(),), (1,))  # size-1 dims may keep any stride
+    return flat.view(torch.uint8)
 
 
 def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, ...], group: Any) -> torch.Tensor:
