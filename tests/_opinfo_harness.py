@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import tempfile
 import time
@@ -111,7 +112,10 @@ def samples(op: Any, seed: int) -> Iterator[Any]:
     Straight from ``sample_inputs_func``: ``op.sample_inputs`` wraps it in a tracker that
     walks the interpreter stack (``inspect.stack()``) for a unittest method on every call, a
     quarter of a second per operator in a rank process, and reseeds per sample; one seed per
-    operator keeps the draw the same on every rank just as well."""
+    operator keeps the draw the same on every rank just as well. Python's ``random`` is seeded
+    too: some samples draw plain-number arguments from it (a loss's ``margin``), which would
+    otherwise differ from rank to rank."""
+    random.seed(seed)
     torch.manual_seed(seed)
     return iter(op.sample_inputs_func(op, "cpu", DTYPE, False))
 

@@ -249,7 +249,16 @@ class OwnerDTensor(DcpChunks, DTensor):
         out = kwargs.get("out")
         with torch._C.DisableTorchFunctionSubclass():
             if out is None or not any(isinstance(o, OwnerDTensor) for o in _as_tuple(out)):
-                return func(*args, **kwargs)
+                try:
+                    return func(*args, **kwargs)
+                except RuntimeError as exc:
+                    if "data is not allocated yet" not in str(exc):
+                        raise
+                    raise RuntimeError(  # raised on every rank: the same metadata everywhere
+                        f"{getattr(func, '__name__', func)} reads the data of an owner-layout tensor argument "
+                        "directly, below any dispatch (an index or size argument): pass a plain tensor "
+                        "(t.full_tensor()) there"
+                    ) from exc
             result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
             for o, r in zip(_as_tuple(out), _as_tuple(result), strict=True):
                 if tuple(o.shape) != tuple(r.shape):
