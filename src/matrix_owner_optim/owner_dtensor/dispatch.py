@@ -35,7 +35,7 @@ range) raises on the holder only, as only the holder computes; shape errors rais
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -46,8 +46,9 @@ from ..planning.metadata import chunk_row_range
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
 from .placement import OwnerShard, owned_ranges, placement_key, same_placement
 
-if TYPE_CHECKING:
-    from .tensor import OwnerDTensor
+# The tensor class arrives as ``cls`` (OwnerDTensor's ``__torch_dispatch__`` passes itself), so
+# this module never imports tensor.py: tensor.py imports it.
+OwnerDTensorType = Any
 
 aten = torch.ops.aten
 
@@ -59,7 +60,7 @@ class Call:
     """One operator call: its arguments flattened, and which of them are owner-layout tensors,
     other DTensors, or written by the operator."""
 
-    cls: type[OwnerDTensor]
+    cls: OwnerDTensorType
     func: Any
     args: tuple
     kwargs: dict
@@ -166,7 +167,7 @@ def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:
     dst.copy_(full)
 
 
-def lay_out_like(cls: type[OwnerDTensor], like: Any, full: torch.Tensor) -> Any:
+def lay_out_like(cls: OwnerDTensorType, like: Any, full: torch.Tensor) -> Any:
     """A new result ``full`` (the same on every rank) laid out as ``like``: this rank's piece
     copied out of it (so the whole tensor is not kept alive), or replicated when shapes differ."""
     if tuple(full.shape) != tuple(like.shape) or not isinstance(like, cls) or _replicated(like.placement):
@@ -442,7 +443,7 @@ def _row_blocks(call: Call) -> Any:
     return call.returns(out, converted, lambda t: adopt(call.cls, t))
 
 
-def adopt(cls: type[OwnerDTensor], t: Any) -> Any:
+def adopt(cls: OwnerDTensorType, t: Any) -> Any:
     """A DTensor result of DTensor's own rules as an owner-layout tensor when its placement is
     one of the layout's (``Shard(0)``, ``Replicate()``, a ``Partial``), so that what is computed
     from it next (``item()`` of a partial sum included) follows these rules too; other
@@ -476,7 +477,7 @@ def _gathered(call: Call) -> Any:
     return call.returns(out, converted, wrap)
 
 
-def dispatch(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
+def dispatch(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
     owner-layout tensor (see the module docstring for the rules and their order)."""
     call = Call(cls, func, args, kwargs or {}, info)

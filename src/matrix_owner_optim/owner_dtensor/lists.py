@@ -20,19 +20,16 @@ does, so every rank skips the same step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import comm
-from .dispatch import full_of, lay_out_like, write_piece
+from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
 from .placement import same_placement
-
-if TYPE_CHECKING:
-    from .tensor import OwnerDTensor
 
 aten = torch.ops.aten
 
@@ -75,7 +72,7 @@ def _scalar_value(a: Any) -> Any:
     return a
 
 
-def _wrap_local(cls: type[OwnerDTensor], t: torch.Tensor, ref: Any, norm: Any) -> Any:
+def _wrap_local(cls: OwnerDTensorType, t: torch.Tensor, ref: Any, norm: Any) -> Any:
     """A local element result in its element's layout (a partial norm for ``_foreach_norm``)."""
     if ref is None:
         return t
@@ -93,7 +90,7 @@ def _wrap_local(cls: type[OwnerDTensor], t: torch.Tensor, ref: Any, norm: Any) -
     return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
 
 
-def run_lists(cls: type[OwnerDTensor], func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
+def run_lists(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run a list operator element by element (see the module docstring)."""
     base = func._schema.name.split("::")[-1]
     lists = [i for i, a in enumerate(args) if _is_list(a)]
@@ -152,7 +149,7 @@ def _run_local(func: Any, args: tuple, kwargs: dict, lists: list[int], js: list[
 
 
 def _run_gathered(
-    cls: type[OwnerDTensor],
+    cls: OwnerDTensorType,
     func: Any,
     args: tuple,
     kwargs: dict,
