@@ -83,6 +83,7 @@ def test_every_operator_is_tried(opinfo: Summary) -> None:
 OPEN_VIOLATIONS = {
     "inner": "out= of a 0-dim result (row blocks mixed with a held tensor): the out tensor keeps a stale value",
     "linalg.slogdet": "out= of 0-dim results of a held tensor: the out tensors keep stale values",
+    "linalg.eigh": "out= into split-range tensors: eigenvectors differ (seen at W=2, not in every run)",
 }
 
 
