@@ -180,7 +180,7 @@ def lay_out_like(cls: OwnerDTensorType, like: Any, full: torch.Tensor) -> Any:
 
 
 def _refuse(call: Call, info: OperatorInfo) -> Any:
-    if info.why_refused.startswith("a collective") and any(
+    if info.collective and any(
         isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.numel() != 1 for a in call.flat
     ):  # plain non-scalar tensors beside a DTensor: stock DTensor's error for this mix
         raise RuntimeError(

@@ -130,6 +130,7 @@ class OperatorInfo:
     stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
     norm: bool
     join: bool
+    collective: bool  # a torch.distributed collective (refused with stock DTensor's errors)
     reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
     written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
@@ -183,10 +184,11 @@ def operator_info(func: Any) -> OperatorInfo:
         stock_rule=_stock_rule(func),
         norm=func in NORMS,
         join=func in JOINS,
+        collective=namespace in _COLLECTIVE_NAMESPACES,
         reduction=torch.Tag.reduction in func.tags,
         written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
     )
-    if namespace in _COLLECTIVE_NAMESPACES:
+    if info["collective"]:
         why = (
             "a collective given an owner-layout DTensor (as for any DTensor, torch.distributed's "
             "collectives take plain tensors): pass t.to_local() for this rank's piece, or "
