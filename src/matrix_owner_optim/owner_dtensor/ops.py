@@ -96,9 +96,6 @@ NEW_FACTORIES = frozenset(
     }
 )
 
-# Python values that are metadata only: every rank answers from the global shape.
-METADATA_VALUES = frozenset({aten.is_same_size.default})
-
 # Storage surgery that would make a piece disagree with its placement.
 STORAGE_SURGERY = frozenset(
     {
