@@ -77,24 +77,11 @@ def test_every_operator_is_tried(opinfo: Summary) -> None:
     )
 
 
-# OPEN (issue 32 stays open for these): the operators still violating the contract in the default
-# run, with what is known of each. Nothing else may violate it; the run prints every violation,
-# listed or not, so an operator that no longer violates it is seen and removed from the list.
-OPEN_VIOLATIONS = {
-    "inner": "out= of a 0-dim result (row blocks mixed with a held tensor): the out tensor keeps a stale value",
-    "linalg.slogdet": "out= of 0-dim results of a held tensor: the out tensors keep stale values",
-    "linalg.eigh": "out= into split-range tensors: eigenvectors differ (seen at W=2, not in every run)",
-}
-
-
 def test_operators_exact_or_refused_on_every_rank(opinfo: Summary) -> None:
     """No operator is silently wrong, raises on some ranks only, differs across ranks, hangs, or
     raises with a message that does not name it (a refusal is one exception type on every rank
-    whose message names the aten/c10d operator or the OpInfo's name), except the operators
-    listed open above."""
-    other = opinfo.other()
-    unlisted = {k: v for k, v in other.items() if v["name"] not in OPEN_VIOLATIONS}
-    assert not unlisted, _report(opinfo)
+    whose message names the aten/c10d operator or the OpInfo's name). No operator is exempt."""
+    assert not opinfo.other(), _report(opinfo)
 
 
 # -- the rest of the contract ---------------------------------------------------------------------------

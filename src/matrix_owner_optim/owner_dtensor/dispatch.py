@@ -222,6 +222,7 @@ def _copy_into(call: Call) -> Any:
     if (
         isinstance(src, call.cls)
         and same_placement(src.placement, dst.placement)
+        and src.holder == dst.holder  # a 0-dim value held by another rank is another layout
         and tuple(src.shape) == tuple(dst.shape)
         and src.device_mesh == dst.device_mesh
     ):
