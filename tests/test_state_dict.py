@@ -436,3 +436,70 @@ def test_missing_state_names_the_parameter():
     with pytest.raises(KeyError, match=r"layers\.1\.mlp\.fc\.weight"):
         opt2.load_state_dict(sd)
     assert index >= 0
+
+
+def _as_0_1_0(sd: dict, opt: OwnerRoutedOptimizer, model: torch.nn.Module, user_of: list[int]) -> dict:
+    """``sd`` as version 0.1.0 wrote it: one group per optimizer of each user group (``user_of``:
+    the user group of each live group), ``"role": "tail"`` holding the tail and ``rows`` tensors
+    in the model's order, no ``"optimizer"`` key, state keyed by position in those groups."""
+    order = {id(p): n for n, p in enumerate(model.parameters())}
+    entries: dict[tuple[int, str], list] = {}
+    options = {}
+    for u, g, sg in zip(user_of, opt.param_groups, sd["param_groups"], strict=True):
+        names = sg.get("param_names", [None] * len(sg["params"]))
+        key = (u, sg["optimizer"])
+        entries.setdefault(key, []).extend(
+            (order[id(p)], k, n) for p, k, n in zip(g["params"], sg["params"], names, strict=True)
+        )
+        options.setdefault(key, {k: v for k, v in sg.items() if k not in ("params", "param_names", "optimizer")})
+    groups, state = [], {}
+    for key, rows in sorted(entries.items(), key=lambda kv: (kv[0][0], kv[0][1] != "matrix")):
+        rows.sort()
+        group = {**options[key], "role": key[1], "params": list(range(len(state), len(state) + len(rows)))}
+        if "param_names" in sd["param_groups"][0]:
+            group["param_names"] = [n for _, _, n in rows]
+        for new, (_, old, _) in zip(group["params"], rows, strict=True):
+            if old in sd["state"]:
+                state[new] = sd["state"][old]
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["params", "named_params"])
+def test_loads_a_0_1_0_state_dict(named):
+    """A save of version 0.1.0 (``rows`` tensors in the tail group) loads and training goes on
+    bitwise as before the save: its groups are split by tensor role on load. Named: one user
+    group, the role by glob; unnamed: two user groups, the second's tensors all ``rows``."""
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 8))
+        if named:
+            return model, OwnerRoutedOptimizer(
+                model.named_parameters(), matrix_options={"lr": 0.02}, roles={"2.weight": "rows"}
+            )
+        first = [*model[0].parameters(), *model[1].parameters(), model[2].bias]
+        groups = [{"params": first}, {"params": [model[2].weight], "role": "rows", "weight_decay": 0.1}]
+        return model, OwnerRoutedOptimizer(groups, matrix_options={"lr": 0.02})
+
+    def steps(model, opt, rng):
+        for s in rng:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build(0)
+    steps(model, opt, range(2))
+    roles = [(g["role"], g["optimizer"]) for g in opt.param_groups]
+    assert roles == [("matrix", "matrix"), ("tail", "tail"), ("rows", "tail")]
+    old = roundtrip(_as_0_1_0(opt.state_dict(), opt, model, [0, 0, 0] if named else [0, 0, 1]))
+    assert [g["role"] for g in old["param_groups"]] == (["matrix", "tail"] if named else ["matrix", "tail", "tail"])
+    model2, opt2 = build(1)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(old)
+    assert [(g["role"], g["optimizer"]) for g in opt2.param_groups] == roles
+    assert [g.get("weight_decay") for g in opt2.param_groups] == [g.get("weight_decay") for g in opt.param_groups]
+    steps(model, opt, range(2, 4))
+    steps(model2, opt2, range(2, 4))
+    assert_bitwise_equal(param_copies(model2), param_copies(model), "0.1.0 state dict resumed")

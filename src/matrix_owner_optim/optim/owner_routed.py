@@ -151,6 +151,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)
         # per parent group: ids of the parameters it was routed with (to see a framework's swap)
         self._group_param_ids: list[list[int]] = []
+        self._group_user: list[int] = []  # per parent group: which user group it was split from
         user_groups, self._type_roles = normalize_params(params)
         # Step 1, collective: fix the sharding plan of every pending fully_shard tree these
         # parameters belong to, priced by the matrix optimizer's cost (unless a fully_shard call
@@ -207,6 +208,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                     f"({self._kinds[MATRIX].name}) nor the tail optimizer ({self._kinds[TAIL].name})"
                 )
         self._route(user_group.params)
+        user = self._group_user[-1] + 1 if self._group_user else 0
         for role in Role:  # one parent group per tensor role: "role" is the tensors' role
             rps = [rp for rp in user_group.params if rp.role is role]
             if not rps:
@@ -219,6 +221,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 group["param_names"] = [rp.name for rp in rps]
             super().add_param_group(group)
             self._group_param_ids.append([id(p) for p in group["params"]])
+            self._group_user.append(user)
             ropt.attach(self, len(self.param_groups) - 1, rps)
 
     def _route(self, rps: list[RoutedParam]) -> None:
@@ -481,7 +484,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
         Accepts :meth:`state_dict`'s forms (pieces, or plain tensors), full tensors (one
         process, consolidated DDP, ``full_state_dict=True``) and fqn-keyed state
-        (``set_optimizer_state_dict``). Each rank keeps what it updates. State keeps its dtype
+        (``set_optimizer_state_dict``), and version 0.1.0's groups (one per optimizer, split
+        here by tensor role). Each rank keeps what it updates. State keeps its dtype
         (fp32 Shampoo/SOAP factors of a bf16 model stay fp32) and moves to the parameter's
         device (``step`` stays where it is). Raises ``KeyError`` naming the trainable parameters
         this rank updates whose state is missing while others of their param group have state.
@@ -493,7 +497,13 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
+        by_param = {id(rp.param): rp for rp in self._routed}
+        saved_groups = sd_.upgrade_saved_groups(
+            deepcopy(state_dict["param_groups"]),
+            groups,
+            [[by_param[id(p)] for p in g["params"]] for g in groups],
+            self._group_user,
+        )
         sd_.check_saved_groups(groups, saved_groups)
         saved_state = state_dict["state"]
         loaded = sd_.local_state(

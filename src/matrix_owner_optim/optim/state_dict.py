@@ -35,6 +35,7 @@ __all__ = [
     "local_state",
     "merge_consolidated",
     "restore_groups",
+    "upgrade_saved_groups",
 ]
 
 LayoutOf = dict[int, UpdateLayout]  # id(RoutedParam) -> its layout
@@ -149,6 +150,46 @@ def merge_consolidated(sd: dict[str, Any], consolidated: dict[int, Any] | int | 
         if not sd["state"].get(idx):
             sd["state"][idx] = st
     return sd
+
+
+def upgrade_saved_groups(
+    saved_groups: list[dict[str, Any]],
+    groups: list[dict[str, Any]],
+    routed: list[list[RoutedParam]],
+    user_group: list[int],
+) -> list[dict[str, Any]]:
+    """Saved param groups in this version's form: one group per tensor role of each user group,
+    the optimizer kind under ``"optimizer"``.
+
+    Version 0.1.0 wrote one group per *optimizer* of each user group (``"role": "tail"`` held the
+    tail and the ``rows`` tensors together, in the user's order) and no ``"optimizer"`` key. Such
+    a save is split here by the live groups: ``routed[i]`` are the routed parameters of live group
+    ``i`` and ``user_group[i]`` the user group it came from, so the saved keys of an old group
+    are matched to the live parameters in the user's order (``RoutedParam.index``). Saves that
+    carry ``"optimizer"`` are returned as they are; a save that does not split this way is
+    returned as it is too, for :func:`check_saved_groups` to refuse with its counts."""
+    if any("optimizer" in sg for sg in saved_groups):
+        return saved_groups
+    upgraded: list[dict[str, Any]] = []
+    old = iter(saved_groups)
+    for u in dict.fromkeys(user_group):  # user groups in order
+        mine = [i for i, ug in enumerate(user_group) if ug == u]
+        for kind in dict.fromkeys(groups[i]["optimizer"] for i in mine):  # matrix first, as 0.1.0 wrote
+            sg = next(old, None)
+            members = [i for i in mine if groups[i]["optimizer"] == kind]
+            merged = sorted((rp.index, i, j) for i in members for j, rp in enumerate(routed[i]))
+            if sg is None or len(sg["params"]) != len(merged):
+                return saved_groups
+            where = {(i, j): n for n, (_, i, j) in enumerate(merged)}
+            options = {k: v for k, v in sg.items() if k not in ("params", "param_names", "role")}
+            for i in members:
+                picks = [where[(i, j)] for j in range(len(routed[i]))]
+                new = {**options, "params": [sg["params"][n] for n in picks]}
+                if "param_names" in sg:
+                    new["param_names"] = [sg["param_names"][n] for n in picks]
+                new["role"], new["optimizer"] = groups[i]["role"], groups[i]["optimizer"]
+                upgraded.append(new)
+    return saved_groups if next(old, None) is not None else upgraded
 
 
 def check_saved_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
