@@ -80,6 +80,21 @@ def local_batch(step: int, rank: int, world_size: int, micro: int = MICRO) -> tu
     return idx[rank * micro : (rank + 1) * micro], tgt[rank * micro : (rank + 1) * micro]
 
 
+def train_adamw_beside(model: torch.nn.Module, ref: torch.nn.Module, steps: int, rank: int, world_size: int) -> None:
+    """``steps`` AdamW steps (:data:`ADAMW_OPTS`) of a sharded ``model`` on this rank's
+    :func:`local_batch` and of the one-process ``ref`` on the :func:`global_batch` they make up."""
+    opt, ref_opt = (
+        torch.optim.AdamW(model.parameters(), **ADAMW_OPTS),
+        torch.optim.AdamW(ref.parameters(), **ADAMW_OPTS),
+    )
+    for step in range(steps):
+        model(*local_batch(step, rank, world_size)).backward()
+        ref(*global_batch(step, world_size)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+
 def roles_by_fqn(sharded_model: torch.nn.Module) -> dict[str, Role]:
     """The planned role of every parameter (fixes a pending plan first: reading does not)."""
     fix_lazy_plans(sharded_model.parameters())

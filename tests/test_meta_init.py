@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from _ref import ADAMW_OPTS, CFG, global_batch, local_batch, max_param_rel_err_native
+from _ref import CFG, max_param_rel_err_native, train_adamw_beside
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
 from matrix_owner_optim.planning.registry import get_cost_model
@@ -118,16 +118,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
         if not torch.equal(p.full_tensor(), q)
     ]
-    opt, ref_opt = (
-        torch.optim.AdamW(model.parameters(), **ADAMW_OPTS),
-        torch.optim.AdamW(ref.parameters(), **ADAMW_OPTS),
-    )
-    for step in range(STEPS):
-        model(*local_batch(step, rank, W)).backward()
-        ref(*global_batch(step, W)).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_adamw_beside(model, ref, STEPS, rank, W)
     out["trained_err"] = max_param_rel_err_native(model, ref, floor=1e-30, gather=True)
 
     shampoo = GPT(CFG, device="meta")

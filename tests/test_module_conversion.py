@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from _ref import ADAMW_OPTS, CFG, global_batch, local_batch, max_param_rel_err_native
+from _ref import CFG, local_batch, max_param_rel_err_native, train_adamw_beside
 from _tolerances import FLOAT64_PARAM_RTOL as RTOL64
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
@@ -94,16 +94,7 @@ def _converted(rank: int, W: int, swap: bool, planned: bool, stock: bool) -> dic
         "flag_restored": torch.__future__.get_swap_module_params_on_conversion() is False,
     }
     ref.to(torch.float64)
-    opt, ref_opt = (
-        torch.optim.AdamW(model.parameters(), **ADAMW_OPTS),
-        torch.optim.AdamW(ref.parameters(), **ADAMW_OPTS),
-    )
-    for step in range(STEPS):
-        model(*local_batch(step, rank, W)).backward()
-        ref(*global_batch(step, W)).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_adamw_beside(model, ref, STEPS, rank, W)
     out["err"] = max_param_rel_err_native(model, ref, floor=1e-300, gather=True)
     del no_decay
     return out

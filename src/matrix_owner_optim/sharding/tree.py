@@ -96,21 +96,22 @@ class ShardTree:
             tree.auto_prefetch = tree.auto_prefetch and t.auto_prefetch
             if t.plan is not None:
                 if tree.plan is not None and tree.plan is not t.plan and tree.plan.digest() != t.plan.digest():
-                    raise ValueError(
-                        f"fully_shard({_class_name(module)}): {_call(tree.plan_from, module, name_of)} was "
-                        f"given plan {tree.plan.digest()[:12]} and {_call(t.plan_from, module, name_of)} plan "
-                        f"{t.plan.digest()[:12]}; one tree is planned from one plan. Give plan= on one call "
-                        "(the root's), or the same plan to every call"
+                    raise _conflict(
+                        module,
+                        f"{_call(tree.plan_from, module, name_of)} was given plan {tree.plan.digest()[:12]} and "
+                        f"{_call(t.plan_from, module, name_of)} plan {t.plan.digest()[:12]}",
+                        "planned from one plan. Give plan= on one call (the root's), or the same plan to every call",
                     )
                 if tree.plan is None:
                     tree.plan, tree.plan_from = t.plan, t.plan_from
             if t.cost is not None:
                 if tree.cost is not None and tree.cost is not t.cost and tree.cost != t.cost:
-                    raise ValueError(
-                        f"fully_shard({_class_name(module)}): {_call(tree.cost_from, module, name_of)} named "
-                        f"cost model {tree.cost.name!r} ({tree.cost!r}) and {_call(t.cost_from, module, name_of)} "
-                        f"named {t.cost.name!r} ({t.cost!r}); one tree is priced by one cost model. Pass "
-                        "preconditioner= to one call (the root's), or the same to every call"
+                    raise _conflict(
+                        module,
+                        f"{_call(tree.cost_from, module, name_of)} named cost model {tree.cost.name!r} "
+                        f"({tree.cost!r}) and {_call(t.cost_from, module, name_of)} named {t.cost.name!r} ({t.cost!r})",
+                        "priced by one cost model. Pass preconditioner= to one call (the root's), or the same to "
+                        "every call",
                     )
                 if tree.cost is None:
                     tree.cost, tree.cost_from = t.cost, t.cost_from
@@ -163,6 +164,11 @@ class ShardTree:
                 why,
             )
         return context
+
+
+def _conflict(top: nn.Module, which: str, rule: str) -> ValueError:
+    """The error for two calls of one tree that name different plans or cost models."""
+    return ValueError(f"fully_shard({_class_name(top)}): {which}; one tree is {rule}")
 
 
 def _call(module: nn.Module | None, top: nn.Module, name_of: Callable[[nn.Module], str]) -> str:
