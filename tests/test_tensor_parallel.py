@@ -1,0 +1,216 @@
+"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel: a (dp=2, tp=2) mesh on 4 gloo ranks.
+
+Each block is cut by torch's ``parallelize_module`` (``ColwiseParallel`` w1, ``RowwiseParallel``
+w2) on the tp mesh, then sharded by stock ``torch.distributed.fsdp.fully_shard`` over the dp
+mesh, so w1 is ``(_StridedShard(0, sf=2), Shard(0))`` and w2 ``(Shard(0), Shard(1))``. The
+hidden sizes (10 and 6) split evenly over tp (torch's TP needs that) and make FSDP's row blocks
+of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
+
+* torch.optim.Muon (as ``matrix="torch_muon"``) + AdamW through OwnerRoutedOptimizer, with
+  torch's ``clip_grad_norm_`` every step, against one process running ``torch.optim.Muon`` and
+  ``torch.optim.AdamW`` on the unsharded model over the whole batch: losses, clip norms and
+  full parameters equal at the noise floor, on every rank;
+* the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
+  bucket, bytes as ``bytes_per_step`` says;
+* a placement outside the supported forms is refused at construction, naming the parameter,
+  its placements and the supported forms.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _tolerances import TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 4
+BATCH = 8  # global batch; dp rank d takes rows [4d, 4d + 4), both TP ranks of it the same
+D = 6
+MUON = {"lr": 0.02, "weight_decay": 0.01}
+ADAMW = {"lr": 3e-3, "weight_decay": 0.05}
+CLIP = 0.5  # below the gradient norms here, so clipping scales every step
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, hidden)
+        self.w2 = nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.tanh(self.w1(x)))
+
+
+class Net(nn.Module):
+    """Two TP blocks. Every parameter is then on the 2D mesh (w1's bias split over tp, w2's
+    replicated there), as torch's ``clip_grad_norm_`` needs: it stacks the per-tensor norms, and
+    DTensors on different meshes (a tensor outside TP lives on the dp mesh alone) do not stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(10), Block(6)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(x, y)
+
+
+def build() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 3, D, generator=g), torch.randn(BATCH, 3, D, generator=g)) for _ in range(STEPS)]
+
+
+def _reference_optimizers(model: Net) -> list[torch.optim.Optimizer]:
+    mats = [p for n, p in model.named_parameters() if n.endswith(("w1.weight", "w2.weight"))]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(("w1.weight", "w2.weight"))]
+    return [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)]
+
+
+def reference(order: str = "forward") -> dict[str, Any]:
+    """One process, whole batch; ``order="reversed"`` feeds the batch's rows reversed (the same
+    loss, another summation order: the noise floor)."""
+    model = build()
+    opts = _reference_optimizers(model)
+    losses, norms = [], []
+    for x, y in batches():
+        if order == "reversed":
+            x, y = x.flip(0), y.flip(0)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@functools.cache
+def reference_run() -> dict[str, Any]:
+    return reference()
+
+
+# -- the spawned job ----------------------------------------------------------------------------
+def _tp_fsdp(model: Net, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _train(rank: int, mesh: Any) -> dict[str, Any]:
+    model = build()
+    _tp_fsdp(model, mesh)
+    opt = OwnerRoutedOptimizer(model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
+    dp = mesh["dp"].get_local_rank()
+    out: dict[str, Any] = {"losses": [], "norms": [], "placements": {}}
+    for n, p in model.named_parameters():
+        out["placements"][n] = str(tuple(p.placements))
+    for step, (x, y) in enumerate(batches()):
+        lo, hi = dp * BATCH // 2, (dp + 1) * BATCH // 2
+        loss = model(x[lo:hi], y[lo:hi])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        if step == STEPS - 1:  # a steady step: the owners' copies were built at the first
+            with CommCounter() as cc:
+                opt.step()
+            out["ops"] = cc.by_op("optimizer")
+            out["sent"] = cc.bytes("optimizer", "sent")
+            out["received"] = cc.bytes("optimizer", "received")
+            layout = next(pl for pl in opt.layouts() if pl.name == "dtensor")
+            out["bytes_per_step"] = layout.bytes_per_step()
+            out["resyncs"] = layout.resyncs
+        else:
+            opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _bad_placements(mesh: Any) -> str:
+    """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0), Shard(0)]))
+    try:
+        OwnerRoutedOptimizer([("w", p)], matrix="torch_muon")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def tp_job(rank: int, W: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return {"train": _train(rank, mesh), "bad": _bad_placements(mesh)}
+
+
+@functools.cache
+def results() -> list[dict[str, Any]]:
+    return spawn_ranks(tp_job, 4, threads_per_rank=1)
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_fsdp_x_tp_equals_one_process_torch_muon_adamw() -> None:
+    ref = reference_run()
+    for rank, r in enumerate(results()):
+        t = r["train"]
+        assert "_StridedShard" in t["placements"]["layers.0.w1.weight"], t["placements"]
+        assert t["placements"]["layers.1.w2.weight"] == "(Shard(dim=0), Shard(dim=1))", t["placements"]
+        for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(t['params'][n], p):.2e}"
+    # losses: each dp coordinate's micro-batch mean; the two average to the whole batch's
+    res = results()
+    for i, b in enumerate(ref["losses"]):
+        a = (res[0]["train"]["losses"][i] + res[2]["train"]["losses"][i]) / 2
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
+    for rank, r in enumerate(results()):
+        t = r["train"]
+        assert t["resyncs"] == 1, t["resyncs"]  # the owners' copies, built once
+        assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
+        assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
+
+
+def test_unsupported_tp_placements_are_refused_naming_them() -> None:
+    for r in results():
+        msg = r["bad"]
+        assert "'w'" in msg and "(Shard(dim=0), Shard(dim=0))" in msg and "RowwiseParallel" in msg, msg
+
+
+if __name__ == "__main__":  # the noise floor: the reference against itself, summation order changed
+    a, b = reference(), reference("reversed")
+    print("params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+    print("norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
+    print("losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))
