@@ -13,7 +13,10 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
 * the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
   bucket, bytes as ``bytes_per_step`` says;
 * a placement outside the supported forms is refused at construction, naming the parameter,
-  its placements and the supported forms.
+  its placements and the supported forms;
+* this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
+  (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
+  fail at the first forward inside DTensor's dispatch.
 """
 
 from __future__ import annotations
@@ -159,11 +162,26 @@ def _bad_placements(mesh: Any) -> str:
     return "no error"
 
 
+def _owner_layout_on_tp(mesh: Any) -> str:
+    """The package's own fully_shard on a TP block: refused at the call, naming the parameter."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from matrix_owner_optim import fully_shard
+
+    block = Block(10)
+    parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    try:
+        fully_shard(block, mesh=mesh["dp"])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def tp_job(rank: int, W: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {"train": _train(rank, mesh), "bad": _bad_placements(mesh)}
+    return {"train": _train(rank, mesh), "bad": _bad_placements(mesh), "owner_layout": _owner_layout_on_tp(mesh)}
 
 
 @functools.cache
@@ -201,6 +219,13 @@ def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
         assert t["resyncs"] == 1, t["resyncs"]  # the owners' copies, built once
         assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
         assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
+
+
+def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
+    for r in results():
+        msg = r["owner_layout"]
+        assert msg.startswith("fully_shard(Block): parameter 'w1.weight' is a DTensor"), msg
+        assert "(Shard(dim=0),)" in msg and "torch.distributed.fsdp.fully_shard" in msg, msg
 
 
 def test_unsupported_tp_placements_are_refused_naming_them() -> None:
