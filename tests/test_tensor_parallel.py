@@ -14,6 +14,9 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   bucket, bytes as ``bytes_per_step`` says;
 * a placement outside the supported forms is refused at construction, naming the parameter,
   its placements and the supported forms;
+* state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
+  loaded into a fresh model and optimizer with ``set_model_state_dict`` /
+  ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
 * this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
   (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
   fail at the first forward inside DTensor's dispatch.
@@ -22,6 +25,7 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
 from __future__ import annotations
 
 import functools
+import tempfile
 from typing import Any
 
 import pytest
@@ -119,17 +123,66 @@ def _tp_fsdp(model: Net, mesh: Any) -> None:
     fully_shard(model, mesh=mesh["dp"])
 
 
-def _train(rank: int, mesh: Any) -> dict[str, Any]:
+SAVE_AT = 2  # the checkpoint holds the state after this many steps
+
+
+def _model_and_optimizer(mesh: Any) -> tuple[Net, OwnerRoutedOptimizer]:
     model = build()
     _tp_fsdp(model, mesh)
-    opt = OwnerRoutedOptimizer(model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
+    return model, OwnerRoutedOptimizer(
+        model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
+    )
+
+
+def _state(model: Net, opt: OwnerRoutedOptimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _micro(step: int, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batches()[step]
     dp = mesh["dp"].get_local_rank()
+    lo, hi = dp * BATCH // 2, (dp + 1) * BATCH // 2
+    return x[lo:hi], y[lo:hi]
+
+
+def _resume(mesh: Any, ckpt: str) -> dict[str, Any]:
+    """A fresh model and optimizer load the step-2 DCP checkpoint through torch's
+    set_model_state_dict / set_optimizer_state_dict and train the remaining steps. DCP loads
+    into the state dicts of another fresh model and optimizer: loading into this optimizer's own
+    would write its state in place and leave set_optimizer_state_dict nothing to do."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model, opt = _model_and_optimizer(mesh)
+    state = _state(*_model_and_optimizer(mesh))
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    for step in range(SAVE_AT, STEPS):
+        model(*_micro(step, mesh)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {"loaded": loaded, "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
+    """4 steps, saving model and optimizer with DCP at step 2."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _model_and_optimizer(mesh)
     out: dict[str, Any] = {"losses": [], "norms": [], "placements": {}}
     for n, p in model.named_parameters():
         out["placements"][n] = str(tuple(p.placements))
-    for step, (x, y) in enumerate(batches()):
-        lo, hi = dp * BATCH // 2, (dp + 1) * BATCH // 2
-        loss = model(x[lo:hi], y[lo:hi])
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            dcp.save(_state(model, opt), checkpoint_id=ckpt)
+            out["saved"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        x, y = _micro(step, mesh)
+        loss = model(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -177,16 +230,22 @@ def _owner_layout_on_tp(mesh: Any) -> str:
     return "no error"
 
 
-def tp_job(rank: int, W: int) -> dict[str, Any]:
+def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {"train": _train(rank, mesh), "bad": _bad_placements(mesh), "owner_layout": _owner_layout_on_tp(mesh)}
+    return {
+        "train": _train(rank, mesh, ckpt),
+        "resumed": _resume(mesh, ckpt),
+        "bad": _bad_placements(mesh),
+        "owner_layout": _owner_layout_on_tp(mesh),
+    }
 
 
 @functools.cache
 def results() -> list[dict[str, Any]]:
-    return spawn_ranks(tp_job, 4, threads_per_rank=1)
+    with tempfile.TemporaryDirectory(prefix="moo-tp-") as ckpt:
+        return spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -219,6 +278,17 @@ def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
         assert t["resyncs"] == 1, t["resyncs"]  # the owners' copies, built once
         assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
         assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
+
+
+def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
+    for rank, r in enumerate(results()):
+        t, resumed = r["train"], r["resumed"]
+        for n, p in t["saved"].items():
+            assert torch.equal(resumed["loaded"][n], p), f"rank {rank}: {n} loaded differs from the saved"
+        # the optimizer state (Muon momenta, Adam moments, steps) came back: without
+        # set_optimizer_state_dict the resumed run differs at the first parameter
+        for n, p in t["params"].items():
+            assert torch.equal(resumed["params"][n], p), f"rank {rank}: {n} differs after resuming"
 
 
 def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
