@@ -278,6 +278,7 @@ def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
         assert t["resyncs"] == 1, t["resyncs"]  # the owners' copies, built once
         assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
         assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
+        print(f"rank {rank}: optimizer step sent {t['sent']} B, received {t['received']} B, by op {t['ops']}")
 
 
 def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
