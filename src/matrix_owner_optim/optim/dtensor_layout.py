@@ -250,6 +250,7 @@ class DTensorLayout(UpdateLayout):
                 bucket.loads,
                 cost=self.config.matrix_cost,
                 group=bucket.group,
+                tp_group=bucket.tp_group,
             )
             for rp, owner in zip(rps, owners, strict=True):
                 shape = tuple(int(n) for n in rp.param.shape)
