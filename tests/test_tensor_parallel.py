@@ -10,6 +10,12 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   torch's ``clip_grad_norm_`` every step, against one process running ``torch.optim.Muon`` and
   ``torch.optim.AdamW`` on the unsharded model over the whole batch: losses, clip norms and
   full parameters equal at the noise floor, on every rank;
+* torchtitan's TP plan for Llama (vocab-parallel embedding, SequenceParallel norms, colwise
+  q/k/v, w1, w3 and output, rowwise wo and w2) written with torch's ``parallelize_module`` on a
+  tiny Llama, then FSDP2 over dp (torchtitan itself does not import without triton): this
+  package's Muon (float32 Newton-Schulz) + AdamW equal one process over the whole batch, and
+  torch.optim.Muon through OwnerRoutedOptimizer equals torch.optim.Muon fed the same gradients
+  bitwise;
 * the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
   bucket, bytes as ``bytes_per_step`` says;
 * a placement outside the supported forms is refused at construction, naming the parameter,
@@ -35,6 +41,7 @@ from torch import nn
 
 from _tolerances import TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 pytestmark = pytest.mark.multirank
@@ -203,6 +210,184 @@ def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
     return out
 
 
+# -- torchtitan's Llama TP plan, in torch's own API -----------------------------------------------
+# torchtitan's parallelize_llama cannot be imported on a CPU machine (its models import triton),
+# so this is its plan for a Llama (vocab-parallel embedding, SequenceParallel norms, colwise q/k/v
+# and w1/w3, rowwise wo/w2, colwise output), written with torch's parallelize_module.
+V, DIM, HEADS, SEQ = 32, 16, 4, 8
+# Against the whole-batch one-process run, Newton-Schulz in float32 (this package's Muon,
+# ns_dtype=float32; torch.optim.Muon always runs it in bfloat16): TP's split matmuls and
+# sequence-parallel norms change the gradients' round-off (2e-7 to 4e-7 relative, measured
+# against one process), which bfloat16 Newton-Schulz turns into bfloat16 ulps of the update
+# (5.7e-4 relative in wq after 3 steps). torch.optim.Muon itself is checked in lockstep: fed
+# the same gradients it agrees bitwise, so that difference is the model's round-off, not the step.
+LLAMA_MUON = {**MUON, "ns_dtype": torch.float32}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # local heads under TP
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, 2 * DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention, self.feed_forward = Attention(), FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, DIM)
+        self.layers = nn.ModuleList([LlamaBlock(), LlamaBlock()])
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, V, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.output(self.norm(h)).flatten(0, 1), targets.flatten())
+
+
+def build_llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama()
+
+
+def llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, V, (4, SEQ), generator=g), torch.randint(0, V, (4, SEQ), generator=g)) for _ in range(3)]
+
+
+def llama_matrix_names(model: Llama) -> set[str]:
+    from matrix_owner_optim.planning import Role
+    from matrix_owner_optim.planning.roles import module_roles
+
+    roles = module_roles(model)
+    return {n for n, p in model.named_parameters() if roles[id(p)] is Role.MATRIX}
+
+
+def llama_optimizers(model: Llama, matrix: type[torch.optim.Optimizer], options: dict) -> list[torch.optim.Optimizer]:
+    """One process: the matrix optimizer on the matrices, AdamW on the rest."""
+    mats = llama_matrix_names(model)
+    return [
+        matrix([p for n, p in model.named_parameters() if n in mats], **options),
+        torch.optim.AdamW([p for n, p in model.named_parameters() if n not in mats], **ADAMW),
+    ]
+
+
+@functools.cache
+def llama_reference() -> dict[str, torch.Tensor]:
+    """One process, the whole batch, Muon with float32 Newton-Schulz."""
+    model = build_llama()
+    opts = llama_optimizers(model, Muon, LLAMA_MUON)
+    for tokens, targets in llama_batches():
+        model(tokens, targets).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _llama_tp_fsdp(model: Llama, mesh: Any) -> None:
+    """torchtitan's apply_tp for Llama (loss_parallel off), then FSDP2 over dp per block and root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = mesh["tp"]
+    parallelize_module(
+        model,
+        tp,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers:
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp, plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _llama(mesh: Any, lockstep: bool) -> dict[str, Any]:
+    """3 steps on the Llama plan. ``lockstep``: torch.optim.Muon through OwnerRoutedOptimizer, and
+    on every rank a one-process copy stepped by torch.optim.Muon + AdamW on the same gradients
+    (gathered with full_tensor): the optimizer path alone, bfloat16 Newton-Schulz included.
+    Else this package's Muon in float32 (compared with the whole-batch one-process run)."""
+    model = build_llama()
+    ref = build_llama() if lockstep else None
+    ref_opts = llama_optimizers(ref, torch.optim.Muon, MUON) if ref is not None else []
+    _llama_tp_fsdp(model, mesh)
+    matrix, options = ("torch_muon", MUON) if lockstep else ("muon", LLAMA_MUON)
+    opt = OwnerRoutedOptimizer(model, matrix=matrix, matrix_options=options, tail="adamw", tail_options=ADAMW)
+    dp = mesh["dp"].get_local_rank()
+    for tokens, targets in llama_batches():
+        model(tokens[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
+        if ref is not None:
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            for n, p in ref.named_parameters():
+                p.grad = grads[n]
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    out = {
+        "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()},
+        "routes": {r["name"]: r["role"] for r in opt.routes()},
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+    }
+    if ref is not None:
+        out["lockstep"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return out
+
+
 def _bad_placements(mesh: Any) -> str:
     """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -236,6 +421,8 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return {
         "train": _train(rank, mesh, ckpt),
+        "llama": _llama(mesh, lockstep=False),
+        "llama_lockstep": _llama(mesh, lockstep=True),
         "resumed": _resume(mesh, ckpt),
         "bad": _bad_placements(mesh),
         "owner_layout": _owner_layout_on_tp(mesh),
@@ -279,6 +466,22 @@ def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
         assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
         assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
         print(f"rank {rank}: optimizer step sent {t['sent']} B, received {t['received']} B, by op {t['ops']}")
+
+
+def test_torchtitan_llama_tp_plan_equals_one_process() -> None:
+    ref = llama_reference()
+    for rank, r in enumerate(results()):
+        got = r["llama"]
+        assert got["placements"]["layers.0.attention.wq.weight"].startswith("(_StridedShard"), got["placements"]
+        assert got["placements"]["layers.0.feed_forward.w2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert got["placements"]["norm.weight"] == "(Shard(dim=0), Replicate())", got["placements"]
+        assert got["routes"]["layers.1.attention.wo.weight"] == "matrix" and got["routes"]["output.weight"] != "matrix"
+        worst = max(_rel(got["params"][n], p) for n, p in ref.items())
+        print(f"rank {rank}: Llama TP plan, worst parameter rel err {worst:.2e}")
+        for n, p in ref.items():
+            assert _rel(got["params"][n], p) <= TP_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            )
 
 
 def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
