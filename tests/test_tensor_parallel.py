@@ -23,6 +23,8 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
 * state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
   loaded into a fresh model and optimizer with ``set_model_state_dict`` /
   ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
+* the same checkpoint resumed on this package's 1D owner layout at W=2 (a second spawn)
+  continues as the (2, 2) run did, at the noise floor;
 * this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
   (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
   fail at the first forward inside DTensor's dispatch.
@@ -429,10 +431,48 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     }
 
 
+def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """The (dp=2, tp=2) checkpoint resumed on this package's 1D owner layout at W=2: rank r
+    takes the rows dp coordinate r took, and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from matrix_owner_optim import fully_shard
+
+    def built() -> tuple[Net, OwnerRoutedOptimizer]:
+        model = build()
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model, OwnerRoutedOptimizer(
+            model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
+        )
+
+    model, opt = built()
+    state = _state(*built())
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(SAVE_AT, STEPS):
+        x, y = batches()[step]
+        lo, hi = rank * BATCH // W, (rank + 1) * BATCH // W
+        model(x[lo:hi], y[lo:hi]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
 @functools.cache
-def results() -> list[dict[str, Any]]:
+def _runs() -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
     with tempfile.TemporaryDirectory(prefix="moo-tp-") as ckpt:
-        return spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
+        tp = spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
+        owner = spawn_ranks(owner_layout_resume_job, 2, ckpt, threads_per_rank=1, strict_shutdown=True)
+    return tp, owner
+
+
+def results() -> list[dict[str, Any]]:
+    return _runs()[0]
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -493,6 +533,15 @@ def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
         # set_optimizer_state_dict the resumed run differs at the first parameter
         for n, p in t["params"].items():
             assert torch.equal(resumed["params"][n], p), f"rank {rank}: {n} differs after resuming"
+
+
+def test_fsdp_x_tp_checkpoint_resumes_on_the_owner_layout_at_two_ranks() -> None:
+    want = results()[0]["train"]["params"]  # the (2, 2) run's last step
+    for rank, got in enumerate(_runs()[1]):
+        worst = max(_rel(got[n], p) for n, p in want.items())
+        print(f"owner layout W=2 rank {rank}: worst parameter rel err to the (2, 2) run {worst:.2e}")
+        for n, p in want.items():
+            assert _rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(got[n], p):.2e}"
 
 
 def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
