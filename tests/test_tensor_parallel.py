@@ -16,6 +16,8 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   package's Muon (float32 Newton-Schulz) + AdamW equal one process over the whole batch, and
   torch.optim.Muon through OwnerRoutedOptimizer equals torch.optim.Muon fed the same gradients
   bitwise;
+* a single TP matrix (one dp coordinate owns it; the other's TP group skips the tp stage):
+  equal one process's torch.optim.Muon;
 * the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
   bucket, bytes as ``bytes_per_step`` says;
 * a placement outside the supported forms is refused at construction, naming the parameter,
@@ -390,6 +392,44 @@ def _llama(mesh: Any, lockstep: bool) -> dict[str, Any]:
     return out
 
 
+def _one_matrix_weight() -> nn.Linear:
+    torch.manual_seed(3)
+    return nn.Linear(D, 10, bias=False)
+
+
+@functools.cache
+def one_matrix_reference() -> torch.Tensor:
+    lin = _one_matrix_weight()
+    opt = torch.optim.Muon([lin.weight], **MUON)
+    for x, _ in batches()[:2]:
+        lin(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return lin.weight.detach().clone()
+
+
+def _one_matrix(mesh: Any) -> dict[str, Any]:
+    """A single TP matrix: one dp coordinate owns it, the other's TP group owns nothing and
+    skips the all-gather over tp (every member alike)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    lin = _one_matrix_weight()
+    parallelize_module(lin, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    fully_shard(lin, mesh=mesh["dp"])
+    opt = OwnerRoutedOptimizer([("w", lin.weight)], matrix="torch_muon", matrix_options=MUON)
+    dp = mesh["dp"].get_local_rank()
+    ops = []
+    for x, _ in batches()[:2]:
+        lin(x[4 * dp : 4 * dp + 4]).pow(2).mean().backward()
+        with CommCounter() as cc:
+            opt.step()
+        ops.append(cc.by_op("optimizer"))
+        opt.zero_grad()
+    return {"owner": opt.routes()[0]["owner"], "ops": ops, "weight": lin.weight.full_tensor().detach().clone()}
+
+
 def _bad_placements(mesh: Any) -> str:
     """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -426,6 +466,7 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         "llama": _llama(mesh, lockstep=False),
         "llama_lockstep": _llama(mesh, lockstep=True),
         "resumed": _resume(mesh, ckpt),
+        "one_matrix": _one_matrix(mesh),
         "bad": _bad_placements(mesh),
         "owner_layout": _owner_layout_on_tp(mesh),
     }
@@ -522,6 +563,18 @@ def test_torchtitan_llama_tp_plan_equals_one_process() -> None:
             assert _rel(got["params"][n], p) <= TP_PARAM_RTOL, (
                 f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
             )
+
+
+def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:
+    want = one_matrix_reference()
+    res = results()
+    owner = res[0]["one_matrix"]["owner"]
+    for rank, r in enumerate(res):
+        got = r["one_matrix"]
+        assert got["owner"] == owner, (rank, got["owner"], owner)
+        assert _rel(got["weight"], want) <= TP_PARAM_RTOL, f"rank {rank}: rel err {_rel(got['weight'], want):.2e}"
+        owns = rank // 2 == owner  # ranks (d, t) are 2 * d + t
+        assert ("owner_grad_tp_all_gather" in got["ops"][1]) == owns, (rank, got["ops"])
 
 
 def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
