@@ -31,8 +31,23 @@ object aliasing the same storage, e.g. one made with ``set_``) would go unnotice
 Memory: each owner keeps full copies of the matrices it owns (about ``P/W`` bytes per rank, as
 much as Muon's momentum for them), plus transient buffers of the same size during the step.
 
-Unsupported layouts raise a ``ValueError`` naming the parameter: a matrix sharded on another
-dim (``Shard(1)``, tensor parallel), on more than one mesh dim, or with ``Partial``.
+Tensor parallel (FSDP2 x TP on a 2D (dp, tp) mesh, :mod:`.dtensor_sharding`): rank ``(d, t)``
+holds FSDP row block ``d`` of TP slice ``t``. Owners are planned over dp on global shapes, and
+every TP rank plans the same list, so the owners of one matrix's TP slices are one dp
+coordinate ``o``: ranks ``(o, 0..T-1)``, exactly the TP group of ``o``. The dp all-to-alls above
+run on each TP slice as on a matrix (within each dp group); then one all-gather over the TP
+group (:mod:`.tp_gather`) hands every owner the other slices of the gradient, and each steps
+the whole matrix (Newton-Schulz on the global matrix: exact), keeps its own TP slice and sends
+its rows back over dp. No dp traffic in the TP stage. Every TP owner of a matrix steps it alike
+(the same inputs, the same operations), so its optimizer state is held by ``T`` ranks, as HSDP's
+replicas hold theirs: ``T`` times the compute and state of one owner, for no second collective.
+Bytes per rank and step, ``P`` bytes of TP matrices on a (D, T) mesh: about
+``2·(P/(T·D))·(D-1)/D`` sent over dp and ``(T-1)·P/(T·D)`` sent and received over tp (padded to
+the largest TP slice).
+
+Unsupported layouts raise a ``ValueError`` naming the parameter, its placements and the
+supported forms: a matrix sharded on another dim (``Shard(1)`` alone), on several mesh dims
+other than the FSDP x TP forms, a TP layout on a mesh of more than two dims, or ``Partial``.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
@@ -49,9 +64,11 @@ from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
+from .dtensor_sharding import TPSlice, matrix_sharding
 from .layouts import LayoutConfig, UpdateLayout
 from .replicated_layout import plan_owners
 from .routing import RoutedParam
+from .tp_gather import all_gather_slices, message_sizes
 
 __all__ = ["DTensorLayout"]
 
@@ -91,35 +108,6 @@ def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
     )
 
 
-def _describe(p: torch.Tensor) -> str:
-    """A DTensor parameter's placements and mesh shape, for error messages."""
-    return f"placements {tuple(getattr(p, 'placements', ()))} on mesh {tuple(p.device_mesh.shape)}"  # type: ignore[attr-defined]
-
-
-def _shard0_dim(rp: RoutedParam) -> int | None:
-    """The mesh dim a matrix is row-sharded on; None if replicated everywhere; else raise."""
-    p = rp.param
-    shard_dims = []
-    for dim, pl in enumerate(p.placements):  # type: ignore[attr-defined]
-        if type(pl) is Shard and pl.dim == 0:
-            shard_dims.append(dim)
-        elif isinstance(pl, Replicate):
-            continue
-        else:
-            raise ValueError(
-                f"matrix {rp.label!r} is a DTensor with {_describe(p)}; OwnerRoutedOptimizer "
-                "supports matrices sharded by rows (Shard(0)) on one mesh dim, as "
-                "torch.distributed.fsdp.fully_shard and HSDP leave them. Route it to the tail "
-                "optimizer (roles={...: 'tail'}) or shard it with Shard(0)"
-            )
-    if len(shard_dims) > 1:
-        raise ValueError(
-            f"matrix {rp.label!r} is a DTensor sharded on several mesh dims ({_describe(p)}); "
-            "only one Shard(0) mesh dim is supported"
-        )
-    return shard_dims[0] if shard_dims else None
-
-
 def _local_grad(rp: RoutedParam) -> torch.Tensor | None:
     g = rp.param.grad
     if g is None:
@@ -138,9 +126,10 @@ def _local_grad(rp: RoutedParam) -> torch.Tensor | None:
 @dataclass(eq=False)
 class _Matrix:
     rp: RoutedParam
-    rows: list[int]  # rows held by each rank of the shard group
+    rows: list[int]  # rows of this rank's slice (the whole matrix without TP) held by each rank of the shard group
     row_numel: int
     owner: int
+    tp: TPSlice | None = None  # the TP slice this rank's shard group splits by rows (tensor parallel)
     full: torch.Tensor | None = None  # the owner's full copy (global shape)
     key: tuple | None = None  # _key of the local shard after our last write
 
@@ -148,8 +137,29 @@ class _Matrix:
     def local(self) -> torch.Tensor:
         return local_tensor(self.rp.param)  # read fresh: FSDP2 may re-point it (lazy init, _apply)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self.rp.param.shape)
+
     def numel_of(self, rank: int) -> int:
         return self.rows[rank] * self.row_numel
+
+    def owner_slice(self) -> torch.Tensor:
+        """The owner's copy of the slice its shard group splits by rows: the whole matrix, or
+        under TP this rank's TP slice of it (contiguous: a view for colwise, a copy for rowwise)."""
+        assert self.full is not None
+        if self.tp is None:
+            return self.full
+        return self.tp.narrow(self.full, self.tp.rank).contiguous()
+
+
+def _tp_slices(mats: list[_Matrix]) -> list[tuple[TPSlice, tuple[int, ...]]]:
+    """Each TP matrix's slice and global shape (what :func:`all_gather_slices` takes)."""
+    out = []
+    for m in mats:
+        assert m.tp is not None
+        out.append((m.tp, m.shape))
+    return out
 
 
 @dataclass(eq=False)
@@ -163,6 +173,7 @@ class _Bucket:
     device: torch.device
     mats: list[_Matrix] = field(default_factory=list)
     loads: list[int] = field(default_factory=list)
+    tp_group: Any = None  # tensor parallel: the TP group, whose members own the same matrices
 
     def rebuild(self) -> None:
         W, me = self.world_size, self.rank
@@ -187,19 +198,20 @@ class DTensorLayout(UpdateLayout):
 
     def __init__(self, config: LayoutConfig | None = None) -> None:
         super().__init__(config)
-        self._buckets: dict[tuple[Any, int, torch.dtype], _Bucket] = {}
+        self._buckets: dict[tuple[Any, int, int | None, torch.dtype], _Bucket] = {}
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
         self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
 
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
-        new: dict[tuple[Any, int, torch.dtype], list[RoutedParam]] = {}
+        new: dict[tuple[Any, int, int | None, torch.dtype], list[RoutedParam]] = {}
+        tp_of: dict[int, TPSlice | None] = {}
         for rp in entries:
             self.entries.append(rp)
             p = rp.param
-            mesh_dim = _shard0_dim(rp) if rp.role is Role.MATRIX else None
-            if mesh_dim is None:
+            sharding = matrix_sharding(rp) if rp.role is Role.MATRIX else None
+            if sharding is None or sharding.dp_dim is None:
                 # shard-local (elementwise tail optimizer) or a fully replicated matrix
                 rp.owner = None
                 local = local_tensor(p)
@@ -208,10 +220,12 @@ class DTensorLayout(UpdateLayout):
                     raise ValueError(f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
                 self._tails.append(rp)
                 continue
-            key = (p.device_mesh, mesh_dim, p.dtype)  # type: ignore[attr-defined]
+            tp_of[id(rp)] = sharding.tp
+            tp_dim = None if sharding.tp is None else sharding.tp.mesh_dim
+            key = (p.device_mesh, sharding.dp_dim, tp_dim, p.dtype)  # type: ignore[attr-defined]
             new.setdefault(key, []).append(rp)
         for key, rps in new.items():
-            mesh, mesh_dim, dtype = key
+            mesh, mesh_dim, tp_dim, dtype = key
             bucket = self._buckets.get(key)
             if bucket is None:
                 W = mesh.size(mesh_dim)
@@ -222,9 +236,12 @@ class DTensorLayout(UpdateLayout):
                     dtype,
                     rps[0].param.device,
                     loads=[0] * W,
+                    tp_group=None if tp_dim is None else mesh.get_group(tp_dim),
                 )
                 self._buckets[key] = bucket
             W, me = bucket.world_size, bucket.rank
+            # owners are dp coordinates, planned on global shapes: every TP rank plans the same
+            # list, so the owners of one matrix's TP slices share a dp coordinate (one TP group)
             owners = plan_owners(
                 rps,
                 [tuple(rp.param.shape) for rp in rps],
@@ -233,20 +250,24 @@ class DTensorLayout(UpdateLayout):
                 bucket.loads,
                 cost=self.config.matrix_cost,
                 group=bucket.group,
+                tp_group=bucket.tp_group,
             )
             for rp, owner in zip(rps, owners, strict=True):
-                shape = tuple(rp.param.shape)
-                rows = chunk_row_sizes(shape[0], W)
+                shape = tuple(int(n) for n in rp.param.shape)
+                tp = tp_of[id(rp)]
+                piece = shape if tp is None else tp.shape(shape, tp.rank)  # what the shard group splits
+                rows = chunk_row_sizes(piece[0], W)
                 local = local_tensor(rp.param)
-                if local.shape[0] != rows[me] or tuple(local.shape[1:]) != shape[1:]:
+                if local.shape[0] != rows[me] or tuple(local.shape[1:]) != piece[1:]:
+                    what = "" if tp is None else f" of the TP slice {piece}"
                     raise ValueError(
                         f"matrix {rp.label!r}: local shard has shape {tuple(local.shape)}, expected "
-                        f"{(rows[me], *shape[1:])} (torch.chunk rows of {shape} over {W} ranks)"
+                        f"{(rows[me], *piece[1:])} (torch.chunk rows{what} of {shape} over {W} ranks)"
                     )
                 row_numel = 1
-                for d in shape[1:]:
+                for d in piece[1:]:
                     row_numel *= int(d)
-                m = _Matrix(rp, rows, row_numel, owner)
+                m = _Matrix(rp, rows, row_numel, owner, tp)
                 rp.owner = owner
                 self._group_of[id(rp)] = bucket.group
                 if owner == me:
@@ -294,29 +315,83 @@ class DTensorLayout(UpdateLayout):
         headers = torch.stack([c[:hlen] for c in chunks]).tolist()
         any_dirty = any(h[0] != 0 for h in headers)
         blocks = [c[hlen:].split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(chunks)]
-        for i, m in enumerate(b.mine):
+        whole: list[torch.Tensor | None] = [
+            torch.cat([blocks[s][i] for s in range(W)]) if any(h[1 + i] != 0 for h in headers) else None
+            for i in range(len(b.mine))
+        ]
+        tp_dirty = False
+        if b.tp_group is not None and b.mine:
+            whole, tp_dirty = self._assemble_tp_grads(b, whole, any_dirty)
+        for m, g in zip(b.mine, whole, strict=True):
             assert m.rp.proxy is not None
-            if any(h[1 + i] != 0 for h in headers):
-                full = torch.cat([blocks[s][i] for s in range(W)])
-                m.rp.proxy.grad = full.view(m.rp.proxy.shape)
-            else:
-                m.rp.proxy.grad = None
-        if any_dirty:
-            self._resync(b)
+            m.rp.proxy.grad = None if g is None else g.view(m.rp.proxy.shape)
+        if any_dirty or tp_dirty:
+            self._resync(b, dp=any_dirty, tp=tp_dirty)
 
-    def _resync(self, b: _Bucket) -> None:
-        """Rebuild the owners' full copies from the shards (first step, or after outside edits)."""
-        W = b.world_size
-        send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=b.dtype, device=b.device)
-        recv = torch.empty(sum(b.param_recv), dtype=b.dtype, device=b.device)
-        comm.all_to_all_single(
-            recv, send, b.param_recv, b.param_send, group=b.group, op="owner_param_resync_all_to_all"
+    def _assemble_tp_grads(
+        self, b: _Bucket, grads: list[torch.Tensor | None], dirty: bool
+    ) -> tuple[list[torch.Tensor | None], bool]:
+        """Tensor parallel: each owner holds the gradient of its TP slice; one all-gather over the
+        TP group (whose members own the same matrices) gives each the whole gradient. Also ORs
+        the shard groups' dirty flags over TP (every TP owner must resync its copy alike)."""
+        slices = _tp_slices(b.mine)
+        mine = []
+        for m, g in zip(b.mine, grads, strict=True):
+            assert m.tp is not None
+            shape = m.tp.shape(m.shape, m.tp.rank)
+            mine.append(torch.zeros(shape, dtype=b.dtype, device=b.device) if g is None else g.view(shape))
+        header = [float(dirty)] + [float(g is not None) for g in grads]
+        headers, pieces = all_gather_slices(
+            b.tp_group, header, slices, mine, dtype=b.dtype, device=b.device, op="owner_grad_tp_all_gather"
         )
-        blocks = [c.split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(recv.split(b.param_recv))]
+        whole: list[torch.Tensor | None] = []
         for i, m in enumerate(b.mine):
-            assert m.full is not None
-            torch.cat([blocks[s][i] for s in range(W)], out=m.full.view(-1))
+            assert m.tp is not None
+            has = any(h[1 + i] != 0 for h in headers)
+            whole.append(torch.cat(pieces[i], dim=m.tp.dim) if has else None)
+        return whole, any(h[0] != 0 for h in headers)
+
+    def _resync(self, b: _Bucket, *, dp: bool = True, tp: bool = False) -> None:
+        """Rebuild the owners' full copies from the shards (first step, or after outside edits):
+        ``dp``: the row blocks of each owner's slice over the shard group; ``tp``: then the TP
+        slices over the TP group (a shard group with nothing changed contributes its copy)."""
+        W = b.world_size
+        if dp:
+            send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
+            send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=b.dtype, device=b.device)
+            recv = torch.empty(sum(b.param_recv), dtype=b.dtype, device=b.device)
+            comm.all_to_all_single(
+                recv, send, b.param_recv, b.param_send, group=b.group, op="owner_param_resync_all_to_all"
+            )
+            blocks = [c.split([m.numel_of(s) for m in b.mine]) for s, c in enumerate(recv.split(b.param_recv))]
+            for i, m in enumerate(b.mine):
+                assert m.full is not None
+                parts = [blocks[s][i] for s in range(W)]
+                if m.tp is None:
+                    torch.cat(parts, out=m.full.view(-1))
+                else:
+                    own = m.tp.narrow(m.full, m.tp.rank)
+                    own.copy_(torch.cat(parts).view(own.shape))
+        if tp and b.mine:
+            slices = _tp_slices(b.mine)
+            own_slices = []
+            for m in b.mine:
+                assert m.tp is not None and m.full is not None
+                own_slices.append(m.tp.narrow(m.full, m.tp.rank))
+            _, pieces = all_gather_slices(
+                b.tp_group,
+                [],
+                slices,
+                own_slices,
+                dtype=b.dtype,
+                device=b.device,
+                op="owner_param_resync_tp_all_gather",
+            )
+            for m, ps in zip(b.mine, pieces, strict=True):
+                assert m.tp is not None and m.full is not None
+                for t, piece in enumerate(ps):
+                    if t != m.tp.rank:
+                        m.tp.narrow(m.full, t).copy_(piece)
         for m in b.mats:
             m.key = _key(m.rp.param)
         self.resyncs += 1
@@ -330,11 +405,11 @@ class DTensorLayout(UpdateLayout):
     def _scatter_updates(self, b: _Bucket) -> None:
         W, me = b.world_size, b.rank
         parts = []
+        flat = [m.owner_slice().view(-1) for m in b.mine]  # under TP: this rank's TP slice
         for s in range(W):
-            for m in b.mine:
-                assert m.full is not None
+            for m, f in zip(b.mine, flat, strict=True):
                 start = sum(m.rows[:s]) * m.row_numel
-                parts.append(m.full.view(-1)[start : start + m.numel_of(s)])
+                parts.append(f[start : start + m.numel_of(s)])
         send = torch.cat(parts) if parts else torch.empty(0, dtype=b.dtype, device=b.device)
         recv = torch.empty(sum(b.param_send), dtype=b.dtype, device=b.device)
         comm.all_to_all_single(recv, send, b.param_send, b.param_recv, group=b.group, op="owner_update_all_to_all")
@@ -442,6 +517,10 @@ class DTensorLayout(UpdateLayout):
                 + sum(b.param_recv)
                 - b.param_recv[me]
             )
+            if b.tp_group is not None and b.mine:  # the whole gradients over TP (padded, header in front)
+                T = b.mine[0].tp.size  # type: ignore[union-attr]
+                width = max(message_sizes(1 + len(b.mine), _tp_slices(b.mine)))
+                moved += 2 * (T - 1) * width
             total += moved * itemsize(b.dtype)
         return total
 

@@ -52,12 +52,15 @@ def plan_owners(
     *,
     cost: CostModel,
     group: Any = None,
+    tp_group: Any = None,
 ) -> list[int]:
     """Owners (ranks of ``group``) for matrices ``rps``; updates ``loads`` (bytes per rank).
 
     ``planning.plan_tensors`` balances this batch; when earlier batches (other param groups)
     already loaded the ranks, the batch's ranks are permuted so that its heaviest rank lands on
-    the currently lightest one. Deterministic, and checked for agreement across ``group``.
+    the currently lightest one. Deterministic, and checked for agreement across ``group``, and
+    across ``tp_group`` too where given (tensor parallel: the owners of one matrix's TP slices
+    must be one dp coordinate, or the all-gather over TP would pair different matrices).
     """
     if not rps:
         return []
@@ -81,6 +84,15 @@ def plan_owners(
         remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
         "shapes, dtypes, roles) in the same order.",
     )
+    if tp_group is not None:
+        check_plan_agreement(
+            plan,
+            tp_group,
+            who="OwnerRoutedOptimizer",
+            what="owner plan across the tensor-parallel group",
+            remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
+            "global shapes, dtypes, roles) in the same order.",
+        )
     batch = [0] * world_size
     nbytes = []
     for s in specs:

@@ -30,7 +30,7 @@ from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
 from .ignored import is_ignored, mark_ignored
 from .module import swap_class
-from .replicated import as_owner_dtensors
+from .replicated import as_owner_dtensors, check_plain_parameters
 from .state import OwnerShardState, PlanPhase, ShardTree, state_of, trees_inside
 
 __all__ = ["fully_shard", "mesh_device", "move_states_to_device"]
@@ -111,6 +111,7 @@ def fully_shard(
         check_plan_world_size(plan, dist.get_world_size(group))
     for m in modules:
         _check_submodules(m, group, replicate_group)
+    check_plain_parameters(modules, ignored_params)
     names = {id(sub): name for m in modules for name, sub in m.named_modules()}
     tree = ShardTree.join(  # refuses a call inside naming another plan or cost, before anything changes
         trees_inside(modules), module=modules[0], plan=plan, cost=cost, name_of=lambda m: names.get(id(m), "?")

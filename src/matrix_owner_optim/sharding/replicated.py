@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..owner_dtensor import OwnerDTensor
 from .ignored import is_ignored
 
-__all__ = ["as_owner_dtensors", "current_parameter"]
+__all__ = ["as_owner_dtensors", "check_plain_parameters", "current_parameter"]
 
 _REPLACED_BY = "_moo_replaced_by"
 
@@ -34,6 +35,29 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
     """``p``, or the owner-layout DTensor ``fully_shard`` registered in its place elsewhere."""
     new = p.__dict__.get(_REPLACED_BY)
     return new if isinstance(new, torch.Tensor) else p
+
+
+def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None) -> None:
+    """Refuse a parameter that is already a DTensor of another kind (tensor parallel's
+    ``parallelize_module``, ``distribute_tensor``) before anything is recorded: the owner layout
+    holds whole tensors over one data-parallel mesh, and a TP slice inside it would fail at the
+    first forward, deep in DTensor's dispatch."""
+    ignored = {id(p) for p in ignored_params or ()}
+    for m in modules:
+        for name, p in m.named_parameters():
+            if isinstance(p, OwnerDTensor) or is_ignored(p) or id(p) in ignored:
+                continue
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"fully_shard({type(m).__name__}): parameter {name!r} is a DTensor with placements "
+                    f"{tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)} "
+                    f"{tuple(p.device_mesh.mesh_dim_names or ())} (tensor parallel?); the owner layout "
+                    "shards plain tensors over one data-parallel mesh (2D only as (replicate, shard) for "
+                    "HSDP), not tensor-parallel slices. For FSDP x TP use torch.distributed.fsdp."
+                    "fully_shard(block, mesh=mesh['dp']) with OwnerRoutedOptimizer, which steps "
+                    "ColwiseParallel and RowwiseParallel matrices whole on their owners; or leave the "
+                    "parameter out (ignored_params)"
+                )
 
 
 def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:

@@ -1,0 +1,113 @@
+"""How a stock-FSDP2 DTensor matrix is cut: the placements ``DTensorLayout`` accepts, read once.
+
+Two forms are supported, both with whole-matrix owners along the FSDP (data-parallel) mesh dim:
+
+* **rows on one mesh dim** (``Shard(0)``, the others ``Replicate()``): stock FSDP2 and HSDP;
+* **FSDP2 x tensor parallel on a 2D (dp, tp) mesh**, as torch's ``parallelize_module`` and then
+  ``torch.distributed.fsdp.fully_shard(block, mesh=mesh["dp"])`` leave a 2D matrix:
+  ``(_StridedShard(dim=0, sf=T), Shard(0))`` (``ColwiseParallel``: TP splits the rows, FSDP the
+  rows of each TP slice) or ``(Shard(0), Shard(1))`` (``RowwiseParallel``: TP splits the columns,
+  FSDP the rows of each TP slice). Rank ``(d, t)`` holds ``torch.chunk`` row block ``d`` (of
+  ``D``) of TP slice ``t`` (``torch.chunk`` piece ``t`` of ``T`` along the TP dim).
+
+Anything else is refused by :func:`matrix_sharding` with an error naming the parameter, its
+placements and these forms. Pure: reads placements and mesh coordinates, no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..planning.metadata import chunk_row_sizes
+from .routing import RoutedParam
+
+__all__ = ["MatrixSharding", "TPSlice", "matrix_sharding", "SUPPORTED"]
+
+SUPPORTED = (
+    "OwnerRoutedOptimizer supports DTensor matrices sharded by rows (Shard(0)) on one mesh dim, "
+    "the others Replicate() (torch.distributed.fsdp.fully_shard, HSDP), and 2D matrices on a 2D "
+    "(dp, tp) mesh as parallelize_module then fully_shard(mesh=mesh['dp']) leave them: "
+    "(_StridedShard(dim=0, sf=<tp size>), Shard(dim=0)) (ColwiseParallel) or "
+    "(Shard(dim=0), Shard(dim=1)) (RowwiseParallel)"
+)
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """Which slice of a matrix this rank's tensor-parallel coordinate holds.
+
+    ``dim`` is the tensor dim TP splits (0: colwise, 1: rowwise), ``sizes`` the extent along it
+    of every TP rank's slice (``torch.chunk`` sizes), ``rank`` this rank's TP coordinate.
+    """
+
+    mesh_dim: int
+    dim: int
+    rank: int
+    sizes: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.sizes)
+
+    def offset(self, t: int) -> int:
+        return sum(self.sizes[:t])
+
+    def shape(self, global_shape: tuple[int, ...], t: int) -> tuple[int, ...]:
+        """The shape of TP rank ``t``'s slice of a matrix of ``global_shape``."""
+        out = list(global_shape)
+        out[self.dim] = self.sizes[t]
+        return tuple(out)
+
+    def narrow(self, full: torch.Tensor, t: int) -> torch.Tensor:
+        """TP rank ``t``'s slice of the whole matrix ``full`` (a view)."""
+        return full.narrow(self.dim, self.offset(t), self.sizes[t])
+
+
+@dataclass(frozen=True)
+class MatrixSharding:
+    """The FSDP mesh dim a matrix's rows are split on (None: replicated on every mesh dim) and,
+    under tensor parallel, its TP slice."""
+
+    dp_dim: int | None
+    tp: TPSlice | None = None
+
+
+def describe(p: torch.Tensor) -> str:
+    """A DTensor parameter's placements and mesh shape, for error messages."""
+    return f"placements {tuple(getattr(p, 'placements', ()))} on mesh {tuple(p.device_mesh.shape)}"  # type: ignore[attr-defined]
+
+
+def _refuse(rp: RoutedParam, why: str = "") -> ValueError:
+    return ValueError(
+        f"matrix {rp.label!r} is a DTensor with {describe(rp.param)}{why}; {SUPPORTED}. Route it to "
+        f"the tail optimizer (roles={{{rp.label!r}: 'tail'}}) or shard it in one of these forms"
+    )
+
+
+def matrix_sharding(rp: RoutedParam) -> MatrixSharding:
+    """How the DTensor matrix ``rp.param`` is cut; raises for any other form (see module doc)."""
+    p = rp.param
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    if all(isinstance(pl, Replicate) for pl in placements):
+        return MatrixSharding(None)
+    rows = [d for d, pl in enumerate(placements) if type(pl) is Shard and pl.dim == 0]
+    others = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate) and d not in rows]
+    if len(rows) == 1 and not others:
+        return MatrixSharding(rows[0])
+    if len(placements) != 2 or p.dim() != 2:
+        raise _refuse(rp)
+    dp, tp = placements
+    T = mesh.size(1)
+    if type(tp) is Shard and tp.dim == 0 and isinstance(dp, _StridedShard) and dp.dim == 0 and dp.split_factor == T:
+        tp_dim = 0  # ColwiseParallel, then FSDP2 over the rows of each TP slice
+    elif type(tp) is Shard and tp.dim == 1 and type(dp) is Shard and dp.dim == 0:
+        tp_dim = 1  # RowwiseParallel, then FSDP2 over the rows of each TP slice
+    else:
+        raise _refuse(rp)
+    tp_slice = TPSlice(1, tp_dim, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[tp_dim]), T)))
+    return MatrixSharding(0, tp_slice)

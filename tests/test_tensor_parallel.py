@@ -1,0 +1,617 @@
+"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel: a (dp=2, tp=2) mesh on 4 gloo ranks.
+
+Each block is cut by torch's ``parallelize_module`` (``ColwiseParallel`` w1, ``RowwiseParallel``
+w2) on the tp mesh, then sharded by stock ``torch.distributed.fsdp.fully_shard`` over the dp
+mesh, so w1 is ``(_StridedShard(0, sf=2), Shard(0))`` and w2 ``(Shard(0), Shard(1))``. The
+hidden sizes (10 and 6) split evenly over tp (torch's TP needs that) and make FSDP's row blocks
+of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
+
+* torch.optim.Muon (as ``matrix="torch_muon"``) + AdamW through OwnerRoutedOptimizer, with
+  torch's ``clip_grad_norm_`` every step, against one process running ``torch.optim.Muon`` and
+  ``torch.optim.AdamW`` on the unsharded model over the whole batch: losses, clip norms and
+  full parameters equal at the noise floor, on every rank;
+* torchtitan's TP plan for Llama (vocab-parallel embedding, SequenceParallel norms, colwise
+  q/k/v, w1, w3 and output, rowwise wo and w2) written with torch's ``parallelize_module`` on a
+  tiny Llama, then FSDP2 over dp (torchtitan itself does not import without triton): this
+  package's Muon (float32 Newton-Schulz) + AdamW equal one process over the whole batch, and
+  torch.optim.Muon through OwnerRoutedOptimizer equals torch.optim.Muon fed the same gradients
+  bitwise;
+* a single TP matrix (one dp coordinate owns it; the other's TP group skips the tp stage):
+  equal one process's torch.optim.Muon;
+* the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
+  bucket, bytes as ``bytes_per_step`` says;
+* a placement outside the supported forms is refused at construction, naming the parameter,
+  its placements and the supported forms;
+* state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
+  loaded into a fresh model and optimizer with ``set_model_state_dict`` /
+  ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
+* the same checkpoint resumed on this package's 1D owner layout at W=2 (a second spawn)
+  continues as the (2, 2) run did, at the noise floor;
+* this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
+  (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
+  fail at the first forward inside DTensor's dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _tolerances import TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.preconditioners import Muon
+from matrix_owner_optim.toolbox.launch import spawn_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 4
+BATCH = 8  # global batch; dp rank d takes rows [4d, 4d + 4), both TP ranks of it the same
+D = 6
+MUON = {"lr": 0.02, "weight_decay": 0.01}
+ADAMW = {"lr": 3e-3, "weight_decay": 0.05}
+CLIP = 0.5  # below the gradient norms here, so clipping scales every step
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, hidden)
+        self.w2 = nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.tanh(self.w1(x)))
+
+
+class Net(nn.Module):
+    """Two TP blocks. Every parameter is then on the 2D mesh (w1's bias split over tp, w2's
+    replicated there), as torch's ``clip_grad_norm_`` needs: it stacks the per-tensor norms, and
+    DTensors on different meshes (a tensor outside TP lives on the dp mesh alone) do not stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(10), Block(6)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(x, y)
+
+
+def build() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 3, D, generator=g), torch.randn(BATCH, 3, D, generator=g)) for _ in range(STEPS)]
+
+
+def _reference_optimizers(model: Net) -> list[torch.optim.Optimizer]:
+    mats = [p for n, p in model.named_parameters() if n.endswith(("w1.weight", "w2.weight"))]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(("w1.weight", "w2.weight"))]
+    return [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW)]
+
+
+def reference(order: str = "forward") -> dict[str, Any]:
+    """One process, whole batch; ``order="reversed"`` feeds the batch's rows reversed (the same
+    loss, another summation order: the noise floor)."""
+    model = build()
+    opts = _reference_optimizers(model)
+    losses, norms = [], []
+    for x, y in batches():
+        if order == "reversed":
+            x, y = x.flip(0), y.flip(0)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@functools.cache
+def reference_run() -> dict[str, Any]:
+    return reference()
+
+
+# -- the spawned job ----------------------------------------------------------------------------
+def _tp_fsdp(model: Net, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+SAVE_AT = 2  # the checkpoint holds the state after this many steps
+
+
+def _model_and_optimizer(mesh: Any) -> tuple[Net, OwnerRoutedOptimizer]:
+    model = build()
+    _tp_fsdp(model, mesh)
+    return model, OwnerRoutedOptimizer(
+        model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
+    )
+
+
+def _state(model: Net, opt: OwnerRoutedOptimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _micro(step: int, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batches()[step]
+    dp = mesh["dp"].get_local_rank()
+    lo, hi = dp * BATCH // 2, (dp + 1) * BATCH // 2
+    return x[lo:hi], y[lo:hi]
+
+
+def _resume(mesh: Any, ckpt: str) -> dict[str, Any]:
+    """A fresh model and optimizer load the step-2 DCP checkpoint through torch's
+    set_model_state_dict / set_optimizer_state_dict and train the remaining steps. DCP loads
+    into the state dicts of another fresh model and optimizer: loading into this optimizer's own
+    would write its state in place and leave set_optimizer_state_dict nothing to do."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model, opt = _model_and_optimizer(mesh)
+    state = _state(*_model_and_optimizer(mesh))
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    for step in range(SAVE_AT, STEPS):
+        model(*_micro(step, mesh)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {"loaded": loaded, "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
+    """4 steps, saving model and optimizer with DCP at step 2."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _model_and_optimizer(mesh)
+    out: dict[str, Any] = {"losses": [], "norms": [], "placements": {}}
+    for n, p in model.named_parameters():
+        out["placements"][n] = str(tuple(p.placements))
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            dcp.save(_state(model, opt), checkpoint_id=ckpt)
+            out["saved"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        x, y = _micro(step, mesh)
+        loss = model(x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        if step == STEPS - 1:  # a steady step: the owners' copies were built at the first
+            with CommCounter() as cc:
+                opt.step()
+            out["ops"] = cc.by_op("optimizer")
+            out["sent"] = cc.bytes("optimizer", "sent")
+            out["received"] = cc.bytes("optimizer", "received")
+            layout = next(pl for pl in opt.layouts() if pl.name == "dtensor")
+            out["bytes_per_step"] = layout.bytes_per_step()
+            out["resyncs"] = layout.resyncs
+        else:
+            opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+# -- torchtitan's Llama TP plan, in torch's own API -----------------------------------------------
+# torchtitan's parallelize_llama cannot be imported on a CPU machine (its models import triton),
+# so this is its plan for a Llama (vocab-parallel embedding, SequenceParallel norms, colwise q/k/v
+# and w1/w3, rowwise wo/w2, colwise output), written with torch's parallelize_module.
+V, DIM, HEADS, SEQ = 32, 16, 4, 8
+# Against the whole-batch one-process run, Newton-Schulz in float32 (this package's Muon,
+# ns_dtype=float32; torch.optim.Muon always runs it in bfloat16): TP's split matmuls and
+# sequence-parallel norms change the gradients' round-off (2e-7 to 4e-7 relative, measured
+# against one process), which bfloat16 Newton-Schulz turns into bfloat16 ulps of the update
+# (5.7e-4 relative in wq after 3 steps). torch.optim.Muon itself is checked in lockstep: fed
+# the same gradients it agrees bitwise, so that difference is the model's round-off, not the step.
+LLAMA_MUON = {**MUON, "ns_dtype": torch.float32}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # local heads under TP
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, 2 * DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention, self.feed_forward = Attention(), FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, DIM)
+        self.layers = nn.ModuleList([LlamaBlock(), LlamaBlock()])
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, V, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.output(self.norm(h)).flatten(0, 1), targets.flatten())
+
+
+def build_llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama()
+
+
+def llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, V, (4, SEQ), generator=g), torch.randint(0, V, (4, SEQ), generator=g)) for _ in range(3)]
+
+
+def llama_matrix_names(model: Llama) -> set[str]:
+    from matrix_owner_optim.planning import Role
+    from matrix_owner_optim.planning.roles import module_roles
+
+    roles = module_roles(model)
+    return {n for n, p in model.named_parameters() if roles[id(p)] is Role.MATRIX}
+
+
+def llama_optimizers(model: Llama, matrix: type[torch.optim.Optimizer], options: dict) -> list[torch.optim.Optimizer]:
+    """One process: the matrix optimizer on the matrices, AdamW on the rest."""
+    mats = llama_matrix_names(model)
+    return [
+        matrix([p for n, p in model.named_parameters() if n in mats], **options),
+        torch.optim.AdamW([p for n, p in model.named_parameters() if n not in mats], **ADAMW),
+    ]
+
+
+@functools.cache
+def llama_reference() -> dict[str, torch.Tensor]:
+    """One process, the whole batch, Muon with float32 Newton-Schulz."""
+    model = build_llama()
+    opts = llama_optimizers(model, Muon, LLAMA_MUON)
+    for tokens, targets in llama_batches():
+        model(tokens, targets).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _llama_tp_fsdp(model: Llama, mesh: Any) -> None:
+    """torchtitan's apply_tp for Llama (loss_parallel off), then FSDP2 over dp per block and root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = mesh["tp"]
+    parallelize_module(
+        model,
+        tp,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers:
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp, plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _llama(mesh: Any, lockstep: bool) -> dict[str, Any]:
+    """3 steps on the Llama plan. ``lockstep``: torch.optim.Muon through OwnerRoutedOptimizer, and
+    on every rank a one-process copy stepped by torch.optim.Muon + AdamW on the same gradients
+    (gathered with full_tensor): the optimizer path alone, bfloat16 Newton-Schulz included.
+    Else this package's Muon in float32 (compared with the whole-batch one-process run)."""
+    model = build_llama()
+    ref = build_llama() if lockstep else None
+    ref_opts = llama_optimizers(ref, torch.optim.Muon, MUON) if ref is not None else []
+    _llama_tp_fsdp(model, mesh)
+    matrix, options = ("torch_muon", MUON) if lockstep else ("muon", LLAMA_MUON)
+    opt = OwnerRoutedOptimizer(model, matrix=matrix, matrix_options=options, tail="adamw", tail_options=ADAMW)
+    dp = mesh["dp"].get_local_rank()
+    for tokens, targets in llama_batches():
+        model(tokens[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
+        if ref is not None:
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            for n, p in ref.named_parameters():
+                p.grad = grads[n]
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    out = {
+        "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()},
+        "routes": {r["name"]: r["role"] for r in opt.routes()},
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+    }
+    if ref is not None:
+        out["lockstep"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return out
+
+
+def _one_matrix_weight() -> nn.Linear:
+    torch.manual_seed(3)
+    return nn.Linear(D, 10, bias=False)
+
+
+@functools.cache
+def one_matrix_reference() -> torch.Tensor:
+    lin = _one_matrix_weight()
+    opt = torch.optim.Muon([lin.weight], **MUON)
+    for x, _ in batches()[:2]:
+        lin(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return lin.weight.detach().clone()
+
+
+def _one_matrix(mesh: Any) -> dict[str, Any]:
+    """A single TP matrix: one dp coordinate owns it, the other's TP group owns nothing and
+    skips the all-gather over tp (every member alike)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    lin = _one_matrix_weight()
+    parallelize_module(lin, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    fully_shard(lin, mesh=mesh["dp"])
+    opt = OwnerRoutedOptimizer([("w", lin.weight)], matrix="torch_muon", matrix_options=MUON)
+    dp = mesh["dp"].get_local_rank()
+    ops = []
+    for x, _ in batches()[:2]:
+        lin(x[4 * dp : 4 * dp + 4]).pow(2).mean().backward()
+        with CommCounter() as cc:
+            opt.step()
+        ops.append(cc.by_op("optimizer"))
+        opt.zero_grad()
+    return {"owner": opt.routes()[0]["owner"], "ops": ops, "weight": lin.weight.full_tensor().detach().clone()}
+
+
+def _bad_placements(mesh: Any) -> str:
+    """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0), Shard(0)]))
+    try:
+        OwnerRoutedOptimizer([("w", p)], matrix="torch_muon")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _owner_layout_on_tp(mesh: Any) -> str:
+    """The package's own fully_shard on a TP block: refused at the call, naming the parameter."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from matrix_owner_optim import fully_shard
+
+    block = Block(10)
+    parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    try:
+        fully_shard(block, mesh=mesh["dp"])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return {
+        "train": _train(rank, mesh, ckpt),
+        "llama": _llama(mesh, lockstep=False),
+        "llama_lockstep": _llama(mesh, lockstep=True),
+        "resumed": _resume(mesh, ckpt),
+        "one_matrix": _one_matrix(mesh),
+        "bad": _bad_placements(mesh),
+        "owner_layout": _owner_layout_on_tp(mesh),
+    }
+
+
+def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """The (dp=2, tp=2) checkpoint resumed on this package's 1D owner layout at W=2: rank r
+    takes the rows dp coordinate r took, and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from matrix_owner_optim import fully_shard
+
+    def built() -> tuple[Net, OwnerRoutedOptimizer]:
+        model = build()
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model, OwnerRoutedOptimizer(
+            model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
+        )
+
+    model, opt = built()
+    state = _state(*built())
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(SAVE_AT, STEPS):
+        x, y = batches()[step]
+        lo, hi = rank * BATCH // W, (rank + 1) * BATCH // W
+        model(x[lo:hi], y[lo:hi]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def _runs() -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+    with tempfile.TemporaryDirectory(prefix="moo-tp-") as ckpt:
+        tp = spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
+        owner = spawn_ranks(owner_layout_resume_job, 2, ckpt, threads_per_rank=1, strict_shutdown=True)
+    return tp, owner
+
+
+def results() -> list[dict[str, Any]]:
+    return _runs()[0]
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_fsdp_x_tp_equals_one_process_torch_muon_adamw() -> None:
+    ref = reference_run()
+    for rank, r in enumerate(results()):
+        t = r["train"]
+        assert "_StridedShard" in t["placements"]["layers.0.w1.weight"], t["placements"]
+        assert t["placements"]["layers.1.w2.weight"] == "(Shard(dim=0), Shard(dim=1))", t["placements"]
+        for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(t['params'][n], p):.2e}"
+    # losses: each dp coordinate's micro-batch mean; the two average to the whole batch's
+    res = results()
+    for i, b in enumerate(ref["losses"]):
+        a = (res[0]["train"]["losses"][i] + res[2]["train"]["losses"][i]) / 2
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
+    for rank, r in enumerate(results()):
+        t = r["train"]
+        assert t["resyncs"] == 1, t["resyncs"]  # the owners' copies, built once
+        assert set(t["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all", "owner_grad_tp_all_gather"}, t
+        assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, t["sent"], t["received"], t["bytes_per_step"])
+        print(f"rank {rank}: optimizer step sent {t['sent']} B, received {t['received']} B, by op {t['ops']}")
+
+
+def test_torchtitan_llama_tp_plan_equals_one_process() -> None:
+    ref = llama_reference()
+    for rank, r in enumerate(results()):
+        got = r["llama"]
+        assert got["placements"]["layers.0.attention.wq.weight"].startswith("(_StridedShard"), got["placements"]
+        assert got["placements"]["layers.0.feed_forward.w2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert got["placements"]["norm.weight"] == "(Shard(dim=0), Replicate())", got["placements"]
+        assert got["routes"]["layers.1.attention.wo.weight"] == "matrix" and got["routes"]["output.weight"] != "matrix"
+        worst = max(_rel(got["params"][n], p) for n, p in ref.items())
+        print(f"rank {rank}: Llama TP plan, worst parameter rel err {worst:.2e}")
+        for n, p in ref.items():
+            assert _rel(got["params"][n], p) <= TP_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            )
+
+
+def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:
+    want = one_matrix_reference()
+    res = results()
+    owner = res[0]["one_matrix"]["owner"]
+    for rank, r in enumerate(res):
+        got = r["one_matrix"]
+        assert got["owner"] == owner, (rank, got["owner"], owner)
+        assert _rel(got["weight"], want) <= TP_PARAM_RTOL, f"rank {rank}: rel err {_rel(got['weight'], want):.2e}"
+        owns = rank // 2 == owner  # ranks (d, t) are 2 * d + t
+        assert ("owner_grad_tp_all_gather" in got["ops"][1]) == owns, (rank, got["ops"])
+
+
+def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
+    for rank, r in enumerate(results()):
+        t, resumed = r["train"], r["resumed"]
+        for n, p in t["saved"].items():
+            assert torch.equal(resumed["loaded"][n], p), f"rank {rank}: {n} loaded differs from the saved"
+        # the optimizer state (Muon momenta, Adam moments, steps) came back: without
+        # set_optimizer_state_dict the resumed run differs at the first parameter
+        for n, p in t["params"].items():
+            assert torch.equal(resumed["params"][n], p), f"rank {rank}: {n} differs after resuming"
+
+
+def test_fsdp_x_tp_checkpoint_resumes_on_the_owner_layout_at_two_ranks() -> None:
+    want = results()[0]["train"]["params"]  # the (2, 2) run's last step
+    for rank, got in enumerate(_runs()[1]):
+        worst = max(_rel(got[n], p) for n, p in want.items())
+        print(f"owner layout W=2 rank {rank}: worst parameter rel err to the (2, 2) run {worst:.2e}")
+        for n, p in want.items():
+            assert _rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(got[n], p):.2e}"
+
+
+def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
+    for r in results():
+        msg = r["owner_layout"]
+        assert msg.startswith("fully_shard(Block): parameter 'w1.weight' is a DTensor"), msg
+        assert "(Shard(dim=0),)" in msg and "torch.distributed.fsdp.fully_shard" in msg, msg
+
+
+def test_unsupported_tp_placements_are_refused_naming_them() -> None:
+    for r in results():
+        msg = r["bad"]
+        assert "'w'" in msg and "(Shard(dim=0), Shard(dim=0))" in msg and "RowwiseParallel" in msg, msg
+
+
+if __name__ == "__main__":  # the noise floor: the reference against itself, summation order changed
+    a, b = reference(), reference("reversed")
+    print("params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+    print("norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
+    print("losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))
