@@ -16,10 +16,14 @@ every optimizer step runs under ``torch.profiler`` and must show no backend coll
 * prefetch: the next unit's all-gather-v is issued by the previous unit's hook (forward and
   backward; explicit ``set_modules_to_forward_prefetch`` too), with the same calls and bytes
   per phase as without prefetch;
-* HSDP on a (2, 2) mesh at W=4: owner-shaped in the shard dim, gradients all-reduced across
-  replicas and averaged over all 4 ranks (averaging over the shard group only is shown to fail
-  the gradient check); ``clip_grad_norm_`` (2- and 1-norm) equals the reference's;
-  ``optimizer.step()`` moves nothing.
+* HSDP on a (2, 2) mesh at W=4: owner-shaped in the shard dim, one global owner per matrix
+  (its gradient reduced across replicas to it alone, the rest all-reduced; averaged over all 4
+  ranks: averaging over the shard group only is shown to fail the gradient check);
+  ``clip_grad_norm_`` (2- and 1-norm) equals the reference's; ``optimizer.step()`` of plain torch
+  optimizers moves nothing, the updated matrices cross the replicas at the next forward;
+* HSDP with ``OwnerRoutedOptimizer`` at (2, 2) and (2, 3) (W=4, W=6): parameters equal one
+  process after every step, every matrix's optimizer state on exactly one rank, the
+  Newton-Schulz calls and FLOPs summed over the ranks equal one process's.
 """
 
 from __future__ import annotations

@@ -57,7 +57,10 @@ def fully_shard(
             one all-gather and one reduce-scatter for all of them).
         mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
-            shard dim, gradients all-reduced across the replicate dim and averaged over both.
+            shard dim, and one global owner per matrix over all ranks (its holder in the
+            matrix's step replica, ``planning/replicas.py``): matrices' gradients are reduced
+            across replicas to it alone, the rest all-reduced, averaged over both dims; its
+            updated matrix reaches the other replicas after the step (``replica_sync.py``).
         reshard_after_forward: free non-owned tensors after forward and gather them again
             before backward (the root unit keeps its tensors, as in FSDP2). ``None`` is True;
             an int N dividing the shard size is True for N == size, else keeps the gathered
