@@ -75,7 +75,10 @@ def fully_shard(
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
             units and segments follow the ``fully_shard`` calls). A tree-wide fact: give it on
-            one call (the root's); a call inside the tree given another plan is refused.
+            one call (the root's); a call inside the tree given another plan is refused. On a
+            2D mesh the plan also says who steps a matrix: ``plan_mesh``'s (with step replicas)
+            one global owner; a plan without them (``plan_model``) every replica's holder, each
+            with its own optimizer state (the all-reduced HSDP before global owners).
         preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
             ``"shampoo"``, a ``CostModel`` or an optimizer class; resolved here, once, by
             ``planning.registry.resolve_cost``). A tree-wide fact: name it on one call (the

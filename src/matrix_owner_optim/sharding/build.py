@@ -86,12 +86,14 @@ def build_context(
     replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
     place = ReplicaPlace(replica_rank, replicate_size, replicate_group)  # one sync record per tree
+    given = plan
     if plan is not None:
         _validate_plan(plan, specs, W, replicate_size)
     else:
         plan = plan_tensors(specs, W, cost=cost)
-    if plan.replicate_size != replicate_size:  # HSDP: one global owner per matrix (planning/replicas.py)
+    if given is None and replicate_size > 1:  # HSDP: one global owner per matrix (planning/replicas.py)
         plan = assign_step_replicas(plan, specs, replicate_size, cost=cost)
+    # (a plan given without step replicas keeps every replica stepping what it holds)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(  # the first collective, before any data moves
         plan,
