@@ -60,7 +60,7 @@ from _tolerances import PARITY_NORM_RTOL as NORM_RTOL
 from _tolerances import PARITY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
-from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank
+from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank, plan_model
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import steps_here
 from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
@@ -431,6 +431,7 @@ def _hsdp(rank: int, W: int) -> dict:
         "measured": dict(_MEASURED),
         "mutant_grad": mutant_err,
         "global_owner": _global_owner(rank, W),
+        "every_replica": _global_owner(rank, W, every_replica=True),
     }
 
 
@@ -452,13 +453,17 @@ class _CountingMuon(Muon):
         return super().step(closure)
 
 
-def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL) -> dict:
+def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, every_replica: bool = False) -> dict:
     """HSDP on a (W // shard, shard) mesh with ``OwnerRoutedOptimizer`` (its step syncs the
     replicas itself): parameters equal one process's after every step, and what each rank
-    stepped and keeps, for the parent to add up over ranks."""
+    stepped and keeps, for the parent to add up over ranks. ``every_replica``: a plan without
+    step replicas (``plan_model``'s), so every replica's holder steps (HSDP before global owners)."""
     mesh = init_device_mesh("cpu", (W // shard, shard), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=7)
-    _shard(model, mesh=mesh)
+    plan = plan_model(model, shard, unit_prefixes=model.unit_prefixes()) if every_replica else None
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh, plan=plan)
     opt = OwnerRoutedOptimizer(
         model, matrix=_CountingMuon, matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS
     )
@@ -504,21 +509,23 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL) -
     }
 
 
-def _check_global_owner(results: list[dict], replicas: int) -> None:
+def _check_global_owner(results: list[dict], replicas: int, key: str = "global_owner") -> None:
     """Every matrix's optimizer state on exactly one rank, the tail's on every replica; the
-    Newton-Schulz calls and FLOPs summed over all ranks equal one process's (not x replicas)."""
-    got = [r["global_owner"] for r in results]
+    Newton-Schulz calls and FLOPs summed over all ranks equal one process's (not x replicas).
+    ``key="every_replica"``: the plan without step replicas, where both are x replicas."""
+    got = [r[key] for r in results]
     one = got[0]
+    copies = 1 if key == "global_owner" else replicas
     for m in one["matrices"]:
         holders = [rank for rank, g in enumerate(got) if m in g["with_state"]]
-        assert len(holders) == 1, (m, holders)
+        assert len(holders) == copies, (m, holders)
     tails = {n for g in got for n in g["with_state"]} - set(one["matrices"])
     for n in tails:  # tail and rows: AdamW state redundant on every replica (all-reduced gradients)
         assert sum(n in g["with_state"] for g in got) % replicas == 0, n
-    assert sum(g["ns_calls"] for g in got) == one["ref_ns_calls"] == 3 * len(one["matrices"])
-    assert sum(g["ns_flops"] for g in got) == one["ref_ns_flops"]
+    assert sum(g["ns_calls"] for g in got) == copies * one["ref_ns_calls"] == copies * 3 * len(one["matrices"])
+    assert sum(g["ns_flops"] for g in got) == copies * one["ref_ns_flops"]
     print(
-        "global owner: worst parameter error",
+        f"{key}: worst parameter error",
         max(g["worst_param"] for g in got),
         "state bytes per rank",
         [g["state_bytes"] for g in got],
@@ -534,6 +541,7 @@ def test_hsdp_w4() -> None:
         assert res["mutant_grad"] >= 1.0 - 1e-6  # dividing by the shard size doubles gradients
     _print_measured("HSDP W=4", results)
     _check_global_owner(results, replicas=2)
+    _check_global_owner(results, replicas=2, key="every_replica")
 
 
 def _hsdp6(rank: int, W: int) -> dict:
