@@ -146,7 +146,8 @@ def test_checkpoint_entries_the_model_lacks_are_an_error_unless_not_strict(tmp_p
 # The checkpoint holds every matrix's optimizer state once (its global owner's); a 1D layout
 # loads it and continues. Loaded parameters and state are bitwise the saved ones; the continued
 # run follows the uninterrupted (2, 2) run at the parity tolerance (only the order in which the
-# gradients of the same 4 micro-batches are summed differs).
+# gradients of the same 4 micro-batches are summed differs). A resume on the same (2, 2) mesh is
+# bitwise, and a W=4 1D checkpoint loads into a (2, 2) mesh bitwise.
 HSDP_BATCH = 8  # sequences per step: 2 per rank at W=4, 4 at W=2
 
 
@@ -226,7 +227,15 @@ def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
     _steps(model, opt, range(K, 2 * K), rank, W)
     want = _full_params(model)
     out: dict = {"worst": {}}
+    # (2, 2) -> (2, 2): a resume on the same mesh is bitwise the uninterrupted run
+    ckpt.save(d + "-again", model, opt)
+    again, again_opt = _sharded_gpt(mesh, 11)
+    assert ckpt.load(d + "-again", again, again_opt) == []
+    for m, o in ((model, opt), (again, again_opt)):
+        _steps(m, o, [2 * K], rank, W)
+    assert_bitwise_equal(_full_params(again), _full_params(model), "(2, 2) -> (2, 2) resume")
     two = torch.distributed.new_group([0, 1])
+    one_d = None
     for world, group in ((4, None), (2, two)):
         if world == 2 and rank >= 2:
             continue
@@ -246,6 +255,18 @@ def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
             assert err <= PARITY_PARAM_RTOL, (world, n, err)
             worst = max(worst, err)
         out["worst"][world] = worst
+        if world == 4:
+            one_d = (model1, opt1)
+    # and back: the W=4 1D run's checkpoint loads into a (2, 2) mesh, parameters and state bitwise
+    assert one_d is not None
+    ckpt.save(d + "-1d", *one_d)
+    back, back_opt = _sharded_gpt(mesh, 13)
+    assert ckpt.load(d + "-1d", back, back_opt) == []
+    assert_bitwise_equal(_full_params(back), _full_params(one_d[0]), "W=4 -> (2, 2): loaded parameters")
+    want_state, got_state = _whole_state(_held_state(*one_d)), _whole_state(_held_state(back, back_opt))
+    assert got_state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), f"W=4 -> (2, 2): loaded state {k}"
     return out
 
 
