@@ -492,6 +492,13 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, e
                 worst = max(worst, rel_err(p, want))
         finally:
             model.reshard()
+    # a synced micro-batch that no step follows: OwnerRoutedOptimizer syncs at its steps only, so
+    # the next forward sends no matrix across the replicas
+    model(*local_batch(3, rank, W)).backward()
+    with CommCounter() as cc, torch.no_grad():
+        model(*local_batch(4, rank, W))
+    assert "replicate_broadcast" not in cc.by_op(), cc.by_op()
+    opt.zero_grad()
     names = {id(p): n for n, p in model.named_parameters()}
     with_state = sorted(
         names[id(p)] for p, st in opt.state.items() if any(torch.is_tensor(v) and v.dim() for v in st.values())

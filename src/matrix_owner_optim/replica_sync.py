@@ -12,7 +12,9 @@ no longer take (the reduce-scatter half is the gradients' second stage).
 When: ``OwnerRoutedOptimizer.step()`` syncs at its end (so the parameters are equal on every
 replica when ``step()`` returns). A :class:`ReplicaSync` records, per tree, that gradients
 landed since the last sync; the sharding runtime syncs at the next forward pass and at
-``unshard()`` if nothing did (a plain ``torch.optim`` optimizer stepping the local pieces).
+``unshard()`` if nothing did and no ``OwnerRoutedOptimizer`` steps the tree (a plain
+``torch.optim`` optimizer stepping the local pieces: then a synced micro-batch that no step
+follows also sends its matrices, unchanged; accumulate with gradient sync off).
 This module sits below both ``sharding`` and ``optim`` (they never import each other).
 """
 
@@ -28,7 +30,15 @@ from . import comm
 from .planning.metadata import get_matrix_shard, get_shard_rank
 from .tensors import local_tensor
 
-__all__ = ["ReplicaPlace", "ReplicaSync", "attach_replica", "get_replica", "steps_here", "sync_replicas"]
+__all__ = [
+    "ReplicaPlace",
+    "ReplicaSync",
+    "attach_replica",
+    "claim_sync",
+    "get_replica",
+    "steps_here",
+    "sync_replicas",
+]
 
 _REPLICA_ATTR = "_moo_replica"
 
@@ -37,9 +47,12 @@ _REPLICA_ATTR = "_moo_replica"
 class ReplicaSync:
     """One tree's record that its global owners may have stepped since the last sync: set when a
     backward lands gradients of matrices one replica steps, cleared by :func:`sync_replicas`.
-    The same on every rank of a replicate group (they land the same units)."""
+    The same on every rank of a replicate group (they land the same units). ``by_optimizer``:
+    an ``OwnerRoutedOptimizer`` steps the tree's matrices and syncs at every step, so the
+    runtime never needs to (a synced micro-batch without a step then sends nothing)."""
 
     pending: bool = False
+    by_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,15 @@ def steps_here(param: torch.Tensor) -> bool:
     return shard.step_replica == place.rank
 
 
+def claim_sync(params: Sequence[torch.Tensor]) -> None:
+    """An optimizer that calls :func:`sync_replicas` at every step takes over the sync of the
+    trees ``params`` belong to (the runtime's sync at the next forward is then skipped)."""
+    for p in params:
+        place, shard = get_replica(p), get_matrix_shard(p)
+        if place is not None and shard is not None and shard.step_replica is not None:
+            place.sync.by_optimizer = True
+
+
 def _held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """(this rank's piece, its step replica) of every parameter one replica steps for all and
     this rank holds a piece of, in the order given."""
@@ -98,7 +120,7 @@ def sync_replicas(params: Sequence[torch.Tensor], *, only_pending: bool = False)
             trees.setdefault(id(pl.sync), (pl, []))[1].append(p)
     synced = False
     for place, members in trees.values():
-        if only_pending and not place.sync.pending:
+        if only_pending and (place.sync.by_optimizer or not place.sync.pending):
             continue
         place.sync.pending = False
         _broadcast(place, _held_pieces(members))

@@ -26,7 +26,7 @@ from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..planning.registry import DEFAULT_COST
-from ..replica_sync import steps_here, sync_replicas
+from ..replica_sync import claim_sync, steps_here, sync_replicas
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -173,6 +173,7 @@ class LocalLayout(UpdateLayout):
         return get_shard_rank(param) is not None or not is_multi_rank()
 
     def add(self, entries: list[RoutedParam]) -> None:
+        claim_sync([rp.param for rp in entries])  # HSDP: after_step syncs the replicas
         for rp in entries:
             self.entries.append(rp)
             shard = rp.shard
