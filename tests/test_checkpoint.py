@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _ref import ADAMW_OPTS, CFG4, MUON_OPTS, assert_bitwise_equal, param_copies, run_steps
+from _ref import ADAMW_OPTS, CFG4, MUON_OPTS, assert_bitwise_equal, param_copies, rank_batch, run_steps
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
+from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CFG = CFG4
@@ -139,3 +140,137 @@ def test_checkpoint_entries_the_model_lacks_are_an_error_unless_not_strict(tmp_p
         ckpt.load(tmp_path / "big", small)
     assert ckpt.load(tmp_path / "big", small, strict=False) == ["model.1.bias", "model.1.weight"]
     assert torch.equal(small[0].weight, big[0].weight)
+
+
+# -- HSDP: a (2, 2) save loads at W=4 and W=2 (1D) -------------------------------------------------
+# The checkpoint holds every matrix's optimizer state once (its global owner's); a 1D layout
+# loads it and continues. Loaded parameters and state are bitwise the saved ones; the continued
+# run follows the uninterrupted (2, 2) run at the parity tolerance (only the order in which the
+# gradients of the same 4 micro-batches are summed differs). A resume on the same (2, 2) mesh is
+# bitwise, and a W=4 1D checkpoint loads into a (2, 2) mesh bitwise.
+HSDP_BATCH = 8  # sequences per step: 2 per rank at W=4, 4 at W=2
+
+
+def _sharded_gpt(mesh, seed: int, group=None):
+    from matrix_owner_optim import fully_shard
+
+    model = _model(seed)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, OwnerRoutedOptimizer(model, process_group=group, **OPTS)
+
+
+def _steps(model, opt, steps, rank: int, world: int) -> None:
+    for s in steps:
+        idx, tgt = rank_batch(s, rank, world, batch=HSDP_BATCH, cfg=CFG)
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    model.unshard()
+    try:
+        return param_copies(model)
+    finally:
+        model.reshard()
+
+
+def _held_state(model, opt, group=None) -> dict:
+    """Every optimizer-state tensor as the pieces ranks hold: (fqn, key) -> {first row: piece},
+    gathered over ``group``; a piece held by several ranks (HSDP's redundant tail) must agree."""
+    from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
+    from matrix_owner_optim.tensors import local_tensor
+
+    mine = {}
+    for name, p in model.named_parameters():
+        shard, rank = get_matrix_shard(p), get_shard_rank(p)
+        start = shard.row_range(rank)[0] if shard.holds_rows else 0
+        for key, v in opt.state.get(p, {}).items():
+            v = local_tensor(v)
+            if torch.is_tensor(v) and v.dim() and v.numel():
+                mine[(name, key, start)] = v.detach().clone()
+    merged: dict = {}
+    for part in _all_gather(mine, group):
+        for (name, key, start), v in part.items():
+            held = merged.setdefault((name, key), {})
+            if start in held:
+                assert torch.equal(held[start], v), (name, key, "replicas disagree")
+            held[start] = v
+    return merged
+
+
+def _all_gather(obj, group):
+    out = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _whole_state(held: dict) -> dict[tuple[str, str], torch.Tensor]:
+    return {k: torch.cat([pieces[s] for s in sorted(pieces)]) for k, pieces in held.items()}
+
+
+def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _tolerances import PARITY_PARAM_RTOL
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, opt = _sharded_gpt(mesh, 0)
+    _steps(model, opt, range(K), rank, W)
+    ckpt.save(d, model, opt)
+    saved, saved_held = _full_params(model), _held_state(model, opt)
+    # a matrix's state is held by one rank (its global owner), the tail's by both replicas' holders
+    matrices = {n for n, p in model.named_parameters() if p.dim() == 2 and (n, "momentum_buffer") in saved_held}
+    assert matrices, "no matrix state saved"
+    _steps(model, opt, range(K, 2 * K), rank, W)
+    want = _full_params(model)
+    out: dict = {"worst": {}}
+    # (2, 2) -> (2, 2): a resume on the same mesh is bitwise the uninterrupted run
+    ckpt.save(d + "-again", model, opt)
+    again, again_opt = _sharded_gpt(mesh, 11)
+    assert ckpt.load(d + "-again", again, again_opt) == []
+    for m, o in ((model, opt), (again, again_opt)):
+        _steps(m, o, [2 * K], rank, W)
+    assert_bitwise_equal(_full_params(again), _full_params(model), "(2, 2) -> (2, 2) resume")
+    two = torch.distributed.new_group([0, 1])
+    one_d = None
+    for world, group in ((4, None), (2, two)):
+        if world == 2 and rank >= 2:
+            continue
+        model1, opt1 = _sharded_gpt(group, 9, group)
+        assert ckpt.load(d, model1, opt1, process_group=group) == []
+        assert_bitwise_equal(_full_params(model1), saved, f"(2, 2) -> W={world}: loaded parameters")
+        got_state = _whole_state(_held_state(model1, opt1, group))
+        want_state = _whole_state(saved_held)
+        assert got_state.keys() == want_state.keys(), f"W={world}: state keys"
+        for k, v in want_state.items():
+            assert torch.equal(got_state[k], v), f"(2, 2) -> W={world}: loaded state {k}"
+        _steps(model1, opt1, range(K, 2 * K), rank, world)
+        got = _full_params(model1)
+        worst = 0.0
+        for n, v in want.items():
+            err = float((got[n].double() - v.double()).norm() / v.double().norm().clamp_min(1e-30))
+            assert err <= PARITY_PARAM_RTOL, (world, n, err)
+            worst = max(worst, err)
+        out["worst"][world] = worst
+        if world == 4:
+            one_d = (model1, opt1)
+    # and back: the W=4 1D run's checkpoint loads into a (2, 2) mesh, parameters and state bitwise
+    assert one_d is not None
+    ckpt.save(d + "-1d", *one_d)
+    back, back_opt = _sharded_gpt(mesh, 13)
+    assert ckpt.load(d + "-1d", back, back_opt) == []
+    assert_bitwise_equal(_full_params(back), _full_params(one_d[0]), "W=4 -> (2, 2): loaded parameters")
+    want_state, got_state = _whole_state(_held_state(*one_d)), _whole_state(_held_state(back, back_opt))
+    assert got_state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), f"W=4 -> (2, 2): loaded state {k}"
+    return out
+
+
+@pytest.mark.multirank
+def test_hsdp_save_loads_at_w4_and_w2(tmp_path):
+    results = spawn_ranks(_hsdp_checkpoint_job, 4, str(tmp_path / "hsdp"), threads_per_rank=1)
+    print("continued after (2, 2) -> 1D, worst relative error by world size:", [r["worst"] for r in results])

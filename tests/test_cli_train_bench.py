@@ -51,6 +51,8 @@ def test_config_validation() -> None:
         TrainConfig(layout="zero1").validate()
     with pytest.raises(ValueError, match="use --layout fsdp2"):
         TrainConfig(layout="owner", optimizer="reconstruction").validate()
+    with pytest.raises(ValueError, match=r"\(2, W/2\) mesh: use an even world size >= 2, got 3"):
+        TrainConfig(layout="owner_hsdp").check_world_size(3)
 
 
 @pytest.mark.multirank

@@ -16,10 +16,14 @@ every optimizer step runs under ``torch.profiler`` and must show no backend coll
 * prefetch: the next unit's all-gather-v is issued by the previous unit's hook (forward and
   backward; explicit ``set_modules_to_forward_prefetch`` too), with the same calls and bytes
   per phase as without prefetch;
-* HSDP on a (2, 2) mesh at W=4: owner-shaped in the shard dim, gradients all-reduced across
-  replicas and averaged over all 4 ranks (averaging over the shard group only is shown to fail
-  the gradient check); ``clip_grad_norm_`` (2- and 1-norm) equals the reference's;
-  ``optimizer.step()`` moves nothing.
+* HSDP on a (2, 2) mesh at W=4: owner-shaped in the shard dim, one global owner per matrix
+  (its gradient reduced across replicas to it alone, the rest all-reduced; averaged over all 4
+  ranks: averaging over the shard group only is shown to fail the gradient check);
+  ``clip_grad_norm_`` (2- and 1-norm) equals the reference's; ``optimizer.step()`` of plain torch
+  optimizers moves nothing, the updated matrices cross the replicas at the next forward;
+* HSDP with ``OwnerRoutedOptimizer`` at (2, 2) and (2, 3) (W=4, W=6): parameters equal one
+  process after every step, every matrix's optimizer state on exactly one rank, the
+  Newton-Schulz calls and FLOPs summed over the ranks equal one process's.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from _ref import (
+    ADAMW_OPTS,
     CFG4,
+    MUON_OPTS,
     assert_close,
     full_grad_rows,
     global_batch,
@@ -45,13 +51,18 @@ from _ref import (
     reference_optimizers,
     rel_err,
     roles_by_fqn,
+    state_bytes,
 )
+from _tolerances import HSDP_W6_PARAM_RTOL
 from _tolerances import PARITY_GRAD_RTOL as GRAD_RTOL
 from _tolerances import PARITY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import PARITY_NORM_RTOL as NORM_RTOL
 from _tolerances import PARITY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
+from matrix_owner_optim.optim import OwnerRoutedOptimizer
+from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank, plan_model
+from matrix_owner_optim.preconditioners import Muon
+from matrix_owner_optim.replica_sync import steps_here
 from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
@@ -176,10 +187,14 @@ def _train(
             o.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)  # non-owners' empty gradient pieces too
         assert cc.calls("optimizer") == 0 and cc.bytes("optimizer") == 0
+        recv: dict[tuple[str, str], int] = {}
+        for r in cc.records:
+            recv[(r.phase, r.op)] = recv.get((r.phase, r.op), 0) + r.bytes_received
         steps_out.append(
             {
                 "ops": [(r.phase, r.op) for r in cc.records if r.op != "clip_grad_norm"],
                 "phase": cc.by_phase(),
+                "recv_by_op": recv,
                 "loss": mean_over_ranks(loss.item()),
             }
         )
@@ -209,7 +224,8 @@ def _check_grads(model, ref_params: dict[str, torch.Tensor], rank: int) -> float
     for name, p in model.named_parameters():
         want = ref_params[name.replace(_WRAPPED, "")].grad
         shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)  # HSDP: rank in the shard group
-        if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank) or not steps_here(p):
+            # HSDP: only the matrix's global owner (its holder in its step replica) gets one
             assert no_gradient_here(p), f"{name}: non-owner holds a gradient"
             continue
         assert (p.grad is None) == (want is None), f"{name}: gradient presence differs"
@@ -375,23 +391,33 @@ def _hsdp(rank: int, W: int) -> dict:
     model, ref = _models(seed=5)
     _shard(model, mesh=mesh)
     plan = model.fix_plan()
-    assert plan.world_size == W // 2
-    # every rank of both replicas checks its own gradients, losses and full parameters; the
-    # gradients are clipped (2-norm, then 1-norm) below the reference norm every step
+    assert plan.world_size == W // 2 and plan.replicate_size == 2
+    # every rank of both replicas checks its own gradients (a matrix's on its global owner only),
+    # losses and full parameters; the gradients are clipped (2-norm, then 1-norm) below the
+    # reference norm every step. Plain torch optimizers step the local pieces here, so the updated
+    # matrices reach the other replica at the next forward pass (ShardingContext.sync_replicas).
     out = _train(rank, model, ref, steps=4, dp=(rank, W), clip=[(2.0, 0.5), (1.0, 0.5)])
     shard_rank = mesh.get_local_rank(1)
-    for st in out["steps"]:
+    steppers = {s.step_replica for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
+    for i, st in enumerate(out["steps"]):
         by = {}
         for phase, op in st["ops"]:
             by[(phase, op)] = by.get((phase, op), 0) + 1
-        # gathers and reductions stay in the shard group; one replica all-reduce per unit that
-        # holds a gradient segment here
+        # gathers and reductions stay in the shard group; per unit holding a gradient segment
+        # here, one reduce-scatter-v of the matrices across replicas and one all-reduce of the rest
         assert by[("forward", "all_gather_v")] == 3
         assert by[("backward", "reduce_scatter_v")] == 3
+        assert 1 <= by.get(("backward", "replicate_reduce_scatter_v"), 0) <= 3
         assert 1 <= by.get(("backward", "replicate_all_reduce"), 0) <= 3
+        # the previous step's matrices cross the replicas before the gathers, one broadcast per
+        # replica that stepped some of this rank's pieces
+        assert by.get(("forward", "replicate_broadcast"), 0) == (len(steppers) if i else 0)
         assert st["phase"]["optimizer"]["calls"] == 0
     fwd_recv = sum((s.numel - s.local_numel(shard_rank)) * F32 for s in plan)
-    assert all(st["phase"]["forward"]["bytes_received"] == fwd_recv for st in out["steps"])
+    assert all(st["recv_by_op"][("forward", "all_gather_v")] == fwd_recv for st in out["steps"])
+    # the matrices' pieces this rank's replica did not step arrive once per step
+    other = sum(s.local_numel(shard_rank) for s in plan if s.step_replica not in (None, mesh.get_local_rank(0)))
+    assert all(st["recv_by_op"].get(("forward", "replicate_broadcast"), 0) == other * F32 for st in out["steps"][1:])
     # The mutation the gradient check must reject: averaging over the shard group only (W/2)
     # instead of all W data-parallel ranks scales every gradient by the replicate size, a
     # relative error of replicate_size - 1 = 1. (Losses alone cannot see it: Muon's update is
@@ -400,7 +426,138 @@ def _hsdp(rank: int, W: int) -> dict:
     ref(*global_batch(0, W, cfg=CFG)).backward()
     mutant_err = min(rel_err(p.grad * replicate, p.grad) for p in ref.parameters())
     assert mutant_err > 1e4 * GRAD_RTOL, mutant_err
-    return {"hsdp_bytes": _fwd_bwd_bytes(out, 1), "measured": dict(_MEASURED), "mutant_grad": mutant_err}
+    return {
+        "hsdp_bytes": _fwd_bwd_bytes(out, 1),
+        "measured": dict(_MEASURED),
+        "mutant_grad": mutant_err,
+        "global_owner": _global_owner(rank, W),
+        "every_replica": _global_owner(rank, W, every_replica=True),
+    }
+
+
+class _CountingMuon(Muon):
+    """The package's Muon, counting the matrices each step orthogonalises (every parameter with
+    a gradient: one Newton-Schulz iteration each) and their FLOPs under Muon's cost model."""
+
+    def __init__(self, params, **kw) -> None:
+        super().__init__(params, **kw)
+        self.ns_calls = 0
+        self.ns_flops = 0.0
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.ns_calls += 1
+                    self.ns_flops += MUON_COST.flops(tuple(p.shape))
+        return super().step(closure)
+
+
+def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, every_replica: bool = False) -> dict:
+    """HSDP on a (W // shard, shard) mesh with ``OwnerRoutedOptimizer`` (its step syncs the
+    replicas itself): parameters equal one process's after every step, and what each rank
+    stepped and keeps, for the parent to add up over ranks. ``every_replica``: a plan without
+    step replicas (``plan_model``'s), so every replica's holder steps (HSDP before global owners)."""
+    mesh = init_device_mesh("cpu", (W // shard, shard), mesh_dim_names=("replicate", "shard"))
+    model, ref = _models(seed=7)
+    plan = plan_model(model, shard, unit_prefixes=model.unit_prefixes()) if every_replica else None
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh, plan=plan)
+    opt = OwnerRoutedOptimizer(
+        model, matrix=_CountingMuon, matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS
+    )
+    roles = roles_by_fqn(model)
+    ref_mats = [p for n, p in ref.named_parameters() if roles[n] is Role.MATRIX]
+    ref_opts = [
+        _CountingMuon(ref_mats, **MUON_OPTS),
+        torch.optim.AdamW([p for n, p in ref.named_parameters() if roles[n] is not Role.MATRIX], **ADAMW_OPTS),
+    ]
+    worst = 0.0
+    for step in range(3):
+        model(*local_batch(step, rank, W)).backward()
+        with CommCounter() as cc:
+            opt.step()
+        opt.zero_grad()
+        ref(*global_batch(step, W, cfg=CFG)).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        assert set(cc.by_op("optimizer")) <= {"replicate_broadcast"}, cc.by_op("optimizer")
+        model.unshard()  # every replica's full parameters, right after the step (no forward between)
+        try:
+            for name, p in model.named_parameters():
+                want = dict(ref.named_parameters())[name]
+                assert_close(p, want, rtol, f"step {step} rank {rank} {name}")
+                worst = max(worst, rel_err(p, want))
+        finally:
+            model.reshard()
+    # a synced micro-batch that no step follows: OwnerRoutedOptimizer syncs at its steps only, so
+    # the next forward sends no matrix across the replicas
+    model(*local_batch(3, rank, W)).backward()
+    with CommCounter() as cc, torch.no_grad():
+        model(*local_batch(4, rank, W))
+    assert "replicate_broadcast" not in cc.by_op(), cc.by_op()
+    opt.zero_grad()
+    names = {id(p): n for n, p in model.named_parameters()}
+    with_state = sorted(
+        names[id(p)] for p, st in opt.state.items() if any(torch.is_tensor(v) and v.dim() for v in st.values())
+    )
+    child = opt.matrix_optimizer
+    return {
+        "worst_param": worst,
+        "with_state": with_state,
+        "matrices": sorted(n for n, r in roles.items() if r is Role.MATRIX),
+        "ns_calls": child.ns_calls if child is not None else 0,
+        "ns_flops": child.ns_flops if child is not None else 0.0,
+        "ref_ns_calls": ref_opts[0].ns_calls,
+        "ref_ns_flops": ref_opts[0].ns_flops,
+        "state_bytes": state_bytes([opt]),
+    }
+
+
+def _check_global_owner(results: list[dict], replicas: int, key: str = "global_owner") -> None:
+    """Every matrix's optimizer state on exactly one rank, the tail's on every replica; the
+    Newton-Schulz calls and FLOPs summed over all ranks equal one process's (not x replicas).
+    ``key="every_replica"``: the plan without step replicas, where both are x replicas."""
+    got = [r[key] for r in results]
+    one = got[0]
+    copies = 1 if key == "global_owner" else replicas
+    for m in one["matrices"]:
+        holders = [rank for rank, g in enumerate(got) if m in g["with_state"]]
+        assert len(holders) == copies, (m, holders)
+    tails = {n for g in got for n in g["with_state"]} - set(one["matrices"])
+    for n in tails:  # tail and rows: AdamW state redundant on every replica (all-reduced gradients)
+        assert sum(n in g["with_state"] for g in got) % replicas == 0, n
+    assert sum(g["ns_calls"] for g in got) == copies * one["ref_ns_calls"] == copies * 3 * len(one["matrices"])
+    assert sum(g["ns_flops"] for g in got) == copies * one["ref_ns_flops"]
+    print(
+        f"{key}: worst parameter error",
+        max(g["worst_param"] for g in got),
+        "state bytes per rank",
+        [g["state_bytes"] for g in got],
+        "Newton-Schulz calls per rank",
+        [g["ns_calls"] for g in got],
+    )
+
+
+def test_hsdp_w4() -> None:
+    results = spawn_ranks(_hsdp, 4, threads_per_rank=1)
+    for rank, res in enumerate(results):
+        print(f"rank {rank} HSDP bytes:", res["hsdp_bytes"])
+        assert res["mutant_grad"] >= 1.0 - 1e-6  # dividing by the shard size doubles gradients
+    _print_measured("HSDP W=4", results)
+    _check_global_owner(results, replicas=2)
+    _check_global_owner(results, replicas=2, key="every_replica")
+
+
+def _hsdp6(rank: int, W: int) -> dict:
+    return {"global_owner": _global_owner(rank, W, shard=3, rtol=HSDP_W6_PARAM_RTOL)}
+
+
+def test_hsdp_w6() -> None:
+    """(2, 3): one global owner per matrix over 6 ranks."""
+    _check_global_owner(spawn_ranks(_hsdp6, 6, threads_per_rank=1), replicas=2)
 
 
 def test_parity_w2() -> None:
@@ -416,11 +573,3 @@ def test_parity_w2() -> None:
 def _print_measured(what: str, results: list[dict]) -> None:
     worst = {k: max(r["measured"][k] for r in results) for k in results[0]["measured"]}
     print(f"\n{what} worst relative errors over ranks:", {k: f"{v:.3g}" for k, v in worst.items()})
-
-
-def test_hsdp_w4() -> None:
-    results = spawn_ranks(_hsdp, 4, threads_per_rank=1)
-    for rank, res in enumerate(results):
-        print(f"rank {rank} HSDP bytes:", res["hsdp_bytes"])
-        assert res["mutant_grad"] >= 1.0 - 1e-6  # dividing by the shard size doubles gradients
-    _print_measured("HSDP W=4", results)

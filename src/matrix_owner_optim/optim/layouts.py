@@ -26,6 +26,7 @@ from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..planning.registry import DEFAULT_COST
+from ..replica_sync import claim_sync, steps_here, sync_replicas
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -156,7 +157,9 @@ class LocalLayout(UpdateLayout):
 
     In one process every parameter is local. After owner-shaped ``fully_shard`` a parameter is
     local on its owner (matrices and tail tensors) or on every rank for its own rows
-    (``rows`` role); other ranks hold an empty tensor and skip it.
+    (``rows`` role); other ranks hold an empty tensor and skip it. Under HSDP a matrix is local
+    on its global owner only (the holder in its ``step_replica``), which sends the updated
+    values to the other replicas' holders after the step (``replica_sync.py``).
     """
 
     name = "local"
@@ -170,6 +173,7 @@ class LocalLayout(UpdateLayout):
         return get_shard_rank(param) is not None or not is_multi_rank()
 
     def add(self, entries: list[RoutedParam]) -> None:
+        claim_sync([rp.param for rp in entries])  # HSDP: after_step syncs the replicas
         for rp in entries:
             self.entries.append(rp)
             shard = rp.shard
@@ -181,6 +185,7 @@ class LocalLayout(UpdateLayout):
                     local = piece.numel() > 0
                 else:
                     local = shard.owner == rank and (piece.numel() > 0 or not shard.shape)
+                local = local and steps_here(rp.param)  # HSDP: another replica's holder steps it
             else:
                 rp.owner = 0
                 local = True
@@ -201,6 +206,8 @@ class LocalLayout(UpdateLayout):
 
     def after_step(self) -> None:
         self.zero_grad(True)
+        # HSDP: each matrix's global owner sends the new values to the other replicas' holders
+        sync_replicas([rp.param for rp in self.entries])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for rp in self.entries:

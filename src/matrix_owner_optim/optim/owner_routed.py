@@ -466,7 +466,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._follow_param_swaps()
         if self._partitioned_replicas() and self._has_state:
             return sd_.merge_consolidated(super().state_dict(), self._consolidated)
-        return sd_.as_pieces(super().state_dict(), self._ordered(), self._layout_of())
+        return sd_.as_pieces(super().state_dict(), self._ordered(), self._layout_of(), self._process_group)
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collective (every rank): gather the owners' matrix state of a DDP job

@@ -22,8 +22,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
-from ..owner_dtensor import OwnerDTensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
 from ..pieces import placement_of
+from ..replica_sync import steps_here
 from ..tensors import is_dtensor
 from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
 from .routing import RoutedParam
@@ -41,26 +42,31 @@ __all__ = [
 LayoutOf = dict[int, UpdateLayout]  # id(RoutedParam) -> its layout
 
 
-def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutOf) -> dict[str, Any]:
+def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutOf, group: Any = None) -> dict[str, Any]:
     """torch's state dict ``sd`` of the routed parameters ``ordered`` with each state value as its
     layout's state-dict entry, an entry (of empty pieces) for state held on another rank, an
     empty entry for stateless parameters, sorted by index: the same keys on every rank.
-    Collective where some state is held by one rank (see :func:`_list_held_elsewhere`)."""
+    Collective over ``group`` (the optimizer's ranks) where some state is held by one rank (see
+    :func:`_list_held_elsewhere`)."""
     for idx, st in list(sd["state"].items()):
         rp = ordered[idx]
         layout = layout_of[id(rp)]
         sd["state"][idx] = {k: layout.state_entry(rp, k, v) for k, v in st.items()}
-    _list_held_elsewhere(sd["state"], ordered, layout_of)
+    _list_held_elsewhere(sd["state"], ordered, layout_of, group)
     for idx in range(len(ordered)):  # stateless: an empty entry, so every rank's keys cover
         sd["state"].setdefault(idx, {})  # every parameter (DSD needs that)
     sd["state"] = dict(sorted(sd["state"].items()))  # one order on every rank, whoever holds what
     return sd
 
 
-def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layout_of: LayoutOf) -> None:
+def _list_held_elsewhere(
+    state: dict[int, Any], ordered: list[RoutedParam], layout_of: LayoutOf, group: Any = None
+) -> None:
     """Give this rank an entry, of empty pieces, for every state its owner alone holds, so
     that every rank's state dict has the same keys and shapes (torch's full_state_dict and
-    DCP go through them in the same order on every rank). Collective when any state is
+    DCP go through them in the same order on every rank). Under HSDP a matrix's state is held by
+    its global owner alone: the other replicas list it as held by no rank of their shard group
+    (an ``OwnerShard`` of empty ranges: no DCP chunk). Collective when any state is
     held by one rank: one all-gather of the (key, shape, dtype) lists."""
     holders = {idx: layout_of[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
     if not is_multi_rank() or all(h is None for h in holders.values()):
@@ -79,7 +85,7 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
         for idx, h in holders.items()
         if h is not None and state.get(idx)
     }
-    for theirs in comm.all_gather_object(mine, name="optimizer_state_keys"):
+    for theirs in comm.all_gather_object(mine, group=group, name="optimizer_state_keys"):
         for idx, keys in theirs.items():
             held = holders[idx]
             shard = ordered[idx].shard
@@ -98,7 +104,9 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
                 shape, dtype, device, holder = s
                 empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                 mesh = mesh_of_group(group, device)
-                if banded and holder is not None:  # another owner's block
+                if shape and not steps_here(ordered[idx].param):  # HSDP: another replica's global owner
+                    entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ((0, 0),) * mesh.size()), shape)
+                elif banded and holder is not None:  # another owner's block
                     entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)
                 elif shard is not None and shard.is_split:  # no experts here: an empty row range
                     entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)

@@ -29,6 +29,7 @@ from torch import nn
 from .metadata import ShardingPlan, recorded_unit_prefixes
 from .planner import plan_tensors
 from .registry import CostSpec, resolve_cost
+from .replicas import assign_step_replicas
 from .roles import TensorSpec, specs_from_module
 
 __all__ = ["MESH_DIM_NAMES", "MeshAdvice", "MeshCandidate", "plan_mesh", "divisors_descending"]
@@ -81,8 +82,9 @@ class MeshAdvice:
         max_resident_bytes, mean_resident_bytes: their maximum and mean.
         max_imbalance, memory_per_rank: the limits the advice was asked to meet.
         candidates: every shard size evaluated, largest first; the last one is the advice.
-        plan: the :class:`ShardingPlan` at ``shard`` ranks (what ``fully_shard`` on the
-            advised mesh computes in every replica).
+        plan: the :class:`ShardingPlan` at ``shard`` ranks with every matrix's step replica
+            (what ``fully_shard`` on the advised mesh computes); its ``replica_loads`` are the
+            loads of all W ranks once each matrix steps on its one global owner.
     """
 
     world_size: int
@@ -299,6 +301,8 @@ def plan_mesh(
         )
         cands.append(cand)
         if cand.accepted:
+            # one global owner per matrix over all W ranks (planning/replicas.py)
+            plan = assign_step_replicas(plan, specs, world_size // shard, cost=cost)
             return MeshAdvice(
                 world_size=world_size,
                 replicate=cand.replicate,

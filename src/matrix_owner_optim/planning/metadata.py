@@ -89,7 +89,11 @@ class MatrixShard:
         unit: index of the ``fully_shard`` unit (0 when the model has one unit).
         aliases: other fqns that name the same tensor (tied parameters).
         requires_grad: frozen parameters are placed but carry no optimizer state.
-        world_size: the data-parallel size the plan was made for.
+        world_size: the data-parallel size the plan was made for (the shard dim under HSDP).
+        step_replica: under HSDP, the replica whose holder of this matrix keeps its optimizer
+            state and steps it (its *global owner* is that replica's ``owner``); the other
+            replicas' holders receive the updated matrix. None: every holder steps (1D meshes,
+            tail and ``rows`` tensors, frozen matrices).
     """
 
     fqn: str
@@ -102,6 +106,7 @@ class MatrixShard:
     requires_grad: bool = True
     world_size: int = 1
     row_owners: tuple[tuple[int, int, int], ...] = ()  # a split stack: (start, stop, rank) per rank
+    step_replica: int | None = None  # HSDP: the replica that steps it (see the docstring)
 
     @property
     def is_split(self) -> bool:
@@ -169,6 +174,7 @@ class MatrixShard:
             "aliases": list(self.aliases),
             "requires_grad": self.requires_grad,
             **({"row_owners": [list(r) for r in self.row_owners]} if self.row_owners else {}),
+            **({"step_replica": self.step_replica} if self.step_replica is not None else {}),
         }
 
 
@@ -195,6 +201,8 @@ class ShardingPlan:
     shards: dict[str, MatrixShard]
     loads: list[RankLoad] = field(default_factory=list)
     preconditioner: str = DEFAULT_COST.name  # the name of the cost model that priced it
+    replicate_size: int = 1  # HSDP: the replicas the matrices' steps are spread over
+    replica_loads: list[RankLoad] = field(default_factory=list)  # HSDP: per global rank r * W + s
 
     # -- lookups --------------------------------------------------------------------
     def __getitem__(self, fqn: str) -> MatrixShard:
@@ -231,8 +239,11 @@ class ShardingPlan:
 
     def digest(self) -> str:
         """A hex SHA-256 over the canonical plan; stable across processes and runs."""
+        head: dict[str, Any] = {"world_size": self.world_size}
+        if self.replicate_size > 1:
+            head["replicate_size"] = self.replicate_size
         payload = json.dumps(
-            {"world_size": self.world_size, "shards": self.canonical()},
+            {**head, "shards": self.canonical()},
             sort_keys=True,
             separators=(",", ":"),
         )
@@ -242,6 +253,8 @@ class ShardingPlan:
         """A sentence naming the first parameter where two plans differ, or None."""
         if self.world_size != other.world_size:
             return f"world size {self.world_size} vs {other.world_size}"
+        if self.replicate_size != other.replicate_size:
+            return f"replicate size {self.replicate_size} vs {other.replicate_size}"
         mine, theirs = self.canonical(), other.canonical()
         for a, b in zip(mine, theirs, strict=True):
             if a != b:

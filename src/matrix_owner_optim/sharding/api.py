@@ -57,7 +57,10 @@ def fully_shard(
             one all-gather and one reduce-scatter for all of them).
         mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
-            shard dim, gradients all-reduced across the replicate dim and averaged over both.
+            shard dim, and one global owner per matrix over all ranks (its holder in the
+            matrix's step replica, ``planning/replicas.py``): matrices' gradients are reduced
+            across replicas to it alone, the rest all-reduced, averaged over both dims; its
+            updated matrix reaches the other replicas after the step (``replica_sync.py``).
         reshard_after_forward: free non-owned tensors after forward and gather them again
             before backward (the root unit keeps its tensors, as in FSDP2). ``None`` is True;
             an int N dividing the shard size is True for N == size, else keeps the gathered
@@ -72,7 +75,10 @@ def fully_shard(
         plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
             model's parameters, for the mesh size; only owners and roles are taken from it,
             units and segments follow the ``fully_shard`` calls). A tree-wide fact: give it on
-            one call (the root's); a call inside the tree given another plan is refused.
+            one call (the root's); a call inside the tree given another plan is refused. On a
+            2D mesh the plan also says who steps a matrix: ``plan_mesh``'s (with step replicas)
+            one global owner; a plan without them (``plan_model``) every replica's holder, each
+            with its own optimizer state (the all-reduced HSDP before global owners).
         preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
             ``"shampoo"``, a ``CostModel`` or an optimizer class; resolved here, once, by
             ``planning.registry.resolve_cost``). A tree-wide fact: name it on one call (the

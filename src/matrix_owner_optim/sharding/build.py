@@ -24,7 +24,9 @@ from ..pieces import placement_of
 from ..planning.cost import CostModel
 from ..planning.metadata import MatrixShard, ShardingPlan, attach_matrix_shard, record_unit_prefixes
 from ..planning.planner import plan_tensors
+from ..planning.replicas import assign_step_replicas
 from ..planning.roles import TensorSpec, specs_from_module
+from ..replica_sync import ReplicaPlace, attach_replica
 from ..tensors import local_tensor
 from .context import ShardingContext, TreeSettings
 from .handle import ParamHandle
@@ -81,10 +83,17 @@ def build_context(
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
     locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
+    replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+    replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
+    place = ReplicaPlace(replica_rank, replicate_size, replicate_group)  # one sync record per tree
+    given = plan
     if plan is not None:
-        _validate_plan(plan, specs, W)
+        _validate_plan(plan, specs, W, replicate_size)
     else:
         plan = plan_tensors(specs, W, cost=cost)
+    if given is None and replicate_size > 1:  # HSDP: one global owner per matrix (planning/replicas.py)
+        plan = assign_step_replicas(plan, specs, replicate_size, cost=cost)
+    # (a plan given without step replicas keeps every replica stepping what it holds)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
     check_plan_agreement(  # the first collective, before any data moves
         plan,
@@ -115,11 +124,12 @@ def build_context(
             piece = _resident_piece(local_tensor(param), shard, rank)
             param.relayout(piece, placement_of(shard))
         attach_matrix_shard(param, shard, rank, group)
+        if replicate_group is not None:
+            attach_replica(param, place)
         unlink_lazy_plan(param)
         handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
 
-    replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
-    groups = ShardGroups(group, rank, W, replicate_group, replicate_size)
+    groups = ShardGroups(group, rank, W, replicate_group, replicate_size, replica_rank, place.sync)
     root_index = -1 if is_container else len(states) - 1
     units = [
         ShardedUnit(
@@ -204,8 +214,13 @@ def _locations(
     return found
 
 
-def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int) -> None:
+def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int, replicate_size: int) -> None:
     check_plan_world_size(plan, world_size)
+    if plan.replicate_size not in (1, replicate_size):
+        raise ValueError(
+            f"fully_shard: the plan spreads the matrices' steps over {plan.replicate_size} replicas but "
+            f"the mesh has {replicate_size}; build it for this mesh (plan_mesh, or plan_model without replicas)"
+        )
     model_names = {n for s in specs for n in (s.fqn, *s.aliases)}
     plan_names = {n for s in plan for n in (s.fqn, *s.aliases)}
     missing = [s.fqn for s in specs if s.fqn not in plan]

@@ -204,12 +204,17 @@ class PendingReduce:
 
 
 def reduce_scatter_v(
-    flat: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
+    flat: torch.Tensor,
+    sizes: Sequence[int],
+    rank: int,
+    group: Any,
+    async_op: bool = False,
+    op: str = "reduce_scatter_v",
 ) -> torch.Tensor | PendingReduce:
     """Sum over ranks of each rank's contribution to this rank's segment.
 
     ``flat`` is this rank's contribution to every segment, laid out as
-    :func:`others_first_offsets` says. Returns this rank's summed segment (not averaged) in
+    :func:`others_first_offsets` says (``op``: the name the collective is counted under). Returns this rank's summed segment (not averaged) in
     ``flat``'s dtype, summed in rank order whoever owns the segment; with ``async_op=True`` a
     :class:`PendingReduce` whose ``wait()`` returns it (``flat`` must not change until then).
     """
@@ -224,9 +229,7 @@ def reduce_scatter_v(
         offsets = others_first_offsets(sizes, rank)
         chunks = [flat[offsets[r] : offsets[r] + sizes[r]] for r in range(W)]
         out = torch.empty_like(own)
-        work = comm.reduce_scatter(
-            out, chunks, op=dist.ReduceOp.SUM, group=group, name="reduce_scatter_v", async_op=async_op
-        )
+        work = comm.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group, name=op, async_op=async_op)
         pending = PendingReduce(work, flat, out, lambda out: out)
     else:
         in_splits = [0 if r == rank else sizes[r] for r in range(W)]
@@ -238,7 +241,7 @@ def reduce_scatter_v(
             output_split_sizes=out_splits,
             input_split_sizes=in_splits,
             group=group,
-            op="reduce_scatter_v",
+            op=op,
             async_op=async_op,
         )
 

@@ -33,6 +33,7 @@ from torch.autograd import Variable
 
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
+from ..replica_sync import sync_replicas
 from .handle import ParamHandle
 from .ignored import is_ignored
 from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
@@ -207,9 +208,16 @@ class ShardingContext:
             record.pending.wait()
 
     # -- iteration boundaries --------------------------------------------------------------------
+    def sync_replicas(self) -> None:
+        """HSDP: if global owners may have stepped since the last sync (a backward landed their
+        gradients) and no optimizer synced, send their matrices to the other replicas now
+        (``replica_sync.py``; ``OwnerRoutedOptimizer.step()`` syncs itself)."""
+        sync_replicas([h.sharded for u in self.units for h in u.handles], only_pending=True)
+
     def begin_forward_pass(self) -> None:
         """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring)."""
         self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
+        self.sync_replicas()
         interrupted = self.backward_active
         if interrupted:
             self.interrupted_backwards += 1

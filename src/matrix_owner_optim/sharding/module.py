@@ -116,6 +116,9 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         before reading the parameters (a forward waits by itself)."""
         _require_state(self).fix_plan()
         units = self._moo_units()
+        context = self._moo_context()
+        if context is not None:
+            context.sync_replicas()  # HSDP: a step nobody synced reaches every replica first
         for unit in units:
             if not unit.held and unit.training_state is TrainingState.IDLE:
                 unit.free()  # data a forward left behind may predate an optimizer step

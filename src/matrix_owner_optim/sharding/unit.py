@@ -34,6 +34,7 @@ its module are a :class:`UnitOptions` record the unit reads.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ from torch import nn
 
 from .. import comm
 from ..comm import comm_phase
+from ..planning.metadata import MatrixShard
+from ..replica_sync import ReplicaSync
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -117,6 +120,13 @@ class ShardGroups:
     world_size: int
     replicate_group: Any = None  # HSDP: the replicas of this shard group
     replicate_size: int = 1
+    replicate_rank: int = 0  # HSDP: this process's replica
+    replica_sync: ReplicaSync | None = None  # HSDP: set when global owners' gradients landed
+
+    def steps_here(self, shard: MatrixShard) -> bool:
+        """Whether this replica's holder of ``shard`` gets its averaged gradient and steps it
+        (HSDP gives each matrix one global owner: ``MatrixShard.step_replica``)."""
+        return shard.step_replica is None or shard.step_replica == self.replicate_rank
 
     @property
     def dp_size(self) -> int:
@@ -135,6 +145,58 @@ class UnitOptions:
     gradient_divide_factor: float | None = None  # None: the data-parallel size (the average)
     forward_prefetch: list[nn.Module] | None = None  # explicit targets; None: automatic
     backward_prefetch: list[nn.Module] | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaSplit:
+    """How one rank's reduced segment crosses the replicas (HSDP): the ranges each replica's
+    holders step (``step_replica``: reduce-scattered, each to its replica) and the ranges every
+    replica steps (tail, ``rows``, frozen: all-reduced). Ranges are (offset, length) in the segment."""
+
+    by_replica: tuple[tuple[tuple[int, int], ...], ...]
+    everywhere: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def build(cls, layout: SegmentLayout, rank: int, shards: list[MatrixShard], replicas: int) -> ReplicaSplit:
+        by: list[list[tuple[int, int]]] = [[] for _ in range(replicas)]
+        everywhere: list[tuple[int, int]] = []
+        for e in layout.entries[rank]:
+            r = shards[e.index].step_replica
+            (everywhere if r is None else by[r]).append((e.offset, e.length))
+        return cls(tuple(tuple(b) for b in by), tuple(everywhere))
+
+
+def _cat(total: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([total[o : o + n] for o, n in ranges]) if ranges else total.new_empty(0)
+
+
+def _scatter_back(total: torch.Tensor, ranges: Sequence[tuple[int, int]], flat: torch.Tensor) -> None:
+    at = 0
+    for o, n in ranges:
+        total[o : o + n].copy_(flat[at : at + n])
+        at += n
+
+
+def reduce_across_replicas(total: torch.Tensor, split: ReplicaSplit, groups: ShardGroups) -> None:
+    """The second stage of HSDP's gradient reduction, in place on this rank's summed segment:
+    each replica's ranges are reduce-scattered to it (one reduce-scatter-v over the replicate
+    group: the step owner gets the sum, the others keep partial values they never read), the
+    ranges every replica steps are all-reduced. Bytes: those of one all-reduce of the segment
+    (its reduce-scatter half here, the all-gather half is the updated matrices' broadcast)."""
+    R, me = groups.replicate_size, groups.replicate_rank
+    sizes = [sum(n for _, n in ranges) for ranges in split.by_replica]
+    if sum(sizes):
+        order = [r for r in range(R) if r != me] + [me]
+        flat = torch.cat([_cat(total, split.by_replica[r]) for r in order])
+        mine = reduce_scatter_v(flat, sizes, me, groups.replicate_group, op="replicate_reduce_scatter_v")
+        assert isinstance(mine, torch.Tensor)
+        _scatter_back(total, split.by_replica[me], mine)
+        if groups.replica_sync is not None:  # the global owners will step: sync before the next gather
+            groups.replica_sync.pending = True
+    if split.everywhere:
+        rest = _cat(total, split.everywhere)
+        comm.all_reduce(rest, group=groups.replicate_group, name="replicate_all_reduce")
+        _scatter_back(total, split.everywhere, rest)
 
 
 @dataclass(frozen=True)
@@ -198,6 +260,7 @@ class ShardedUnit:
         self._shards = [h.shard for h in handles]
         self.gather_layout = SegmentLayout.build(self._shards, groups.world_size)
         self._reduce_layouts: dict[frozenset[int], SegmentLayout] = {}
+        self._replica_splits: dict[int, ReplicaSplit] = {}  # by id of a cached reduce layout
         self.rebuild_unsharded()
 
     def _set(self, state: ShardedState) -> None:
@@ -241,6 +304,13 @@ class ShardedUnit:
             layout = SegmentLayout.build(self._shards, self.groups.world_size, include=lambda s: id(s) in keep)
             self._reduce_layouts[indices] = layout
         return layout
+
+    def replica_split(self, layout: SegmentLayout) -> ReplicaSplit:
+        split = self._replica_splits.get(id(layout))
+        if split is None:
+            split = ReplicaSplit.build(layout, self.groups.rank, self._shards, self.groups.replicate_size)
+            self._replica_splits[id(layout)] = split
+        return split
 
     # -- data ----------------------------------------------------------------------------------
     def issue_gather(self, *, for_user: bool = False) -> bool:
@@ -392,7 +462,9 @@ class ShardedUnit:
         lands on the owners when the context lands the returned record. At one rank without
         replicas the local gradient is the average: it lands now and nothing is returned.
 
-        With HSDP the owner's segment is then all-reduced across the replicas (at landing). The
+        With HSDP the owner's segment then crosses the replicas (at landing): each matrix's
+        gradient is reduced to its global owner only, the rest all-reduced
+        (:func:`reduce_across_replicas`). The
         division by the data-parallel size (or ``gradient_divide_factor``) is split around the
         sum as :func:`.collectives.gradient_divide_factors` says (float16: part before, part
         after)."""
@@ -441,15 +513,17 @@ class ShardedUnit:
         total = record.pending.wait()
         with torch.no_grad(), comm_phase("backward"):
             if groups.replicate_group is not None and groups.replicate_size > 1 and total.numel():
-                comm.all_reduce(total, group=groups.replicate_group, name="replicate_all_reduce")
+                reduce_across_replicas(total, self.replica_split(record.layout), groups)
             if record.post != 1:
                 total.div_(record.post)
             landed: set[int] = set()
             for e in record.layout.entries[groups.rank]:
                 h = self.handles[e.index]
                 landed.add(e.index)
-                h.add_grad(total[e.offset : e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
+                if groups.steps_here(h.shard):  # HSDP: another replica's holder steps it
+                    h.add_grad(total[e.offset : e.offset + e.length].view(h.local.shape).to(h.sharded.dtype))
             reduced = sorted({e.index for es in record.layout.entries for e in es})
+            reduced = [i for i in reduced if groups.steps_here(self.handles[i].shard)]
             for i in reduced:
                 if i not in landed:
                     h = self.handles[i]

@@ -1,7 +1,9 @@
 """The training loop behind ``matrix-owner-optim train`` and ``bench``, one rank at a time.
 
 :func:`train_rank` builds the built-in GPT with a fixed seed, shards it with the requested
-layout (``owner``: this package's owner-shaped ``fully_shard``; ``fsdp2``: stock
+layout (``owner``: this package's owner-shaped ``fully_shard``; ``owner_hsdp``: the same on a
+(2, W/2) mesh, one global owner per matrix; ``owner_hsdp_replicas``: that mesh with every
+replica stepping what it holds, as before global owners; ``fsdp2``: stock
 ``torch.distributed.fsdp.fully_shard``; ``ddp``; or one process), builds the requested
 optimizer, and trains on the embedded arithmetic corpus. Every step it records the loss, the
 step and optimizer-step times and the bytes of every phase (:class:`CommCounter` for our
@@ -32,7 +34,7 @@ from .profiling import backend_ops, native_stderr_without_usdt, op_bytes, phase_
 
 __all__ = ["TrainConfig", "train_rank", "LAYOUTS", "OPTIMIZERS", "resident_bytes", "synchronize"]
 
-LAYOUTS = ("owner", "fsdp2", "ddp", "single")
+LAYOUTS = ("owner", "owner_hsdp", "owner_hsdp_replicas", "fsdp2", "ddp", "single")
 # owner-routed: muon/shampoo/soap/adamw; baselines: torch_muon (stock torch.optim.Muon on the
 # layout's tensors) and reconstruction (all-gather every full update, NS everywhere).
 OPTIMIZERS = (
@@ -99,6 +101,12 @@ class TrainConfig:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
 
+    def check_world_size(self, world_size: int) -> None:
+        if self.layout.startswith("owner_hsdp") and (world_size < 2 or world_size % 2):
+            raise ValueError(
+                f"layout {self.layout!r} runs on a (2, W/2) mesh: use an even world size >= 2, got {world_size}"
+            )
+
 
 def _schedule(cfg: TrainConfig):
     def factor(step: int) -> float:
@@ -119,6 +127,23 @@ def _shard(model: GPT, cfg: TrainConfig, world_size: int, device: torch.device) 
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
+        return model
+    if cfg.layout.startswith("owner_hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..planning import plan_model
+        from ..sharding import fully_shard
+
+        mesh = init_device_mesh(device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        # a plan without step replicas: every replica steps what it holds (HSDP before global owners)
+        plan = (
+            plan_model(model, world_size // 2, unit_prefixes=model.unit_prefixes())
+            if cfg.layout == "owner_hsdp_replicas"
+            else None
+        )
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh, plan=plan)
         return model
     if cfg.layout == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -221,6 +246,7 @@ def synchronize(device: torch.device) -> None:
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, Any]:
     """Train on this rank; returns per-step records (identical keys on every rank)."""
     cfg.validate()
+    cfg.check_world_size(world_size)
     torch.manual_seed(cfg.seed)
     device = _rank_device(cfg.device)
     model = _shard(GPT(cfg.model_config(), device=device), cfg, world_size, device)

@@ -48,6 +48,8 @@ ROWS: dict[str, tuple[str, str, str]] = {
     "a-soap": ("owner", "soap", "owner layout + SOAP"),
     "c-soap": ("fsdp2", "reconstruction_soap", "stock FSDP2 + reconstruction SOAP"),
     "p": ("single", "muon", "plain model (no sharding) + OwnerRoutedOptimizer(Muon)"),
+    "h": ("owner_hsdp", "muon", "owner layout on a (2, W/2) mesh, one global owner per matrix + Muon"),
+    "h-replicas": ("owner_hsdp_replicas", "muon", "owner layout on a (2, W/2) mesh, every replica steps + Muon"),
 }
 ONE_RANK_ROWS = ("a", "p")  # at W=1: what the owner layout costs over the plain model
 

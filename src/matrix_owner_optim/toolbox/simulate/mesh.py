@@ -14,7 +14,12 @@ Four layouts of the same W = N x G GPUs are compared:
     outnumber what the matrices fill evenly, the busiest owner sets the step time.
 ``owner_hsdp``
     the advised ``(replicate, shard)`` mesh: the owner layout inside each shard group of
-    ``shard`` consecutive ranks, gradients all-reduced across the ``replicate`` groups.
+    ``shard`` consecutive ranks, and one global owner per matrix over all W ranks (its
+    ``step_replica``'s holder): the matrices' gradients are reduce-scattered across the
+    replicate groups to their global owners (the tail's all-reduced), the step runs once per
+    matrix, spread over all W ranks, and ends with the updated matrices' all-gather across the
+    replicas (the broadcast, the other half of the bytes of the all-reduce it replaces), priced
+    in the step since it cannot overlap with it.
 ``stock_fsdp2_hsdp``
     stock FSDP2 on the same mesh (``Shard(0)`` inside the shard dim), Muon by reconstruction
     inside the shard group: what HSDP alone, without owners, gives.
@@ -32,13 +37,14 @@ every layout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ...planning import MeshAdvice, Role, ShardingPlan, plan_mesh, plan_model
+from ...planning import MeshAdvice, ShardingPlan, plan_mesh, plan_model
 from ...tensors import itemsize
 from .estimates import estimate_owner, estimate_reconstruction, estimate_reconstruction_dtensor
 from .formulas import group_all_gather_time, replica_all_reduce_time
@@ -59,7 +65,7 @@ __all__ = [
 MESH_LAYOUTS: dict[str, str] = {
     "stock_fsdp2_muon": "flat stock FSDP2 over W ranks, Muon by reconstruction (paper baseline)",
     "flat_owner": "owner layout over W ranks (one shard dim of W)",
-    "owner_hsdp": "owner layout inside the advised shard dim, gradients all-reduced across replicas",
+    "owner_hsdp": "owner layout inside the advised shard dim, one global owner per matrix over all W ranks",
     "stock_fsdp2_hsdp": "stock FSDP2 HSDP on the advised mesh, Muon by reconstruction in the shard group",
 }
 
@@ -115,22 +121,26 @@ def step_comm(
 ) -> StepComm:
     """Forward/backward collectives of ``plan`` (a plan for the shard dim) on a mesh of
     ``replicate`` replicas. ``owner_segments``: the replica all-reduce carries each rank's owner
-    segment (the owner layout); otherwise the even ``1/shard`` slice (stock FSDP2 HSDP)."""
+    segment (the owner layout); otherwise the even ``1/shard`` slice (stock FSDP2 HSDP). A plan
+    with step replicas (HSDP's global owners) reduce-scatters its matrices across the replicas
+    (half an all-reduce) and all-reduces the rest."""
     S, G = plan.world_size, gpus_per_node
     units: dict[int, list[float]] = {}  # unit -> [param bytes, grad elements]
     seg: dict[int, list[float]] = {}  # unit -> gradient elements of each shard rank's segment
+    once: dict[int, list[float]] = {}  # unit -> the part of each segment one replica steps
     for s in plan:
         u = units.setdefault(s.unit, [0.0, 0.0])
         row = seg.setdefault(s.unit, [0.0] * S)
+        one = once.setdefault(s.unit, [0.0] * S)
         u[0] += s.numel * itemsize(s.dtype)
         if not s.requires_grad:
             continue
         u[1] += s.numel
-        if s.role is Role.ROWS:
-            for r in range(S):
-                row[r] += s.local_numel(r)
-        else:
-            row[int(s.owner)] += s.numel  # type: ignore[arg-type]
+        for r in range(S):
+            n = s.local_numel(r)
+            row[r] += n
+            if s.step_replica is not None and owner_segments:
+                one[r] += n
     ag = rs = ar = moved = 0.0
     for unit, (p_bytes, g_elems) in units.items():
         ag += 2 * group_all_gather_time(p_bytes, S, 1, G, hw)
@@ -139,9 +149,56 @@ def step_comm(
             segments = (
                 [x * opts.grad_bytes for x in seg[unit]] if owner_segments else [g_elems / S * opts.grad_bytes] * S
             )
-            ar += replica_all_reduce_time(segments, replicate, G, hw)
+            stepped = [x * opts.grad_bytes for x in once[unit]]
+            rest = [a - b for a, b in zip(segments, stepped, strict=True)]
+            if any(rest):  # (a collective with nothing to carry is not issued)
+                ar += replica_all_reduce_time(rest, replicate, G, hw)
+            if any(stepped):
+                ar += replica_all_reduce_time(stepped, replicate, G, hw) / 2
             moved += max(segments)
     return StepComm(ag, rs, ar, moved)
+
+
+def replica_broadcast_time(plan: ShardingPlan, replicate: int, G: int, hw: Hardware) -> float:
+    """HSDP's global owners send the updated matrices to the other replicas: per shard rank, the
+    matrices it holds, all-gathered across the replicate group (the half of an all-reduce of
+    those bytes that the gradients' reduce-scatter leaves)."""
+    if replicate <= 1:
+        return 0.0
+    S = plan.world_size
+    segments = [0.0] * S
+    for s in plan:
+        if s.step_replica is not None:
+            for r in range(S):
+                segments[r] += s.local_numel(r) * itemsize(s.dtype)
+    return replica_all_reduce_time(segments, replicate, G, hw) / 2
+
+
+def global_view(plan: ShardingPlan) -> ShardingPlan:
+    """An HSDP plan with step replicas as a plan over all ``replicate x shard`` ranks, for pricing
+    the step (``plan_stats``): each matrix on its global owner ``r * S + s`` (a split stack's rows
+    on its step replica's ranks), the tail on replica 0's holders (every replica steps it alike),
+    ``rows`` tensors split over all ranks; ``loads`` are the plan's per-global-rank loads."""
+    R, S = plan.replicate_size, plan.world_size
+    if R <= 1:
+        return plan
+    W = R * S
+    shards = {}
+    for fqn, s in plan.shards.items():
+        r = s.step_replica
+        if r is None:
+            shards[fqn] = dataclasses.replace(s, world_size=W)
+        elif s.is_split:
+            ranges, cursor = [], 0
+            real = {q: (a, b) for a, b, q in s.row_owners}
+            for q in range(W):
+                a, b = real[q % S] if q // S == r else (cursor, cursor)
+                ranges.append((a, b, q))
+                cursor = b
+            shards[fqn] = dataclasses.replace(s, world_size=W, row_owners=tuple(ranges))
+        else:
+            shards[fqn] = dataclasses.replace(s, world_size=W, owner=r * S + int(s.owner))  # type: ignore[arg-type]
+    return dataclasses.replace(plan, world_size=W, shards=shards, loads=list(plan.replica_loads), replicate_size=1)
 
 
 @dataclass(frozen=True)
@@ -158,6 +215,7 @@ class MeshProjection:
     bytes_max_over_mean: float
     flops_max_over_mean: float
     variant_optimizer_step_s: float | None = None  # stock: torch Muon on DTensors
+    compute_step_s: float | None = None  # HSDP owners: the step without the replica broadcast
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -173,23 +231,30 @@ class MeshProjection:
         }
         if self.variant_optimizer_step_s is not None:
             out["optimizer_step_ms_torch_muon_dtensor"] = self.variant_optimizer_step_s * 1e3
+        if self.compute_step_s is not None:  # the broadcast deferred into the next forward, hidden
+            out["optimizer_step_ms_broadcast_deferred"] = self.compute_step_s * 1e3
         return out
 
 
 def _owner(layout: str, plan: ShardingPlan, replicate: int, G: int, hw: Hardware, opts: SimOptions) -> MeshProjection:
-    nodes, g = group_topology(plan.world_size, G)
-    est = estimate_owner(plan_stats(plan, nodes, g), hw, opts)
-    imb = plan.imbalance()
+    """The owner layout's step: the busiest rank's matrices (over all W ranks with HSDP's global
+    owners), then, with replicas, the updated matrices' broadcast across them."""
+    stepped = global_view(plan)
+    nodes, g = group_topology(stepped.world_size, G)
+    est = estimate_owner(plan_stats(stepped, nodes, g), hw, opts)
+    bcast = replica_broadcast_time(plan, replicate, G, hw)
+    imb = stepped.imbalance()
     return MeshProjection(
         layout,
         replicate,
         plan.world_size,
-        est.total_s,
-        0.0,
+        est.total_s + bcast,
+        bcast,
         step_comm(plan, replicate, G, hw, opts),
-        max(x.resident_bytes for x in plan.loads),
+        max(x.resident_bytes for x in stepped.loads),
         imb["bytes_max_over_mean"],
         imb["flops_max_over_mean"],
+        compute_step_s=est.total_s if replicate > 1 else None,
     )
 
 
