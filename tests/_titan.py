@@ -14,6 +14,11 @@ Trainer calls them. The CPU adaptations, each the least that lets torchtitan's c
 * attention is torchtitan's ``ScaledDotProductAttention`` (causal) instead of FlexAttention,
   which needs per-document block masks and compiled kernels;
 * no ``torch.compile``, no activation checkpointing, no mixed precision (``float32`` params);
+* MoE experts (:class:`Float32GroupedExperts`): torchtitan's ``GroupedExperts`` casts the expert
+  matmuls to bfloat16 for ``torch._grouped_mm``. Under expert parallelism each ep rank's partial
+  expert gradient is then rounded to bfloat16 before FSDP sums the partials over efsdp, which
+  moves expert gradients by ~2e-3 relative against one process (measured): model numerics that
+  would hide any optimizer error. The subclass runs the same grouped matmuls in float32;
 * torchtitan disables FSDP's gradient division (its loss is divided by the global token count),
   which FSDP carries out with ``ReduceOp.PREMUL_SUM(1.0)``; gloo has no ``PREMUL_SUM``, so
   :func:`sum_reductions` calls FSDP's public ``set_force_sum_reduction_for_comms(True)``: a
@@ -65,9 +70,13 @@ def llama_config() -> Any:
 
 
 def parallelism(**degrees: int) -> Any:
-    """torchtitan's ``ParallelismConfig`` with these degrees, on the DTensor backend."""
+    """torchtitan's ``ParallelismConfig`` with these degrees, on the DTensor backend, which is
+    also made the process's active backend (``set_spmd_backend``, as torchtitan's Trainer does:
+    its MoE token dispatch reads it)."""
     from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.utils import set_spmd_backend
 
+    set_spmd_backend("partial_dtensor")
     return ParallelismConfig(spmd_backend="partial_dtensor", **degrees)
 
 
@@ -141,3 +150,69 @@ def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, global_t
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / global_tokens
+
+
+EXPERTS, TOP_K, MOE_HIDDEN, HEAD_DIM, KV_HEADS = 4, 2, 8, 4, 2
+
+
+def _float32_experts_class() -> type:
+    from dataclasses import dataclass
+
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class Float32GroupedExperts(GroupedExperts):
+        """torchtitan's ``GroupedExperts``, its grouped matmuls in float32 (see the module doc)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            w1, w2, w3 = (
+                w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+            )
+            offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h = nn.functional.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+    return Float32GroupedExperts
+
+
+def qwen3_moe_config() -> Any:
+    """A tiny Qwen3-MoE (2 layers, dim 16, 4 query heads over 2 key/value heads, qk norms,
+    4 routed experts of hidden size 8, top 2) from torchtitan's builders, as its
+    ``debugmodel_moe`` is built."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        layers=_sdpa(
+            qwen3._build_qwen3_moe_layers(
+                fuse_qkv=True,
+                n_layers=LAYERS,
+                dim=DIM,
+                n_heads=HEADS,
+                n_kv_heads=KV_HEADS,
+                head_dim=HEAD_DIM,
+                moe_hidden_dim=MOE_HIDDEN,
+                num_experts=EXPERTS,
+                top_k=TOP_K,
+                attn_backend="flex",
+                rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=4 * SEQ, theta=1000000.0),
+                moe_comm_backend="standard",
+            )
+        ),
+    )
+    experts = _float32_experts_class()
+    for layer in config.layers:
+        inner = layer.moe.routed_experts.inner_experts
+        layer.moe.routed_experts.inner_experts = experts.Config(
+            dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init
+        )
+    return config

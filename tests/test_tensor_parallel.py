@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.toolbox.launch import spawn_ranks
@@ -321,6 +321,97 @@ def _titan_llama(lockstep: bool) -> dict[str, Any]:
     return out
 
 
+# -- expert parallel: torchtitan's Qwen3-MoE under its own parallelize_qwen3 ------------------------
+# data_parallel_shard_degree=4, expert_parallel_degree=2: the dense parameters Shard(0) over its
+# fsdp mesh (4), the routed experts w1/w2/w3 [E, ., .] on its (efsdp=2, ep=2) mesh as
+# (_StridedShard(0, sf=2), Shard(0)): ep coordinate t holds experts [2t, 2t + 2), FSDP splits
+# them over efsdp. Rank r takes row r of each global batch.
+MOE_STEPS, MOE_BATCH = 3, 4
+
+
+def moe_reference(order: str = "forward") -> dict[str, Any]:
+    """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor):
+    this package's Muon (float32 Newton-Schulz) on the matrices, each expert of a stack its own
+    matrix, AdamW on the rest."""
+    import _titan
+
+    model = _titan.build(_titan.qwen3_moe_config(), _titan.parallelism())
+    opts = titan_optimizers(model, Muon, LLAMA_MUON)
+    losses = []
+    for tokens, targets in _titan.batches(MOE_STEPS, MOE_BATCH, seed=3):
+        if order == "reversed":
+            tokens, targets = tokens.flip(0), targets.flip(0)
+        loss = _titan.loss(model, tokens, targets, tokens.numel())
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@functools.cache
+def moe_reference_run() -> dict[str, Any]:
+    return moe_reference()
+
+
+def _titan_moe(rank: int) -> dict[str, Any]:
+    """3 steps of torchtitan's Qwen3-MoE under parallelize_qwen3 with expert_parallel_degree=2,
+    OwnerRoutedOptimizer (this package's Muon in float32 + AdamW)."""
+    import torch.distributed as dist
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    import _titan
+
+    par = _titan.parallelism(data_parallel_shard_degree=4, expert_parallel_degree=2)
+    model = _titan.build(_titan.qwen3_moe_config(), par)
+    ref = _titan.build(_titan.qwen3_moe_config(), par)  # stepped in lockstep on the same gradients
+    ref_opts = titan_optimizers(ref, Muon, LLAMA_MUON)
+    _titan.parallelize(model, parallelize_qwen3, par, dist.get_world_size())
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+    losses = []
+    for step, (tokens, targets) in enumerate(_titan.batches(MOE_STEPS, MOE_BATCH, seed=3)):
+        loss = _titan.loss(model, tokens[rank : rank + 1], targets[rank : rank + 1], tokens.numel())
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        if step == MOE_STEPS - 1:
+            with CommCounter() as cc:
+                opt.step()
+            ops, sent, received = (
+                cc.by_op("optimizer"),
+                cc.bytes("optimizer", "sent"),
+                cc.bytes("optimizer", "received"),
+            )
+        else:
+            opt.step()
+        opt.zero_grad()
+    try:
+        opt.state_dict()
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    return {
+        "state_dict": refused,
+        "placements": {
+            n: (str(tuple(p.placements)), tuple(p.device_mesh.mesh_dim_names)) for n, p in model.named_parameters()
+        },
+        "routes": {r["name"]: r for r in opt.routes()},
+        "losses": losses,
+        "ops": ops,
+        "sent": sent,
+        "received": received,
+        "bytes_per_step": sum(pl.bytes_per_step() for pl in opt.layouts() if pl.name == "dtensor"),
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "lockstep": {n: p.detach().clone() for n, p in ref.named_parameters()},
+    }
+
+
 def _one_matrix_weight() -> nn.Linear:
     torch.manual_seed(3)
     return nn.Linear(D, 10, bias=False)
@@ -359,16 +450,29 @@ def _one_matrix(mesh: Any) -> dict[str, Any]:
     return {"owner": opt.routes()[0]["owner"], "ops": ops, "weight": lin.weight.full_tensor().detach().clone()}
 
 
-def _bad_placements(mesh: Any) -> str:
-    """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
+def _bad_placements(mesh: Any) -> dict[str, str]:
+    """Refused at construction: a 2D matrix TP-sharded by rows with FSDP's rows first
+    ((Shard(0), Shard(0))); a stack of expert matrices split inside each expert over the second
+    mesh dim (expert tensor parallel, (Shard(0), Shard(1))); a 3D conv kernel split over dim 0
+    in the expert parallel form (its dim 0 is rows of one matrix, not a stack of matrices)."""
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0), Shard(0)]))
-    try:
-        OwnerRoutedOptimizer([("w", p)], matrix="torch_muon")
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    cases = {
+        "rows_twice": ((8, 4), [Shard(0), Shard(0)], None),
+        "expert_tp": ((4, 6, 4), [Shard(0), Shard(1)], None),
+        "conv": ((4, 6, 3), [_StridedShard(0, split_factor=2), Shard(0)], "conv"),
+    }
+    out = {}
+    for case, (shape, placements, view) in cases.items():
+        p = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, placements))
+        try:
+            views = {"w": view} if view is not None else None
+            OwnerRoutedOptimizer([("w", p)], matrix="muon", roles={"w": "matrix"}, matrix_views=views)
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+    return out
 
 
 def _owner_layout_on_tp(mesh: Any) -> str:
@@ -394,6 +498,7 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         "train": _train(rank, mesh, ckpt),
         "llama": _titan_llama(lockstep=False),
         "llama_lockstep": _titan_llama(lockstep=True),
+        "moe": _titan_moe(rank),
         "resumed": _resume(mesh, ckpt),
         "one_matrix": _one_matrix(mesh),
         "bad": _bad_placements(mesh),
@@ -509,6 +614,59 @@ def test_torchtitan_parallelize_llama_torch_muon_is_bitwise_in_lockstep() -> Non
             assert torch.equal(got["params"][n], p), f"rank {rank}: {n} differs from torch.optim.Muon in lockstep"
 
 
+EXPERTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def test_torchtitan_expert_parallel_equals_one_process() -> None:
+    ref = moe_reference_run()
+    res = results()
+    for rank, r in enumerate(res):
+        got = r["moe"]
+        for n, (placements, mesh) in got["placements"].items():
+            if n.endswith(EXPERTS):  # experts on the (efsdp, ep) mesh, the rest on fsdp
+                assert (placements, mesh) == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("efsdp", "ep")), (n, mesh)
+            else:
+                assert mesh == ("fsdp",), (n, placements, mesh)
+        experts = {n: route for n, route in got["routes"].items() if n.endswith(EXPERTS)}
+        assert len(experts) == 6 and all(route["role"] == "matrix" for route in experts.values()), experts
+        assert got["routes"]["layers.0.moe.router.gate.weight"]["role"] == "tail"
+        worst = max(_rel(got["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: torchtitan Qwen3-MoE EP=2, worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(got["params"][n], p) <= MOE_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            )
+    for i, b in enumerate(ref["losses"]):  # each rank's loss is its share of the global mean
+        a = sum(r["moe"]["losses"][i] for r in res)
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_torchtitan_expert_parallel_steps_each_expert_exactly_on_its_owner() -> None:
+    """Fed the same gradients, one process's Muon + AdamW over the whole model agree bitwise:
+    each ep rank's experts, stepped expert by expert by their owner over efsdp, are the
+    one-process step of those experts."""
+    res = results()
+    for rank, r in enumerate(res):
+        got = r["moe"]
+        for n, p in got["lockstep"].items():
+            assert torch.equal(got["params"][n], p), f"rank {rank}: {n} differs from one process in lockstep"
+        # owners are efsdp coordinates: the ranks holding the same experts ({0, 2} experts 0-1,
+        # {1, 3} experts 2-3; rank = 2 * efsdp + ep) plan them among themselves, nothing over ep
+        for n, route in got["routes"].items():
+            if n.endswith(EXPERTS):
+                assert route["owner"] in (0, 1) and route["local"] == (route["owner"] == rank // 2), (rank, n, route)
+        assert set(got["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all"}, got["ops"]
+        assert got["sent"] + got["received"] == got["bytes_per_step"], (rank, got["sent"], got["bytes_per_step"])
+        print(f"rank {rank}: EP optimizer step sent {got['sent']} B, received {got['received']} B, by op {got['ops']}")
+
+
+def test_expert_parallel_optimizer_state_dict_is_refused_naming_the_experts() -> None:
+    for r in results():
+        msg = r["moe"]["state_dict"]
+        assert msg.startswith("optimizer state dict: 'layers.0.moe.routed_experts.inner_experts.w"), msg
+        assert "expert parallel" in msg and "_StridedShard" in msg and "expert_parallel_degree=1" in msg, msg
+
+
 def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:
     want = one_matrix_reference()
     res = results()
@@ -548,15 +706,21 @@ def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
         assert "(Shard(dim=0),)" in msg and "torch.distributed.fsdp.fully_shard" in msg, msg
 
 
-def test_unsupported_tp_placements_are_refused_naming_them() -> None:
+def test_unsupported_tp_and_ep_placements_are_refused_naming_them() -> None:
     for r in results():
-        msg = r["bad"]
+        bad = r["bad"]
+        msg = bad["rows_twice"]
         assert "'w'" in msg and "(Shard(dim=0), Shard(dim=0))" in msg and "RowwiseParallel" in msg, msg
+        msg = bad["expert_tp"]
+        assert "'w'" in msg and "(Shard(dim=0), Shard(dim=1))" in msg and "(efsdp, ep)" in msg, msg
+        msg = bad["conv"]
+        assert "'w'" in msg and "the 'conv' matrix view" in msg and "_StridedShard" in msg, msg
 
 
 if __name__ == "__main__":  # the noise floor: the references against themselves, summation order changed
-    for name, run in (("two blocks", reference), ("torchtitan Llama3", titan_reference)):
+    for name, run in (("two blocks", reference), ("torchtitan Llama3", titan_reference), ("Qwen3-MoE", moe_reference)):
         a, b = run(), run("reversed")
         print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
-        print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
+        if "norms" in a:
+            print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
         print(name, "losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))

@@ -153,6 +153,27 @@ class _Matrix:
         return self.tp.narrow(self.full, self.tp.rank).contiguous()
 
 
+def _stepped_shape(rp: RoutedParam) -> tuple[int, ...]:
+    """The shape an owner steps: the global shape (under TP too: the owners assemble it), or
+    an expert parallel rank's slice of a stack (``rp.step_shape``)."""
+    return rp.step_shape if rp.step_shape is not None else tuple(int(n) for n in rp.param.shape)
+
+
+def _refuse_expert_parallel_state(rp: RoutedParam) -> None:
+    """Optimizer state of an expert parallel stack is held by one owner per ep coordinate, each
+    for its own experts: one tensor of the state dict would need pieces over both the efsdp and
+    the ep mesh dims, which is not built yet. Saving it under one name per ep group would let
+    DCP keep one group's experts and drop the others', so it is refused, by name."""
+    if rp.step_shape is not None:
+        raise ValueError(
+            f"optimizer state dict: {rp.label!r} is a stack of matrices split over experts (expert "
+            f"parallel: {tuple(rp.param.placements)} on mesh {tuple(rp.param.device_mesh.shape)}); "  # type: ignore[attr-defined]
+            "OwnerRoutedOptimizer steps it exactly but cannot yet put its state in a state dict or "
+            "DCP checkpoint. Checkpoint with expert_parallel_degree=1, or route the experts to the "
+            "tail optimizer (roles={'*experts*': 'tail'})"
+        )
+
+
 def _tp_slices(mats: list[_Matrix]) -> list[tuple[TPSlice, tuple[int, ...]]]:
     """Each TP matrix's slice and global shape (what :func:`all_gather_slices` takes)."""
     out = []
@@ -220,8 +241,11 @@ class DTensorLayout(UpdateLayout):
                     raise ValueError(f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
                 self._tails.append(rp)
                 continue
-            tp_of[id(rp)] = sharding.tp
-            tp_dim = None if sharding.tp is None else sharding.tp.mesh_dim
+            # expert parallel: this rank's experts are a stack of their own, no tp stage
+            tp_of[id(rp)] = None if sharding.tp is None or sharding.tp.whole else sharding.tp
+            if sharding.tp is not None and sharding.tp.whole:
+                rp.step_shape = sharding.tp.shape(tuple(int(n) for n in p.shape), sharding.tp.rank)
+            tp_dim = None if sharding.tp is None or sharding.tp.whole else sharding.tp.mesh_dim
             key = (p.device_mesh, sharding.dp_dim, tp_dim, p.dtype)  # type: ignore[attr-defined]
             new.setdefault(key, []).append(rp)
         for key, rps in new.items():
@@ -242,9 +266,10 @@ class DTensorLayout(UpdateLayout):
             W, me = bucket.world_size, bucket.rank
             # owners are dp coordinates, planned on global shapes: every TP rank plans the same
             # list, so the owners of one matrix's TP slices share a dp coordinate (one TP group)
+            shapes = [_stepped_shape(rp) for rp in rps]
             owners = plan_owners(
                 rps,
-                [tuple(rp.param.shape) for rp in rps],
+                shapes,
                 [dtype] * len(rps),
                 W,
                 bucket.loads,
@@ -252,8 +277,7 @@ class DTensorLayout(UpdateLayout):
                 group=bucket.group,
                 tp_group=bucket.tp_group,
             )
-            for rp, owner in zip(rps, owners, strict=True):
-                shape = tuple(int(n) for n in rp.param.shape)
+            for rp, owner, shape in zip(rps, owners, shapes, strict=True):
                 tp = tp_of[id(rp)]
                 piece = shape if tp is None else tp.shape(shape, tp.rank)  # what the shard group splits
                 rows = chunk_row_sizes(piece[0], W)
@@ -437,6 +461,7 @@ class DTensorLayout(UpdateLayout):
         (``step``) plain, as torch keeps them (every rank lists the holder's value)."""
         if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars (step) stay plain, as torch's
             return value
+        _refuse_expert_parallel_state(rp)
         p = rp.param
         if rp.owner is not None:
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
@@ -457,6 +482,9 @@ class DTensorLayout(UpdateLayout):
         )
 
     def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
+        # asked for every parameter on every rank before any collective of a state dict: an
+        # expert parallel stack is refused here on all ranks, not only where its state lies
+        _refuse_expert_parallel_state(rp)
         if rp.owner is None or id(rp) not in self._group_of:
             return None
         return rp.owner, self._group_of[id(rp)]
@@ -465,6 +493,8 @@ class DTensorLayout(UpdateLayout):
         from .layouts import plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            _refuse_expert_parallel_state(rp)
         value = as_owner_dtensor(value)
         if not isinstance(value, torch.Tensor):
             return value
