@@ -182,7 +182,10 @@ def _float32_experts_class() -> type:
 def qwen3_moe_config() -> Any:
     """A tiny Qwen3-MoE (2 layers, dim 16, 4 query heads over 2 key/value heads, qk norms,
     4 routed experts of hidden size 8, top 2) from torchtitan's builders, as its
-    ``debugmodel_moe`` is built."""
+    ``debugmodel_moe`` is built, with separate q/k/v projections (``fuse_qkv=False``, as its
+    ``debugmodel_non_fused_qkv``): the fused ``wqkv`` renames itself to ``wq``/``wk``/``wv`` in a
+    ``state_dict`` hook, which torch's ``get_model_state_dict`` cannot map back to parameters
+    (torchtitan's own checkpointer wraps the model instead)."""
     import torchtitan.models.qwen3 as qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
@@ -194,7 +197,7 @@ def qwen3_moe_config() -> Any:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
         layers=_sdpa(
             qwen3._build_qwen3_moe_layers(
-                fuse_qkv=True,
+                fuse_qkv=False,  # see qwen3_moe_config's docstring
                 n_layers=LAYERS,
                 dim=DIM,
                 n_heads=HEADS,

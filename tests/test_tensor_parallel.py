@@ -355,9 +355,10 @@ def moe_reference_run() -> dict[str, Any]:
     return moe_reference()
 
 
-def _titan_moe(rank: int) -> dict[str, Any]:
-    """3 steps of torchtitan's Qwen3-MoE under parallelize_qwen3 with expert_parallel_degree=2,
-    OwnerRoutedOptimizer (this package's Muon in float32 + AdamW)."""
+MOE_SAVE_AT = 1  # the EP checkpoint holds the state after this many steps
+
+
+def _titan_moe_model() -> tuple[nn.Module, OwnerRoutedOptimizer]:
     import torch.distributed as dist
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
@@ -365,15 +366,47 @@ def _titan_moe(rank: int) -> dict[str, Any]:
 
     par = _titan.parallelism(data_parallel_shard_degree=4, expert_parallel_degree=2)
     model = _titan.build(_titan.qwen3_moe_config(), par)
-    ref = _titan.build(_titan.qwen3_moe_config(), par)  # stepped in lockstep on the same gradients
-    ref_opts = titan_optimizers(ref, Muon, LLAMA_MUON)
     _titan.parallelize(model, parallelize_qwen3, par, dist.get_world_size())
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
-    losses = []
-    for step, (tokens, targets) in enumerate(_titan.batches(MOE_STEPS, MOE_BATCH, seed=3)):
-        loss = _titan.loss(model, tokens[rank : rank + 1], targets[rank : rank + 1], tokens.numel())
-        loss.backward()
-        losses.append(loss.item())
+    return model, opt
+
+
+def _moe_step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    import _titan
+
+    tokens, targets = _titan.batches(MOE_STEPS, MOE_BATCH, seed=3)[step]
+    loss = _titan.loss(model, tokens[rank : rank + 1], targets[rank : rank + 1], tokens.numel())
+    loss.backward()
+    return loss
+
+
+def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
+    """3 steps of torchtitan's Qwen3-MoE under parallelize_qwen3 with expert_parallel_degree=2,
+    OwnerRoutedOptimizer (this package's Muon in float32 + AdamW), a one-process copy stepped in
+    lockstep on the same gradients, and a DCP checkpoint of torch's get_model_state_dict /
+    get_optimizer_state_dict at step 1 that a fresh model and optimizer resume from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import _titan
+
+    ref = _titan.build(_titan.qwen3_moe_config(), _titan.parallelism())
+    ref_opts = titan_optimizers(ref, Muon, LLAMA_MUON)
+    model, opt = _titan_moe_model()
+    out: dict[str, Any] = {"losses": []}
+    for step in range(MOE_STEPS):
+        if step == MOE_SAVE_AT:
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                checkpoint_id=ckpt,
+            )
+        out["losses"].append(_moe_step(model, rank, step).item())
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         for n, p in ref.named_parameters():
             p.grad = grads[n]
@@ -383,33 +416,40 @@ def _titan_moe(rank: int) -> dict[str, Any]:
         if step == MOE_STEPS - 1:
             with CommCounter() as cc:
                 opt.step()
-            ops, sent, received = (
-                cc.by_op("optimizer"),
-                cc.bytes("optimizer", "sent"),
-                cc.bytes("optimizer", "received"),
-            )
+            out["ops"] = cc.by_op("optimizer")
+            out["sent"], out["received"] = cc.bytes("optimizer", "sent"), cc.bytes("optimizer", "received")
         else:
             opt.step()
         opt.zero_grad()
-    try:
-        opt.state_dict()
-        refused = "no error"
-    except ValueError as exc:
-        refused = str(exc)
-    return {
-        "state_dict": refused,
-        "placements": {
+    # the experts' state as one global tensor (its pieces over both mesh dims), and the lockstep copy's
+    name = "layers.1.moe.routed_experts.inner_experts.w2_EDF"
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out["momentum"] = full["state"][name]["momentum_buffer"].clone()
+    out["lockstep_momentum"] = ref_opts[0].state[dict(ref.named_parameters())[name]]["momentum_buffer"].clone()
+    # resume from the checkpoint in a fresh model and optimizer, train the remaining steps. DCP
+    # loads into the state dicts of another fresh pair: into this optimizer's own it would write
+    # the state in place and leave set_optimizer_state_dict (the experts' pieces) nothing to do
+    resumed, resumed_opt = _titan_moe_model()
+    template, template_opt = _titan_moe_model()
+    state = {"model": get_model_state_dict(template), "optim": get_optimizer_state_dict(template, template_opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    for step in range(MOE_SAVE_AT, MOE_STEPS):
+        _moe_step(resumed, rank, step)
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+    out.update(
+        placements={
             n: (str(tuple(p.placements)), tuple(p.device_mesh.mesh_dim_names)) for n, p in model.named_parameters()
         },
-        "routes": {r["name"]: r for r in opt.routes()},
-        "losses": losses,
-        "ops": ops,
-        "sent": sent,
-        "received": received,
-        "bytes_per_step": sum(pl.bytes_per_step() for pl in opt.layouts() if pl.name == "dtensor"),
-        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
-        "lockstep": {n: p.detach().clone() for n, p in ref.named_parameters()},
-    }
+        routes={r["name"]: r for r in opt.routes()},
+        bytes_per_step=sum(pl.bytes_per_step() for pl in opt.layouts() if pl.name == "dtensor"),
+        params={n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        lockstep={n: p.detach().clone() for n, p in ref.named_parameters()},
+        resumed={n: p.full_tensor().detach().clone() for n, p in resumed.named_parameters()},
+    )
+    return out
 
 
 def _one_matrix_weight() -> nn.Linear:
@@ -498,7 +538,7 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         "train": _train(rank, mesh, ckpt),
         "llama": _titan_llama(lockstep=False),
         "llama_lockstep": _titan_llama(lockstep=True),
-        "moe": _titan_moe(rank),
+        "moe": _titan_moe(rank, f"{ckpt}/moe"),
         "resumed": _resume(mesh, ckpt),
         "one_matrix": _one_matrix(mesh),
         "bad": _bad_placements(mesh),
@@ -660,11 +700,16 @@ def test_torchtitan_expert_parallel_steps_each_expert_exactly_on_its_owner() -> 
         print(f"rank {rank}: EP optimizer step sent {got['sent']} B, received {got['received']} B, by op {got['ops']}")
 
 
-def test_expert_parallel_optimizer_state_dict_is_refused_naming_the_experts() -> None:
-    for r in results():
-        msg = r["moe"]["state_dict"]
-        assert msg.startswith("optimizer state dict: 'layers.0.moe.routed_experts.inner_experts.w"), msg
-        assert "expert parallel" in msg and "_StridedShard" in msg and "expert_parallel_degree=1" in msg, msg
+def test_expert_parallel_checkpoint_resumes_exactly() -> None:
+    """The experts' optimizer state is one global tensor in torch's state dicts, its rows on each
+    ep coordinate's owner: the full state dict's momentum is the lockstep copy's, and a DCP
+    checkpoint at step 1 resumed in a fresh model and optimizer repeats the run bit for bit."""
+    for rank, r in enumerate(results()):
+        got = r["moe"]
+        want = got["lockstep_momentum"]
+        assert torch.equal(got["momentum"].view(want.shape), want), f"rank {rank}: expert momentum differs"
+        for n, p in got["params"].items():
+            assert torch.equal(got["resumed"][n], p), f"rank {rank}: {n} differs after resuming"
 
 
 def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:

@@ -65,6 +65,7 @@ from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
 from .dtensor_sharding import TPSlice, matrix_sharding
+from .expert_pieces import ExpertPieces, expert_pieces
 from .layouts import LayoutConfig, UpdateLayout
 from .replicated_layout import plan_owners
 from .routing import RoutedParam
@@ -159,19 +160,20 @@ def _stepped_shape(rp: RoutedParam) -> tuple[int, ...]:
     return rp.step_shape if rp.step_shape is not None else tuple(int(n) for n in rp.param.shape)
 
 
-def _refuse_expert_parallel_state(rp: RoutedParam) -> None:
-    """Optimizer state of an expert parallel stack is held by one owner per ep coordinate, each
-    for its own experts: one tensor of the state dict would need pieces over both the efsdp and
-    the ep mesh dims, which is not built yet. Saving it under one name per ep group would let
-    DCP keep one group's experts and drop the others', so it is refused, by name."""
-    if rp.step_shape is not None:
+def _expert_rows(experts: ExpertPieces, value: torch.Tensor, what: str) -> torch.Tensor:
+    """This ep coordinate's rows of an expert parallel stack's saved state: read off a piece of
+    the same layout (DCP into this optimizer's state dict) or cut from the full tensor."""
+    from ..owner_dtensor.placement import same_placement
+    from .layouts import plain_local
+
+    if is_owner_dtensor(value) and same_placement(value.placement, experts.placement):  # type: ignore[attr-defined]
+        return local_tensor(value)
+    full = plain_local(value, what)
+    if int(full.shape[0]) != experts.rows:
         raise ValueError(
-            f"optimizer state dict: {rp.label!r} is a stack of matrices split over experts (expert "
-            f"parallel: {tuple(rp.param.placements)} on mesh {tuple(rp.param.device_mesh.shape)}); "  # type: ignore[attr-defined]
-            "OwnerRoutedOptimizer steps it exactly but cannot yet put its state in a state dict or "
-            "DCP checkpoint. Checkpoint with expert_parallel_degree=1, or route the experts to the "
-            "tail optimizer (roles={'*experts*': 'tail'})"
+            f"{what}: shape {tuple(full.shape)}, expected the {experts.rows} experts of the stack on dim 0"
         )
+    return full[experts.start : experts.stop]
 
 
 def _tp_slices(mats: list[_Matrix]) -> list[tuple[TPSlice, tuple[int, ...]]]:
@@ -223,11 +225,13 @@ class DTensorLayout(UpdateLayout):
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
         self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
+        self._experts: dict[int, ExpertPieces] = {}  # id(expert parallel stack) -> its state's pieces
 
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
         new: dict[tuple[Any, int, int | None, torch.dtype], list[RoutedParam]] = {}
         tp_of: dict[int, TPSlice | None] = {}
+        ep_of: dict[int, TPSlice] = {}  # expert parallel stacks: their split over ep
         for rp in entries:
             self.entries.append(rp)
             p = rp.param
@@ -245,6 +249,7 @@ class DTensorLayout(UpdateLayout):
             tp_of[id(rp)] = None if sharding.tp is None or sharding.tp.whole else sharding.tp
             if sharding.tp is not None and sharding.tp.whole:
                 rp.step_shape = sharding.tp.shape(tuple(int(n) for n in p.shape), sharding.tp.rank)
+                ep_of[id(rp)] = sharding.tp
             tp_dim = None if sharding.tp is None or sharding.tp.whole else sharding.tp.mesh_dim
             key = (p.device_mesh, sharding.dp_dim, tp_dim, p.dtype)  # type: ignore[attr-defined]
             new.setdefault(key, []).append(rp)
@@ -301,6 +306,11 @@ class DTensorLayout(UpdateLayout):
                     rp.proxy = None
                 bucket.mats.append(m)
             bucket.rebuild()
+            stacks = [(rp, owner) for rp, owner in zip(rps, owners, strict=True) if id(rp) in ep_of]
+            if stacks:  # where their state lies over every ep coordinate (collective over ep)
+                layouts = expert_pieces(mesh, [ep_of[id(rp)] for rp, _ in stacks], [o for _, o in stacks])
+                for (rp, _), where in zip(stacks, layouts, strict=True):
+                    self._experts[id(rp)] = where
 
     # -- the step ----------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -461,8 +471,11 @@ class DTensorLayout(UpdateLayout):
         (``step``) plain, as torch keeps them (every rank lists the holder's value)."""
         if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars (step) stay plain, as torch's
             return value
-        _refuse_expert_parallel_state(rp)
         p = rp.param
+        experts = self._experts.get(id(rp))
+        if experts is not None:  # this ep coordinate's rows of the stack's state (expert_pieces)
+            shape = (experts.rows, *value.shape[1:])
+            return OwnerDTensor.make(value, experts.mesh, experts.placement, shape)
         if rp.owner is not None:
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
             return OwnerDTensor.owned(value, rp.owner, mesh, tuple(value.shape))
@@ -482,19 +495,21 @@ class DTensorLayout(UpdateLayout):
         )
 
     def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
-        # asked for every parameter on every rank before any collective of a state dict: an
-        # expert parallel stack is refused here on all ranks, not only where its state lies
-        _refuse_expert_parallel_state(rp)
         if rp.owner is None or id(rp) not in self._group_of:
             return None
         return rp.owner, self._group_of[id(rp)]
+
+    def state_piece(self, rp: RoutedParam) -> tuple[Any, Any] | None:
+        experts = self._experts.get(id(rp))
+        return None if experts is None else (experts.mesh, experts.placement)
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         from .layouts import plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            _refuse_expert_parallel_state(rp)
+        experts = self._experts.get(id(rp))
+        if experts is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return _expert_rows(experts, as_owner_dtensor(value), what)
         value = as_owner_dtensor(value)
         if not isinstance(value, torch.Tensor):
             return value

@@ -97,6 +97,10 @@ def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], layo
                     continue
                 shape, dtype, device, holder = s
                 empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
+                piece = layout_of[id(ordered[idx])].state_piece(ordered[idx])
+                if piece is not None:  # the layout's own pieces (expert parallel): none here
+                    entry[k] = OwnerDTensor.make(empty, piece[0], piece[1], shape)
+                    continue
                 mesh = mesh_of_group(group, device)
                 if banded and holder is not None:  # another owner's block
                     entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)
