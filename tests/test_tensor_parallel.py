@@ -1,4 +1,4 @@
-"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel: a (dp=2, tp=2) mesh on 4 gloo ranks.
+"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel and x expert parallel on 4 gloo ranks.
 
 Each block is cut by torch's ``parallelize_module`` (``ColwiseParallel`` w1, ``RowwiseParallel``
 w2) on the tp mesh, then sharded by stock ``torch.distributed.fsdp.fully_shard`` over the dp
@@ -16,12 +16,20 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   process over the whole batch, the clip norm the one-process norm on every rank; and
   torch.optim.Muon through OwnerRoutedOptimizer equals torch.optim.Muon fed the same gradients
   bitwise;
+* torchtitan's own ``parallelize_qwen3`` on a tiny Qwen3-MoE (4 routed experts, float32 expert
+  matmuls) with data_parallel_shard_degree=4 and expert_parallel_degree=2: the experts on its
+  (efsdp, ep) mesh, stepped expert by expert on their owners with no collective over ep, equal
+  one process over the whole batch, and bitwise one process fed the same gradients; the steady
+  step's bytes as ``bytes_per_step`` says; the experts' optimizer state is one global tensor in
+  torch's full state dict (the one-process momentum, bitwise), and a DCP checkpoint at step 1
+  resumes in a fresh model and optimizer bit for bit;
 * a single TP matrix (one dp coordinate owns it; the other's TP group skips the tp stage):
   equal one process's torch.optim.Muon;
 * the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
   bucket, bytes as ``bytes_per_step`` says;
-* a placement outside the supported forms is refused at construction, naming the parameter,
-  its placements and the supported forms;
+* placements outside the supported forms (a 2D matrix split by rows twice, experts split
+  inside each expert, a conv kernel in the expert parallel form) are refused at construction,
+  naming the parameter, its placements and the supported forms;
 * state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
   loaded into a fresh model and optimizer with ``set_model_state_dict`` /
   ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
@@ -268,9 +276,8 @@ def titan_reference(order: str = "forward") -> dict[str, Any]:
     return {"norms": norms, "losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@functools.cache
 def titan_reference_run() -> dict[str, Any]:
-    return titan_reference()
+    return results()[0]["references"]["llama"]
 
 
 def _titan_llama(lockstep: bool) -> dict[str, Any]:
@@ -350,9 +357,8 @@ def moe_reference(order: str = "forward") -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@functools.cache
 def moe_reference_run() -> dict[str, Any]:
-    return moe_reference()
+    return results()[0]["references"]["moe"]
 
 
 MOE_SAVE_AT = 1  # the EP checkpoint holds the state after this many steps
@@ -534,7 +540,7 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {
+    out = {
         "train": _train(rank, mesh, ckpt),
         "llama": _titan_llama(lockstep=False),
         "llama_lockstep": _titan_llama(lockstep=True),
@@ -544,6 +550,9 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         "bad": _bad_placements(mesh),
         "owner_layout": _owner_layout_on_tp(mesh),
     }
+    if rank == 0:  # the one-process torchtitan references, where torchtitan is imported already
+        out["references"] = {"llama": titan_reference(), "moe": moe_reference()}
+    return out
 
 
 def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Tensor]:

@@ -308,7 +308,9 @@ class DTensorLayout(UpdateLayout):
             bucket.rebuild()
             stacks = [(rp, owner) for rp, owner in zip(rps, owners, strict=True) if id(rp) in ep_of]
             if stacks:  # where their state lies over every ep coordinate (collective over ep)
-                layouts = expert_pieces(mesh, [ep_of[id(rp)] for rp, _ in stacks], [o for _, o in stacks])
+                layouts = expert_pieces(
+                    mesh, [ep_of[id(rp)] for rp, _ in stacks], [o for _, o in stacks], [rp.label for rp, _ in stacks]
+                )
                 for (rp, _), where in zip(stacks, layouts, strict=True):
                     self._experts[id(rp)] = where
 

@@ -39,23 +39,26 @@ class ExpertPieces:
     stop: int
 
 
-_FLAT: dict[int, Any] = {}  # id(2D mesh) -> its flattening (DeviceMesh caches it by name too)
+def _flat(mesh: Any, label: str) -> Any:
+    """The 1D flattening of the 2D ``mesh`` (torch's ``DeviceMesh._flatten``, as torchtitan
+    flattens its loss mesh; the root mesh caches it by name, so later calls return the same)."""
+    if not mesh.mesh_dim_names:
+        raise ValueError(
+            f"{label!r} is a stack of matrices split over experts on a 2D mesh without dim names; "
+            "OwnerRoutedOptimizer keeps its optimizer state on the flattened mesh, which torch "
+            "builds only for named meshes: name the mesh dims (init_device_mesh(..., mesh_dim_names=...))"
+        )
+    return mesh._flatten()
 
 
-def _flat(mesh: Any) -> Any:
-    flat = _FLAT.get(id(mesh))
-    if flat is None:
-        flat = mesh._flatten()  # torch's flattening of a submesh (what torchtitan uses for its loss mesh)
-        _FLAT[id(mesh)] = flat
-    return flat
-
-
-def expert_pieces(mesh: Any, slices: Sequence[TPSlice], owners: Sequence[int]) -> list[ExpertPieces]:
+def expert_pieces(
+    mesh: Any, slices: Sequence[TPSlice], owners: Sequence[int], labels: Sequence[str]
+) -> list[ExpertPieces]:
     """Collective over the ep group (mesh dim 1 of the 2D ``mesh``): the state layout of each
-    stack ``i``, split over ep as ``slices[i]`` and owned in this rank's efsdp group by efsdp
-    coordinate ``owners[i]``. Every member of one ep group passes the same stacks in order."""
+    stack ``i`` (named ``labels[i]``), split over ep as ``slices[i]`` and owned in this rank's
+    efsdp group by efsdp coordinate ``owners[i]``. Every rank passes the same stacks in order."""
+    flat = _flat(mesh, labels[0])
     per_ep = comm.all_gather_object(list(owners), group=mesh.get_group(1), name="expert_owner_plans")
-    flat = _flat(mesh)
     flat_ranks = [int(r) for r in flat.mesh.flatten().tolist()]
     grid = mesh.mesh.tolist()  # global rank of (efsdp coordinate, ep coordinate)
     out = []
