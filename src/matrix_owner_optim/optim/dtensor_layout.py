@@ -476,6 +476,12 @@ class DTensorLayout(UpdateLayout):
         p = rp.param
         experts = self._experts.get(id(rp))
         if experts is not None:  # this ep coordinate's rows of the stack's state (expert_pieces)
+            if int(value.shape[0]) != experts.stop - experts.start:
+                raise ValueError(
+                    f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; the state "
+                    f"of an expert parallel stack must be per expert (dim 0: this rank's "
+                    f"{experts.stop - experts.start} experts) to be saved as pieces of one global tensor"
+                )
             shape = (experts.rows, *value.shape[1:])
             return OwnerDTensor.make(value, experts.mesh, experts.placement, shape)
         if rp.owner is not None:
