@@ -1,4 +1,4 @@
-"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel: a (dp=2, tp=2) mesh on 4 gloo ranks.
+"""OwnerRoutedOptimizer on stock FSDP2 x tensor parallel and x expert parallel on 4 gloo ranks.
 
 Each block is cut by torch's ``parallelize_module`` (``ColwiseParallel`` w1, ``RowwiseParallel``
 w2) on the tp mesh, then sharded by stock ``torch.distributed.fsdp.fully_shard`` over the dp
@@ -10,18 +10,26 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   torch's ``clip_grad_norm_`` every step, against one process running ``torch.optim.Muon`` and
   ``torch.optim.AdamW`` on the unsharded model over the whole batch: losses, clip norms and
   full parameters equal at the noise floor, on every rank;
-* torchtitan's TP plan for Llama (vocab-parallel embedding, SequenceParallel norms, colwise
-  q/k/v, w1, w3 and output, rowwise wo and w2) written with torch's ``parallelize_module`` on a
-  tiny Llama, then FSDP2 over dp (torchtitan itself does not import without triton): this
-  package's Muon (float32 Newton-Schulz) + AdamW equal one process over the whole batch, and
+* torchtitan's own ``parallelize_llama`` (data_parallel_shard_degree=2, tensor_parallel_degree=2)
+  on a tiny Llama3 from its config builders (CPU adaptations: tests/_titan.py), torch's
+  ``clip_grad_norm_`` every step: this package's Muon (float32 Newton-Schulz) + AdamW equal one
+  process over the whole batch, the clip norm the one-process norm on every rank; and
   torch.optim.Muon through OwnerRoutedOptimizer equals torch.optim.Muon fed the same gradients
   bitwise;
+* torchtitan's own ``parallelize_qwen3`` on a tiny Qwen3-MoE (4 routed experts, float32 expert
+  matmuls) with data_parallel_shard_degree=4 and expert_parallel_degree=2: the experts on its
+  (efsdp, ep) mesh, stepped expert by expert on their owners with no collective over ep, equal
+  one process over the whole batch, and bitwise one process fed the same gradients; the steady
+  step's bytes as ``bytes_per_step`` says; the experts' optimizer state is one global tensor in
+  torch's full state dict (the one-process momentum, bitwise), and a DCP checkpoint at step 1
+  resumes in a fresh model and optimizer bit for bit;
 * a single TP matrix (one dp coordinate owns it; the other's TP group skips the tp stage):
   equal one process's torch.optim.Muon;
 * the collectives of a steady step: the dp all-to-alls and one all-gather over tp per dtype
   bucket, bytes as ``bytes_per_step`` says;
-* a placement outside the supported forms is refused at construction, naming the parameter,
-  its placements and the supported forms;
+* placements outside the supported forms (a 2D matrix split by rows twice, experts split
+  inside each expert, a conv kernel in the expert parallel form) are refused at construction,
+  naming the parameter, its placements and the supported forms;
 * state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
   loaded into a fresh model and optimizer with ``set_model_state_dict`` /
   ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
@@ -43,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _tolerances import TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.toolbox.launch import spawn_ranks
@@ -214,81 +222,21 @@ def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
     return out
 
 
-# -- torchtitan's Llama TP plan, in torch's own API -----------------------------------------------
-# torchtitan's parallelize_llama cannot be imported on a CPU machine (its models import triton),
-# so this is its plan for a Llama (vocab-parallel embedding, SequenceParallel norms, colwise q/k/v
-# and w1/w3, rowwise wo/w2, colwise output), written with torch's parallelize_module.
-V, DIM, HEADS, SEQ = 32, 16, 4, 8
+# -- torchtitan's own parallelize_llama --------------------------------------------------------------
+# A tiny Llama3 from torchtitan's config builders, parallelized by torchtitan's parallelize_llama
+# with data_parallel_shard_degree=2 and tensor_parallel_degree=2 (its TP plan: vocab-parallel
+# embedding, SequenceParallel norms, colwise fused wqkv, w1, w3 and lm_head, rowwise wo and w2;
+# then FSDP2 over its fsdp mesh). CPU adaptations: tests/_titan.py.
+TITAN_STEPS, TITAN_BATCH = 3, 4  # dp coordinate d takes rows [2d, 2d + 2)
 # Against the whole-batch one-process run, Newton-Schulz in float32 (this package's Muon,
 # ns_dtype=float32; torch.optim.Muon always runs it in bfloat16): TP's split matmuls and
-# sequence-parallel norms change the gradients' round-off (2e-7 to 4e-7 relative, measured
-# against one process), which bfloat16 Newton-Schulz turns into bfloat16 ulps of the update
-# (5.7e-4 relative in wq after 3 steps). torch.optim.Muon itself is checked in lockstep: fed
-# the same gradients it agrees bitwise, so that difference is the model's round-off, not the step.
+# sequence-parallel norms change the gradients' round-off, which bfloat16 Newton-Schulz turns
+# into bfloat16 ulps of the update. torch.optim.Muon itself is checked in lockstep: fed the same
+# gradients it agrees bitwise, so that difference is the model's round-off, not the step.
 LLAMA_MUON = {**MUON, "ns_dtype": torch.float32}
 
 
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # local heads under TP
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
-        self.w3 = nn.Linear(DIM, 2 * DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.attention, self.feed_forward = Attention(), FeedForward()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class Llama(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(V, DIM)
-        self.layers = nn.ModuleList([LlamaBlock(), LlamaBlock()])
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, V, bias=False)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return F.cross_entropy(self.output(self.norm(h)).flatten(0, 1), targets.flatten())
-
-
-def build_llama() -> Llama:
-    torch.manual_seed(0)
-    return Llama()
-
-
-def llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randint(0, V, (4, SEQ), generator=g), torch.randint(0, V, (4, SEQ), generator=g)) for _ in range(3)]
-
-
-def llama_matrix_names(model: Llama) -> set[str]:
+def titan_matrix_names(model: nn.Module) -> set[str]:
     from matrix_owner_optim.planning import Role
     from matrix_owner_optim.planning.roles import module_roles
 
@@ -296,83 +244,69 @@ def llama_matrix_names(model: Llama) -> set[str]:
     return {n for n, p in model.named_parameters() if roles[id(p)] is Role.MATRIX}
 
 
-def llama_optimizers(model: Llama, matrix: type[torch.optim.Optimizer], options: dict) -> list[torch.optim.Optimizer]:
+def titan_optimizers(
+    model: nn.Module, matrix: type[torch.optim.Optimizer], options: dict
+) -> list[torch.optim.Optimizer]:
     """One process: the matrix optimizer on the matrices, AdamW on the rest."""
-    mats = llama_matrix_names(model)
+    mats = titan_matrix_names(model)
     return [
         matrix([p for n, p in model.named_parameters() if n in mats], **options),
         torch.optim.AdamW([p for n, p in model.named_parameters() if n not in mats], **ADAMW),
     ]
 
 
-@functools.cache
-def llama_reference() -> dict[str, torch.Tensor]:
-    """One process, the whole batch, Muon with float32 Newton-Schulz."""
-    model = build_llama()
-    opts = llama_optimizers(model, Muon, LLAMA_MUON)
-    for tokens, targets in llama_batches():
-        model(tokens, targets).backward()
+def titan_reference(order: str = "forward") -> dict[str, Any]:
+    """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor),
+    Muon with float32 Newton-Schulz, torch's clip_grad_norm_ every step."""
+    import _titan
+
+    model = _titan.build(_titan.llama_config(), _titan.parallelism())
+    opts = titan_optimizers(model, Muon, LLAMA_MUON)
+    norms, losses = [], []
+    for tokens, targets in _titan.batches(TITAN_STEPS, TITAN_BATCH):
+        if order == "reversed":
+            tokens, targets = tokens.flip(0), targets.flip(0)
+        loss = _titan.loss(model, tokens, targets, tokens.numel())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         for o in opts:
             o.step()
             o.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+    return {"norms": norms, "losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _llama_tp_fsdp(model: Llama, mesh: Any) -> None:
-    """torchtitan's apply_tp for Llama (loss_parallel off), then FSDP2 over dp per block and root."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    tp = mesh["tp"]
-    parallelize_module(
-        model,
-        tp,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in model.layers:
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        parallelize_module(block, tp, plan)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+def titan_reference_run() -> dict[str, Any]:
+    return results()[0]["references"]["llama"]
 
 
-def _llama(mesh: Any, lockstep: bool) -> dict[str, Any]:
-    """3 steps on the Llama plan. ``lockstep``: torch.optim.Muon through OwnerRoutedOptimizer, and
-    on every rank a one-process copy stepped by torch.optim.Muon + AdamW on the same gradients
-    (gathered with full_tensor): the optimizer path alone, bfloat16 Newton-Schulz included.
-    Else this package's Muon in float32 (compared with the whole-batch one-process run)."""
-    model = build_llama()
-    ref = build_llama() if lockstep else None
-    ref_opts = llama_optimizers(ref, torch.optim.Muon, MUON) if ref is not None else []
-    _llama_tp_fsdp(model, mesh)
+def _titan_llama(lockstep: bool) -> dict[str, Any]:
+    """3 steps of torchtitan's Llama3 under its parallelize_llama on (dp=2, tp=2), torch's
+    clip_grad_norm_ every step. ``lockstep``: torch.optim.Muon through OwnerRoutedOptimizer, and
+    on every rank a one-process copy stepped by torch.optim.Muon + AdamW on the same (clipped)
+    gradients (gathered with full_tensor): the optimizer path alone, bfloat16 Newton-Schulz
+    included. Else this package's Muon in float32 (compared with the whole-batch run)."""
+    import torch.distributed as dist
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    import _titan
+
+    par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
+    model = _titan.build(_titan.llama_config(), par)
+    ref = _titan.build(_titan.llama_config(), par) if lockstep else None
+    ref_opts = titan_optimizers(ref, torch.optim.Muon, MUON) if ref is not None else []
+    dims = _titan.parallelize(model, parallelize_llama, par, dist.get_world_size())
     matrix, options = ("torch_muon", MUON) if lockstep else ("muon", LLAMA_MUON)
     opt = OwnerRoutedOptimizer(model, matrix=matrix, matrix_options=options, tail="adamw", tail_options=ADAMW)
-    dp = mesh["dp"].get_local_rank()
-    for tokens, targets in llama_batches():
-        model(tokens[2 * dp : 2 * dp + 2], targets[2 * dp : 2 * dp + 2]).backward()
+    dp = dims.get_mesh("fsdp").get_local_rank()
+    norms, losses = [], []
+    for tokens, targets in _titan.batches(TITAN_STEPS, TITAN_BATCH):
+        rows = slice(2 * dp, 2 * dp + 2)
+        loss = _titan.loss(model, tokens[rows], targets[rows], tokens.numel())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        losses.append(loss.item())
         if ref is not None:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             for n, p in ref.named_parameters():
@@ -385,10 +319,142 @@ def _llama(mesh: Any, lockstep: bool) -> dict[str, Any]:
     out = {
         "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()},
         "routes": {r["name"]: r["role"] for r in opt.routes()},
+        "norms": norms,
+        "losses": losses,
         "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
     }
     if ref is not None:
         out["lockstep"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return out
+
+
+# -- expert parallel: torchtitan's Qwen3-MoE under its own parallelize_qwen3 ------------------------
+# data_parallel_shard_degree=4, expert_parallel_degree=2: the dense parameters Shard(0) over its
+# fsdp mesh (4), the routed experts w1/w2/w3 [E, ., .] on its (efsdp=2, ep=2) mesh as
+# (_StridedShard(0, sf=2), Shard(0)): ep coordinate t holds experts [2t, 2t + 2), FSDP splits
+# them over efsdp. Rank r takes row r of each global batch.
+MOE_STEPS, MOE_BATCH = 3, 4
+
+
+def moe_reference(order: str = "forward") -> dict[str, Any]:
+    """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor):
+    this package's Muon (float32 Newton-Schulz) on the matrices, each expert of a stack its own
+    matrix, AdamW on the rest."""
+    import _titan
+
+    model = _titan.build(_titan.qwen3_moe_config(), _titan.parallelism())
+    opts = titan_optimizers(model, Muon, LLAMA_MUON)
+    losses = []
+    for tokens, targets in _titan.batches(MOE_STEPS, MOE_BATCH, seed=3):
+        if order == "reversed":
+            tokens, targets = tokens.flip(0), targets.flip(0)
+        loss = _titan.loss(model, tokens, targets, tokens.numel())
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def moe_reference_run() -> dict[str, Any]:
+    return results()[0]["references"]["moe"]
+
+
+MOE_SAVE_AT = 1  # the EP checkpoint holds the state after this many steps
+
+
+def _titan_moe_model() -> tuple[nn.Module, OwnerRoutedOptimizer]:
+    import torch.distributed as dist
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    import _titan
+
+    par = _titan.parallelism(data_parallel_shard_degree=4, expert_parallel_degree=2)
+    model = _titan.build(_titan.qwen3_moe_config(), par)
+    _titan.parallelize(model, parallelize_qwen3, par, dist.get_world_size())
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+    return model, opt
+
+
+def _moe_step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    import _titan
+
+    tokens, targets = _titan.batches(MOE_STEPS, MOE_BATCH, seed=3)[step]
+    loss = _titan.loss(model, tokens[rank : rank + 1], targets[rank : rank + 1], tokens.numel())
+    loss.backward()
+    return loss
+
+
+def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
+    """3 steps of torchtitan's Qwen3-MoE under parallelize_qwen3 with expert_parallel_degree=2,
+    OwnerRoutedOptimizer (this package's Muon in float32 + AdamW), a one-process copy stepped in
+    lockstep on the same gradients, and a DCP checkpoint of torch's get_model_state_dict /
+    get_optimizer_state_dict at step 1 that a fresh model and optimizer resume from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import _titan
+
+    ref = _titan.build(_titan.qwen3_moe_config(), _titan.parallelism())
+    ref_opts = titan_optimizers(ref, Muon, LLAMA_MUON)
+    model, opt = _titan_moe_model()
+    out: dict[str, Any] = {"losses": []}
+    for step in range(MOE_STEPS):
+        if step == MOE_SAVE_AT:
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                checkpoint_id=ckpt,
+            )
+        out["losses"].append(_moe_step(model, rank, step).item())
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        if step == MOE_STEPS - 1:
+            with CommCounter() as cc:
+                opt.step()
+            out["ops"] = cc.by_op("optimizer")
+            out["sent"], out["received"] = cc.bytes("optimizer", "sent"), cc.bytes("optimizer", "received")
+        else:
+            opt.step()
+        opt.zero_grad()
+    # the experts' state as one global tensor (its pieces over both mesh dims), and the lockstep copy's
+    name = "layers.1.moe.routed_experts.inner_experts.w2_EDF"
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out["momentum"] = full["state"][name]["momentum_buffer"].clone()
+    out["lockstep_momentum"] = ref_opts[0].state[dict(ref.named_parameters())[name]]["momentum_buffer"].clone()
+    # resume from the checkpoint in a fresh model and optimizer, train the remaining steps. DCP
+    # loads into the state dicts of another fresh pair: into this optimizer's own it would write
+    # the state in place and leave set_optimizer_state_dict (the experts' pieces) nothing to do
+    resumed, resumed_opt = _titan_moe_model()
+    template, template_opt = _titan_moe_model()
+    state = {"model": get_model_state_dict(template), "optim": get_optimizer_state_dict(template, template_opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    for step in range(MOE_SAVE_AT, MOE_STEPS):
+        _moe_step(resumed, rank, step)
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+    out.update(
+        placements={
+            n: (str(tuple(p.placements)), tuple(p.device_mesh.mesh_dim_names)) for n, p in model.named_parameters()
+        },
+        routes={r["name"]: r for r in opt.routes()},
+        bytes_per_step=sum(pl.bytes_per_step() for pl in opt.layouts() if pl.name == "dtensor"),
+        params={n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        lockstep={n: p.detach().clone() for n, p in ref.named_parameters()},
+        resumed={n: p.full_tensor().detach().clone() for n, p in resumed.named_parameters()},
+    )
     return out
 
 
@@ -430,16 +496,29 @@ def _one_matrix(mesh: Any) -> dict[str, Any]:
     return {"owner": opt.routes()[0]["owner"], "ops": ops, "weight": lin.weight.full_tensor().detach().clone()}
 
 
-def _bad_placements(mesh: Any) -> str:
-    """A 2D matrix TP-sharded by rows with FSDP's rows first ((Shard(0), Shard(0))): refused."""
+def _bad_placements(mesh: Any) -> dict[str, str]:
+    """Refused at construction: a 2D matrix TP-sharded by rows with FSDP's rows first
+    ((Shard(0), Shard(0))); a stack of expert matrices split inside each expert over the second
+    mesh dim (expert tensor parallel, (Shard(0), Shard(1))); a 3D conv kernel split over dim 0
+    in the expert parallel form (its dim 0 is rows of one matrix, not a stack of matrices)."""
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0), Shard(0)]))
-    try:
-        OwnerRoutedOptimizer([("w", p)], matrix="torch_muon")
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    cases = {
+        "rows_twice": ((8, 4), [Shard(0), Shard(0)], None),
+        "expert_tp": ((4, 6, 4), [Shard(0), Shard(1)], None),
+        "conv": ((4, 6, 3), [_StridedShard(0, split_factor=2), Shard(0)], "conv"),
+    }
+    out = {}
+    for case, (shape, placements, view) in cases.items():
+        p = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, placements))
+        try:
+            views = {"w": view} if view is not None else None
+            OwnerRoutedOptimizer([("w", p)], matrix="muon", roles={"w": "matrix"}, matrix_views=views)
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+    return out
 
 
 def _owner_layout_on_tp(mesh: Any) -> str:
@@ -461,15 +540,19 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {
+    out = {
         "train": _train(rank, mesh, ckpt),
-        "llama": _llama(mesh, lockstep=False),
-        "llama_lockstep": _llama(mesh, lockstep=True),
+        "llama": _titan_llama(lockstep=False),
+        "llama_lockstep": _titan_llama(lockstep=True),
+        "moe": _titan_moe(rank, f"{ckpt}/moe"),
         "resumed": _resume(mesh, ckpt),
         "one_matrix": _one_matrix(mesh),
         "bad": _bad_placements(mesh),
         "owner_layout": _owner_layout_on_tp(mesh),
     }
+    if rank == 0:  # the one-process torchtitan references, where torchtitan is imported already
+        out["references"] = {"llama": titan_reference(), "moe": moe_reference()}
+    return out
 
 
 def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Tensor]:
@@ -549,20 +632,93 @@ def test_fsdp_x_tp_step_moves_what_bytes_per_step_says() -> None:
         print(f"rank {rank}: optimizer step sent {t['sent']} B, received {t['received']} B, by op {t['ops']}")
 
 
-def test_torchtitan_llama_tp_plan_equals_one_process() -> None:
-    ref = llama_reference()
+def test_torchtitan_parallelize_llama_equals_one_process() -> None:
+    ref = titan_reference_run()
     for rank, r in enumerate(results()):
         got = r["llama"]
-        assert got["placements"]["layers.0.attention.wq.weight"].startswith("(_StridedShard"), got["placements"]
+        assert got["placements"]["layers.0.attention.qkv_linear.wqkv.weight"].startswith("(_StridedShard"), got
         assert got["placements"]["layers.0.feed_forward.w2.weight"] == "(Shard(dim=0), Shard(dim=1))"
         assert got["placements"]["norm.weight"] == "(Shard(dim=0), Replicate())", got["placements"]
-        assert got["routes"]["layers.1.attention.wo.weight"] == "matrix" and got["routes"]["output.weight"] != "matrix"
-        worst = max(_rel(got["params"][n], p) for n, p in ref.items())
-        print(f"rank {rank}: Llama TP plan, worst parameter rel err {worst:.2e}")
-        for n, p in ref.items():
-            assert _rel(got["params"][n], p) <= TP_PARAM_RTOL, (
+        assert got["routes"]["layers.1.attention.wo.weight"] == "matrix", got["routes"]
+        assert got["routes"]["lm_head.weight"] != "matrix", got["routes"]
+        # torch's clip_grad_norm_ over dp and tp: the one-process norm, on every rank
+        for i, (a, b) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(got["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: torchtitan parallelize_llama, worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(got["params"][n], p) <= TITAN_PARAM_RTOL, (
                 f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
             )
+    res = results()  # each dp coordinate's loss is its share of the global mean: they sum to it
+    for i, b in enumerate(ref["losses"]):
+        a = res[0]["llama"]["losses"][i] + res[2]["llama"]["losses"][i]
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_torchtitan_parallelize_llama_torch_muon_is_bitwise_in_lockstep() -> None:
+    for rank, r in enumerate(results()):
+        got = r["llama_lockstep"]
+        for n, p in got["lockstep"].items():
+            assert torch.equal(got["params"][n], p), f"rank {rank}: {n} differs from torch.optim.Muon in lockstep"
+
+
+EXPERTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def test_torchtitan_expert_parallel_equals_one_process() -> None:
+    ref = moe_reference_run()
+    res = results()
+    for rank, r in enumerate(res):
+        got = r["moe"]
+        for n, (placements, mesh) in got["placements"].items():
+            if n.endswith(EXPERTS):  # experts on the (efsdp, ep) mesh, the rest on fsdp
+                assert (placements, mesh) == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("efsdp", "ep")), (n, mesh)
+            else:
+                assert mesh == ("fsdp",), (n, placements, mesh)
+        experts = {n: route for n, route in got["routes"].items() if n.endswith(EXPERTS)}
+        assert len(experts) == 6 and all(route["role"] == "matrix" for route in experts.values()), experts
+        assert got["routes"]["layers.0.moe.router.gate.weight"]["role"] == "tail"
+        worst = max(_rel(got["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: torchtitan Qwen3-MoE EP=2, worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(got["params"][n], p) <= MOE_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            )
+    for i, b in enumerate(ref["losses"]):  # each rank's loss is its share of the global mean
+        a = sum(r["moe"]["losses"][i] for r in res)
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_torchtitan_expert_parallel_steps_each_expert_exactly_on_its_owner() -> None:
+    """Fed the same gradients, one process's Muon + AdamW over the whole model agree bitwise:
+    each ep rank's experts, stepped expert by expert by their owner over efsdp, are the
+    one-process step of those experts."""
+    res = results()
+    for rank, r in enumerate(res):
+        got = r["moe"]
+        for n, p in got["lockstep"].items():
+            assert torch.equal(got["params"][n], p), f"rank {rank}: {n} differs from one process in lockstep"
+        # owners are efsdp coordinates: the ranks holding the same experts ({0, 2} experts 0-1,
+        # {1, 3} experts 2-3; rank = 2 * efsdp + ep) plan them among themselves, nothing over ep
+        for n, route in got["routes"].items():
+            if n.endswith(EXPERTS):
+                assert route["owner"] in (0, 1) and route["local"] == (route["owner"] == rank // 2), (rank, n, route)
+        assert set(got["ops"]) == {"owner_grad_all_to_all", "owner_update_all_to_all"}, got["ops"]
+        assert got["sent"] + got["received"] == got["bytes_per_step"], (rank, got["sent"], got["bytes_per_step"])
+        print(f"rank {rank}: EP optimizer step sent {got['sent']} B, received {got['received']} B, by op {got['ops']}")
+
+
+def test_expert_parallel_checkpoint_resumes_exactly() -> None:
+    """The experts' optimizer state is one global tensor in torch's state dicts, its rows on each
+    ep coordinate's owner: the full state dict's momentum is the lockstep copy's, and a DCP
+    checkpoint at step 1 resumed in a fresh model and optimizer repeats the run bit for bit."""
+    for rank, r in enumerate(results()):
+        got = r["moe"]
+        want = got["lockstep_momentum"]
+        assert torch.equal(got["momentum"].view(want.shape), want), f"rank {rank}: expert momentum differs"
+        for n, p in got["params"].items():
+            assert torch.equal(got["resumed"][n], p), f"rank {rank}: {n} differs after resuming"
 
 
 def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:
@@ -604,14 +760,21 @@ def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
         assert "(Shard(dim=0),)" in msg and "torch.distributed.fsdp.fully_shard" in msg, msg
 
 
-def test_unsupported_tp_placements_are_refused_naming_them() -> None:
+def test_unsupported_tp_and_ep_placements_are_refused_naming_them() -> None:
     for r in results():
-        msg = r["bad"]
+        bad = r["bad"]
+        msg = bad["rows_twice"]
         assert "'w'" in msg and "(Shard(dim=0), Shard(dim=0))" in msg and "RowwiseParallel" in msg, msg
+        msg = bad["expert_tp"]
+        assert "'w'" in msg and "(Shard(dim=0), Shard(dim=1))" in msg and "(efsdp, ep)" in msg, msg
+        msg = bad["conv"]
+        assert "'w'" in msg and "the 'conv' matrix view" in msg and "_StridedShard" in msg, msg
 
 
-if __name__ == "__main__":  # the noise floor: the reference against itself, summation order changed
-    a, b = reference(), reference("reversed")
-    print("params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
-    print("norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
-    print("losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))
+if __name__ == "__main__":  # the noise floor: the references against themselves, summation order changed
+    for name, run in (("two blocks", reference), ("torchtitan Llama3", titan_reference), ("Qwen3-MoE", moe_reference)):
+        a, b = run(), run("reversed")
+        print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+        if "norms" in a:
+            print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
+        print(name, "losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))

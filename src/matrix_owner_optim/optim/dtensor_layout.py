@@ -65,6 +65,7 @@ from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
 from .dtensor_sharding import TPSlice, matrix_sharding
+from .expert_pieces import ExpertPieces, expert_pieces
 from .layouts import LayoutConfig, UpdateLayout
 from .replicated_layout import plan_owners
 from .routing import RoutedParam
@@ -153,6 +154,28 @@ class _Matrix:
         return self.tp.narrow(self.full, self.tp.rank).contiguous()
 
 
+def _stepped_shape(rp: RoutedParam) -> tuple[int, ...]:
+    """The shape an owner steps: the global shape (under TP too: the owners assemble it), or
+    an expert parallel rank's slice of a stack (``rp.step_shape``)."""
+    return rp.step_shape if rp.step_shape is not None else tuple(int(n) for n in rp.param.shape)
+
+
+def _expert_rows(experts: ExpertPieces, value: torch.Tensor, what: str) -> torch.Tensor:
+    """This ep coordinate's rows of an expert parallel stack's saved state: read off a piece of
+    the same layout (DCP into this optimizer's state dict) or cut from the full tensor."""
+    from ..owner_dtensor.placement import same_placement
+    from .layouts import plain_local
+
+    if is_owner_dtensor(value) and same_placement(value.placement, experts.placement):  # type: ignore[attr-defined]
+        return local_tensor(value)
+    full = plain_local(value, what)
+    if int(full.shape[0]) != experts.rows:
+        raise ValueError(
+            f"{what}: shape {tuple(full.shape)}, expected the {experts.rows} experts of the stack on dim 0"
+        )
+    return full[experts.start : experts.stop]
+
+
 def _tp_slices(mats: list[_Matrix]) -> list[tuple[TPSlice, tuple[int, ...]]]:
     """Each TP matrix's slice and global shape (what :func:`all_gather_slices` takes)."""
     out = []
@@ -202,11 +225,13 @@ class DTensorLayout(UpdateLayout):
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
         self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
+        self._experts: dict[int, ExpertPieces] = {}  # id(expert parallel stack) -> its state's pieces
 
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
         new: dict[tuple[Any, int, int | None, torch.dtype], list[RoutedParam]] = {}
         tp_of: dict[int, TPSlice | None] = {}
+        ep_of: dict[int, TPSlice] = {}  # expert parallel stacks: their split over ep
         for rp in entries:
             self.entries.append(rp)
             p = rp.param
@@ -220,8 +245,12 @@ class DTensorLayout(UpdateLayout):
                     raise ValueError(f"replicated DTensor matrix {rp.label!r} must be 2D, got {tuple(p.shape)}")
                 self._tails.append(rp)
                 continue
-            tp_of[id(rp)] = sharding.tp
-            tp_dim = None if sharding.tp is None else sharding.tp.mesh_dim
+            # expert parallel: this rank's experts are a stack of their own, no tp stage
+            tp_of[id(rp)] = None if sharding.tp is None or sharding.tp.whole else sharding.tp
+            if sharding.tp is not None and sharding.tp.whole:
+                rp.step_shape = sharding.tp.shape(tuple(int(n) for n in p.shape), sharding.tp.rank)
+                ep_of[id(rp)] = sharding.tp
+            tp_dim = None if sharding.tp is None or sharding.tp.whole else sharding.tp.mesh_dim
             key = (p.device_mesh, sharding.dp_dim, tp_dim, p.dtype)  # type: ignore[attr-defined]
             new.setdefault(key, []).append(rp)
         for key, rps in new.items():
@@ -242,9 +271,10 @@ class DTensorLayout(UpdateLayout):
             W, me = bucket.world_size, bucket.rank
             # owners are dp coordinates, planned on global shapes: every TP rank plans the same
             # list, so the owners of one matrix's TP slices share a dp coordinate (one TP group)
+            shapes = [_stepped_shape(rp) for rp in rps]
             owners = plan_owners(
                 rps,
-                [tuple(rp.param.shape) for rp in rps],
+                shapes,
                 [dtype] * len(rps),
                 W,
                 bucket.loads,
@@ -252,8 +282,7 @@ class DTensorLayout(UpdateLayout):
                 group=bucket.group,
                 tp_group=bucket.tp_group,
             )
-            for rp, owner in zip(rps, owners, strict=True):
-                shape = tuple(int(n) for n in rp.param.shape)
+            for rp, owner, shape in zip(rps, owners, shapes, strict=True):
                 tp = tp_of[id(rp)]
                 piece = shape if tp is None else tp.shape(shape, tp.rank)  # what the shard group splits
                 rows = chunk_row_sizes(piece[0], W)
@@ -277,6 +306,13 @@ class DTensorLayout(UpdateLayout):
                     rp.proxy = None
                 bucket.mats.append(m)
             bucket.rebuild()
+            stacks = [(rp, owner) for rp, owner in zip(rps, owners, strict=True) if id(rp) in ep_of]
+            if stacks:  # where their state lies over every ep coordinate (collective over ep)
+                layouts = expert_pieces(
+                    mesh, [ep_of[id(rp)] for rp, _ in stacks], [o for _, o in stacks], [rp.label for rp, _ in stacks]
+                )
+                for (rp, _), where in zip(stacks, layouts, strict=True):
+                    self._experts[id(rp)] = where
 
     # -- the step ----------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -438,6 +474,16 @@ class DTensorLayout(UpdateLayout):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars (step) stay plain, as torch's
             return value
         p = rp.param
+        experts = self._experts.get(id(rp))
+        if experts is not None:  # this ep coordinate's rows of the stack's state (expert_pieces)
+            if int(value.shape[0]) != experts.stop - experts.start:
+                raise ValueError(
+                    f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; the state "
+                    f"of an expert parallel stack must be per expert (dim 0: this rank's "
+                    f"{experts.stop - experts.start} experts) to be saved as pieces of one global tensor"
+                )
+            shape = (experts.rows, *value.shape[1:])
+            return OwnerDTensor.make(value, experts.mesh, experts.placement, shape)
         if rp.owner is not None:
             mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
             return OwnerDTensor.owned(value, rp.owner, mesh, tuple(value.shape))
@@ -461,10 +507,17 @@ class DTensorLayout(UpdateLayout):
             return None
         return rp.owner, self._group_of[id(rp)]
 
+    def state_piece(self, rp: RoutedParam) -> tuple[Any, Any] | None:
+        experts = self._experts.get(id(rp))
+        return None if experts is None else (experts.mesh, experts.placement)
+
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         from .layouts import plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
+        experts = self._experts.get(id(rp))
+        if experts is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return _expert_rows(experts, as_owner_dtensor(value), what)
         value = as_owner_dtensor(value)
         if not isinstance(value, torch.Tensor):
             return value

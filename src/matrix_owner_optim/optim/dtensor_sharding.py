@@ -9,6 +9,12 @@ Two forms are supported, both with whole-matrix owners along the FSDP (data-para
   rows of each TP slice) or ``(Shard(0), Shard(1))`` (``RowwiseParallel``: TP splits the columns,
   FSDP the rows of each TP slice). Rank ``(d, t)`` holds ``torch.chunk`` row block ``d`` (of
   ``D``) of TP slice ``t`` (``torch.chunk`` piece ``t`` of ``T`` along the TP dim).
+* **FSDP2 x expert parallel**, as torchtitan's MoE parallelize functions leave a stack of expert
+  matrices ``[E, out, in]`` (read with the ``"stack"`` matrix view) on its 2D (efsdp, ep) mesh:
+  ``(_StridedShard(dim=0, sf=<ep size>), Shard(dim=0))``, the form of ``ColwiseParallel`` but
+  along the stack dim. EP coordinate ``t`` holds experts ``torch.chunk`` piece ``t`` of ``E``,
+  FSDP splits those experts over efsdp. A slice along a stack dim is whole matrices, so it is
+  stepped on its own (:attr:`TPSlice.whole`): no assembly over the ep dim.
 
 Anything else is refused by :func:`matrix_sharding` with an error naming the parameter, its
 placements and these forms. Pure: reads placements and mesh coordinates, no collective.
@@ -32,7 +38,9 @@ SUPPORTED = (
     "the others Replicate() (torch.distributed.fsdp.fully_shard, HSDP), and 2D matrices on a 2D "
     "(dp, tp) mesh as parallelize_module then fully_shard(mesh=mesh['dp']) leave them: "
     "(_StridedShard(dim=0, sf=<tp size>), Shard(dim=0)) (ColwiseParallel) or "
-    "(Shard(dim=0), Shard(dim=1)) (RowwiseParallel)"
+    "(Shard(dim=0), Shard(dim=1)) (RowwiseParallel), and stacks of matrices (the 'stack' matrix "
+    "view, e.g. MoE experts [E, out, in]) split over experts on a 2D (efsdp, ep) mesh as "
+    "torchtitan's expert parallel leaves them: (_StridedShard(dim=0, sf=<ep size>), Shard(dim=0))"
 )
 
 
@@ -42,12 +50,15 @@ class TPSlice:
 
     ``dim`` is the tensor dim TP splits (0: colwise, 1: rowwise), ``sizes`` the extent along it
     of every TP rank's slice (``torch.chunk`` sizes), ``rank`` this rank's TP coordinate.
+    ``whole``: the split is along a stack dim (expert parallel), so each slice is whole matrices,
+    stepped where it lies with no collective over the TP (ep) mesh dim.
     """
 
     mesh_dim: int
     dim: int
     rank: int
     sizes: tuple[int, ...]
+    whole: bool = False
 
     @property
     def size(self) -> int:
@@ -99,11 +110,23 @@ def matrix_sharding(rp: RoutedParam) -> MatrixSharding:
     others = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate) and d not in rows]
     if len(rows) == 1 and not others:
         return MatrixSharding(rows[0])
-    if len(placements) != 2 or p.dim() != 2:
+    if len(placements) != 2:
         raise _refuse(rp)
     dp, tp = placements
     T = mesh.size(1)
-    if type(tp) is Shard and tp.dim == 0 and isinstance(dp, _StridedShard) and dp.dim == 0 and dp.split_factor == T:
+    # dim 0 split over tp, then FSDP2 over dim 0 of each tp slice
+    colwise = (
+        type(tp) is Shard and tp.dim == 0 and isinstance(dp, _StridedShard) and dp.dim == 0 and dp.split_factor == T
+    )
+    if p.dim() > 2:  # a stack of matrices split over experts (expert parallel), or refused
+        if rp.view is None or rp.view.kind != "stack":
+            kind = "no matrix view" if rp.view is None else f"the {rp.view.kind!r} matrix view"
+            raise _refuse(rp, f" and {kind} (only a 'stack' splits into whole matrices along dim 0)")
+        if not colwise:
+            raise _refuse(rp)
+        ep = TPSlice(1, 0, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[0]), T)), whole=True)
+        return MatrixSharding(0, ep)
+    if colwise:
         tp_dim = 0  # ColwiseParallel, then FSDP2 over the rows of each TP slice
     elif type(tp) is Shard and tp.dim == 1 and type(dp) is Shard and dp.dim == 0:
         tp_dim = 1  # RowwiseParallel, then FSDP2 over the rows of each TP slice

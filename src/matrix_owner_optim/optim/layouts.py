@@ -131,6 +131,12 @@ class UpdateLayout(ABC):
         entries, as torch's state-dict utilities need); None where every rank holds its own."""
         return None
 
+    def state_piece(self, rp: RoutedParam) -> tuple[Any, Any] | None:
+        """(mesh, placement) of ``rp``'s state pieces where several ranks each hold a part of it
+        that this layout places itself (expert parallel stacks); ranks holding none list its
+        keys as empty pieces of that placement. None: the placement follows ``state_holder``."""
+        return None
+
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         """This rank's value of state ``key`` of ``rp`` from a state-dict entry: a piece written
         by :meth:`state_entry` on this layout, a full tensor, or a replicated DTensor."""

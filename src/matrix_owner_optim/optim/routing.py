@@ -86,6 +86,9 @@ class RoutedParam:
     proxy: torch.Tensor | None = None
     owner: int | None = None
     view: MatrixView | None = None  # how the matrix optimizer reads it (matrix role only)
+    # the shape of the part its owner steps, where that is not the whole parameter: an expert
+    # parallel slice of a stack (this rank's experts); None: the whole (global) shape
+    step_shape: tuple[int, ...] | None = None
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -334,7 +337,7 @@ def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
     band of a matrix split between owners which rows it is (:mod:`~..planning.bands`)."""
     for rp in rps:
         if rp.role is Role.MATRIX and rp.view is not None and rp.proxy is not None:
-            shape = tuple(rp.global_shape)
+            shape = tuple(rp.global_shape) if rp.step_shape is None else rp.step_shape
             if rp.shard is not None and rp.shard.is_split:  # this rank's experts (or band) only
                 start, stop = rp.shard.row_range(get_shard_rank(rp.param) or 0)
                 shape = (stop - start, *shape[1:])
