@@ -369,6 +369,15 @@ def test_bf16_model_keeps_fp32_state_through_load(matrix, options):
     assert_bitwise_equal(param_copies(model2), param_copies(model), f"bf16 {matrix} resumed")
 
 
+def _square_loss_steps(model, opt, rng) -> None:
+    """A step of ``opt`` on ``model(x).square().mean()`` for each seed in ``rng`` (x: 4 x 6)."""
+    for s in rng:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 class _DLike(torch.optim.Optimizer):
     """A Prodigy-like optimizer: SGD scaled by a group value ``d`` that it updates itself each
     step, and a step counter ``k`` in the group (schedule-free keeps one)."""
@@ -393,17 +402,10 @@ def test_inner_group_values_evolve_and_survive_a_load():
         model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
         return model, OwnerRoutedOptimizer(model, matrix=_DLike, matrix_options={"lr": 0.1}, tail="adamw")
 
-    def steps(model, opt, rng):
-        for s in rng:
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt = build(0)
     ds = []
     for s in range(5):
-        steps(model, opt, [s])
+        _square_loss_steps(model, opt, [s])
         ds.append(opt.param_groups[0]["d"])
     assert opt.param_groups[0]["role"] == "matrix" and opt.param_groups[0]["k"] == 5
     assert all(b > a for a, b in pairwise(ds)) and ds[0] > 1e-3  # it evolves
@@ -413,12 +415,12 @@ def test_inner_group_values_evolve_and_survive_a_load():
     model2, opt2 = build(1)
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict(saved)
-    steps(model, opt, range(5, 7))
-    steps(model2, opt2, range(5, 7))
+    _square_loss_steps(model, opt, range(5, 7))
+    _square_loss_steps(model2, opt2, range(5, 7))
     assert opt2.param_groups[0]["k"] == 7 and opt2.param_groups[0]["d"] == opt.param_groups[0]["d"]
     assert_bitwise_equal(param_copies(model2), param_copies(model), "Prodigy-like resumed")
     opt.param_groups[0]["lr"] = 0.05  # the outer group still sets hyperparameters
-    steps(model, opt, [7])
+    _square_loss_steps(model, opt, [7])
     assert opt.matrix_optimizer.param_groups[0]["lr"] == 0.05
 
 
@@ -482,15 +484,8 @@ def test_loads_a_0_1_0_state_dict(named):
         groups = [{"params": first}, {"params": [model[2].weight], "role": "rows", "weight_decay": 0.1}]
         return model, OwnerRoutedOptimizer(groups, matrix_options={"lr": 0.02})
 
-    def steps(model, opt, rng):
-        for s in rng:
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt = build(0)
-    steps(model, opt, range(2))
+    _square_loss_steps(model, opt, range(2))
     roles = [(g["role"], g["optimizer"]) for g in opt.param_groups]
     assert roles == [("matrix", "matrix"), ("tail", "tail"), ("rows", "tail")]
     old = roundtrip(_as_0_1_0(opt.state_dict(), opt, model, [0, 0, 0] if named else [0, 0, 1]))
@@ -500,6 +495,6 @@ def test_loads_a_0_1_0_state_dict(named):
     opt2.load_state_dict(old)
     assert [(g["role"], g["optimizer"]) for g in opt2.param_groups] == roles
     assert [g.get("weight_decay") for g in opt2.param_groups] == [g.get("weight_decay") for g in opt.param_groups]
-    steps(model, opt, range(2, 4))
-    steps(model2, opt2, range(2, 4))
+    _square_loss_steps(model, opt, range(2, 4))
+    _square_loss_steps(model2, opt2, range(2, 4))
     assert_bitwise_equal(param_copies(model2), param_copies(model), "0.1.0 state dict resumed")

@@ -112,11 +112,17 @@ def reference(order: str = "forward") -> dict[str, Any]:
     loss, another summation order: the noise floor)."""
     model = build()
     opts = _reference_optimizers(model)
+    return _clipped_run(model, opts, batches(), model, order)
+
+
+def _clipped_run(model: nn.Module, opts: list, pairs: Any, loss_of: Any, order: str) -> dict[str, Any]:
+    """Train one process on ``pairs`` (``order="reversed"``: each batch's rows reversed) with
+    torch's clip_grad_norm_ every step; the losses, clip norms and final parameters."""
     losses, norms = [], []
-    for x, y in batches():
+    for x, y in pairs:
         if order == "reversed":
             x, y = x.flip(0), y.flip(0)
-        loss = model(x, y)
+        loss = loss_of(x, y)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         for o in opts:
@@ -262,18 +268,13 @@ def titan_reference(order: str = "forward") -> dict[str, Any]:
 
     model = _titan.build(_titan.llama_config(), _titan.parallelism())
     opts = titan_optimizers(model, Muon, LLAMA_MUON)
-    norms, losses = [], []
-    for tokens, targets in _titan.batches(TITAN_STEPS, TITAN_BATCH):
-        if order == "reversed":
-            tokens, targets = tokens.flip(0), targets.flip(0)
-        loss = _titan.loss(model, tokens, targets, tokens.numel())
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        losses.append(loss.item())
-    return {"norms": norms, "losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _clipped_run(
+        model,
+        opts,
+        _titan.batches(TITAN_STEPS, TITAN_BATCH),
+        lambda tokens, targets: _titan.loss(model, tokens, targets, tokens.numel()),
+        order,
+    )
 
 
 def titan_reference_run() -> dict[str, Any]:
