@@ -114,6 +114,47 @@ def _reads(W: int) -> dict[str, list[Outcome]]:
     return out
 
 
+# -- the holder-local rule's agreement and the row-block reductions -----------------------------------
+def _holder_agreement(W: int) -> dict[str, list[Outcome]]:
+    """Cases the OpInfo long form found, kept in the default run. Each value: (got, want) on
+    that rank, or the exception every rank must raise alike.
+
+    * ``native_batch_norm`` in eval mode on a held input: torch's meta kernel gives ``(C,)``
+      statistics where the CPU kernel gives empty ones, so the other ranks' shapes would differ
+      from the holder's; the agreement sends it to the gathered rule.
+    * ``index_select`` with an index out of range on a held tensor (a hand-written meta kernel,
+      so the holder-local rule agrees): the holder's ``IndexError`` on every rank.
+    * ``amax`` / ``norm(inf)`` of row blocks holding a NaN: gathered (a partial max combined by
+      the backend's MAX loses the NaN); ``sum`` stays a row-block reduction and is exact."""
+    x = torch.arange(24.0).reshape(3, 2, 4) / 7
+    w, b, mean, var = torch.ones(2), torch.zeros(2), torch.full((2,), 0.5), torch.full((2,), 2.0)
+    nan = torch.arange(12.0).reshape(4, 3)
+    nan[1, 1] = float("nan")
+    bad_index = torch.tensor([0, 5])
+    out: dict[str, list[Outcome]] = {}
+    for owner in range(W):
+
+        def batch_norm(owner: int = owner) -> Any:
+            got = torch.ops.aten.native_batch_norm(build(x, Placed("held", owner)), w, b, mean, var, False, 0.1, 1e-5)
+            want = torch.ops.aten.native_batch_norm(x, w, b, mean, var, False, 0.1, 1e-5)
+            return ([tuple(_full(g).shape) for g in got], [tuple(t.shape) for t in want]), all(
+                torch.equal(_full(g), t) for g, t in zip(got, want, strict=True)
+            )
+
+        out[f"native_batch_norm eval, held{owner}"] = agreed(batch_norm)
+        out[f"index_select out of range, held{owner}"] = agreed(
+            lambda owner=owner: torch.index_select(build(x, Placed("held", owner)), 0, bad_index) and None
+        )
+    rows = Placed("rows")
+    for name, fn in {
+        "amax(dim=0)": lambda t: t.amax(dim=0),
+        "norm(inf, dim=0)": lambda t: torch.linalg.vector_norm(t, float("inf"), dim=0),
+        "sum(dim=0)": lambda t: t.sum(dim=0),
+    }.items():
+        out[f"rows with a NaN: {name}"] = agreed(lambda fn=fn: (_full(fn(build(nan, rows))).tolist(), fn(nan).tolist()))
+    return out
+
+
 # -- item 4: full_tensor() / redistribute() are copies -----------------------------------------------
 def _copies(W: int) -> dict[str, list[Outcome]]:
     """Each value: which of the four copy properties hold on that rank."""
@@ -289,6 +330,7 @@ def reads_job(rank: int, W: int) -> dict[str, dict[str, list[Outcome]]]:
         "random": _random(W),
         "plain": _plain_mixes(W),
         "hooks": _hooks(W),
+        "agreement": _holder_agreement(W),
     }
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from matrix_owner_optim.lazy_plan import fix_lazy_plans
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
+
+T = TypeVar("T")
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 CFG4 = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)  # CFG with 4 heads of 8
@@ -170,6 +173,17 @@ def mean_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)  # test bookkeeping only: never inside a counted phase
     return float(t.item()) / dist.get_world_size()
+
+
+def computed_once(compute: Callable[[], T]) -> T:
+    """``compute()`` run on rank 0 only and its result broadcast to every rank.
+
+    For one-process references inside a rank job: every rank used to train the same reference
+    model, W times the CPU of one run for the same numbers. Rank 0 runs it; the others wait in
+    the broadcast (gloo blocks, it does not spin)."""
+    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from _ref import rel_err_native
+from _ref import computed_once, rel_err_native
 from _tolerances import LOCKSTEP_RTOL
 from _tolerances import SHAMPOO_BLOCKS_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
@@ -246,7 +246,9 @@ def _full_state(opt: OwnerRoutedOptimizer) -> dict[int, dict[str, Any]]:
 
 def _job(rank: int, W: int, ckpt: str, full_path: str) -> dict:
     torch.set_num_threads(1)
-    refs = {order: _reference(_model(), W, order) for order in ("global", "reversed", "lockstep")}
+    refs = computed_once(
+        lambda: {order: _reference(_model(), W, order) for order in ("global", "reversed", "lockstep")}
+    )
     model, opt = _sharded(W)
     cuts = {
         n: [r for r in get_matrix_shard(p).row_owners if r[1] > r[0]]

@@ -25,6 +25,7 @@ from _ref import (
     ADAMW_OPTS,
     SHAMPOO_SMALL_EPS,
     assert_close,
+    computed_once,
     global_batch,
     local_batch,
     make_models,
@@ -144,7 +145,7 @@ def _train(
     _shard_gpt(model)
     opts, ref_opts = _optimizers(model, ref, kind, routed, matrix_options)
     expected = _expected_bytes(model, rank, W)
-    losses, ref_losses, measured = [], [], {}
+    losses, measured = [], {}
     loss_err = 0.0
     for step in range(STEPS):
         idx, tgt = local_batch(step, rank, W)
@@ -177,17 +178,22 @@ def _train(
             o.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss.item()))
 
-        ref_losses.append(_reference_step(ref, step, W, ddp_reference))
-        for o in ref_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
+    def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+        ref_losses = []
+        for step in range(STEPS):
+            ref_losses.append(_reference_step(ref, step, W, ddp_reference))
+            for o in ref_opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+        return ref_losses, {n: p.detach() for n, p in ref.named_parameters()}
 
+    ref_losses, ref_params = computed_once(reference)
     loss_rtol = LOCKSTEP_RTOL if ddp_reference else LOSS_RTOL
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         loss_err = max(loss_err, abs(a - b) / abs(b))
         assert abs(a - b) <= loss_rtol * abs(b), f"{kind} step {step}: loss {a} vs reference {b}"
     param_rtol = SHAMPOO_PARAM_RTOL if kind == "shampoo" else PARAM_RTOL
-    param_err = _check_full_params(model, ref, rank, LOCKSTEP_RTOL if ddp_reference else param_rtol)
+    param_err = _check_full_params(model, ref_params, rank, LOCKSTEP_RTOL if ddp_reference else param_rtol)
     return {"losses": losses, "ref_losses": ref_losses, "bytes": measured, "loss_err": loss_err, "param_err": param_err}
 
 
@@ -238,9 +244,9 @@ def _check_layout_and_resident(model, opts, rank: int, W: int) -> None:
             assert h.unsharded.grad is None
 
 
-def _check_full_params(model, ref, rank: int, rtol: float) -> float:
-    """Every full parameter (``unshard()``) on this rank against the reference; the worst error."""
-    ref_params = dict(ref.named_parameters())
+def _check_full_params(model, ref_params: dict[str, torch.Tensor], rank: int, rtol: float) -> float:
+    """Every full parameter (``unshard()``) on this rank against the reference's (by fqn, tied
+    weights under both names); the worst error."""
     worst = 0.0
     model.unshard()
     try:

@@ -19,21 +19,30 @@ The rules, in the order they are tried (``dispatch``):
 * **replicated**: every tensor whole on every rank: computed locally, as on plain tensors.
 * **partial join**: ``stack``/``cat`` of 0-dim partial values (``clip_grad_norm_``'s norms).
 * **holder-local**: every tensor held by one rank: that rank computes, the others compute shapes
-  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere). An
+  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere); then
+  operators whose meta kernel is not exact take an agreement (see below). An
   operator whose meta kernel is not exercised by DTensor is first tried on ``meta`` by every
   rank; if that fails (no kernel, a shape read from data), every rank gathers instead.
 * **same layout**: a pointwise operator on tensors of one placement and shape: local pieces.
-* **row blocks**: a reduction of ``Shard(0)`` rows (FSDP2's form) with DTensor's own rule.
+* **row blocks**: a sum, mean or finite-order norm of ``Shard(0)`` rows (FSDP2's form) with
+  DTensor's own rule (``ops.ROW_BLOCK_REDUCTIONS``); max / min reductions are gathered.
 * **gathered**: anything else: full values, computed on every rank, and every written argument
   (in place, ``out=``, lists) gets its piece back; new results are replicated.
 
 Plain tensors mixed with owner-layout tensors are taken as replicated (the whole value, the same
-on every rank). Known limit: a holder-local operator that fails on its *values* (an index out of
-range) raises on the holder only, as only the holder computes; shape errors raise everywhere.
+on every rank). A holder-local call of an operator whose meta kernel is hand-written beside its
+device kernel (not pointwise, not structured: ``OperatorInfo.meta_exact``) ends with an
+agreement (one all-gather of two integers per rank, skipped at W=1): an error the holder raised
+on its *values* is raised on every rank, and a result whose metadata is not what ``meta`` gave
+the others (torch's meta kernel of ``native_batch_norm`` in eval mode) is computed gathered
+instead. Pointwise and structured operators (every operator of an optimizer's step) take no
+collective; known limit: one of them that fails on its values (an index out of range in
+``gather``) raises on the holder only.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +51,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .. import comm
 from ..planning.metadata import chunk_row_range
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
 from .placement import OwnerShard, owned_ranges, placement_key, same_placement
@@ -312,7 +322,14 @@ def _single_holder(call: Call) -> int | None:
 
 
 def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
-    """The holder computes; the others compute shapes on ``meta`` and hold an empty piece."""
+    """The holder computes; the others compute shapes on ``meta`` and hold an empty piece.
+
+    An operator whose meta kernel is not exact by construction (``OperatorInfo.meta_exact``)
+    then takes an agreement (:func:`_agree`, one all-gather of two integers per rank at W > 1):
+    an error on the holder is raised on every rank, and a result whose metadata differs from
+    what ``meta`` gave the others (``native_batch_norm`` in eval mode) is computed gathered
+    instead. Exact operators (pointwise, structured: an optimizer's whole step) stay free of
+    collectives. None: gather."""
     for a in call.flat:  # every written tensor must be held by the holder: nothing else changes
         if id(a) in call.written and not (
             isinstance(a, call.cls) and a.holder == holder and not _replicated(a.placement)
@@ -327,14 +344,36 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
             meta_out = call.run(metas)
         except Exception:  # no meta kernel, or a shape read from data: every rank gathers instead
             return None
+    error: BaseException | None = None
+    written_shapes: list[tuple[torch.Tensor, torch.Size, tuple[int, ...]]] = []
     if me == holder:
         converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
-        out = call.run(converted)
+        written_shapes = [
+            (c, c.shape, c.stride()) for a, c in zip(call.flat, converted, strict=True) if id(a) in call.written
+        ]
+        try:
+            out = call.run(converted)
+        except Exception as exc:  # raised below, on every rank (after the agreement)
+            error, out = exc, None
     elif metas is not None:
         converted, out = metas, meta_out
     else:
         converted = [_meta(a) for a in call.flat]
         out = call.run(converted)
+    if mesh.size() > 1 and not info.meta_exact:
+        agreed = _agree(call, holder, error, out, converted)
+        if not agreed:  # the kernel's metadata is not meta's: every rank gathers instead
+            if info.inplace:
+                raise NotImplementedError(
+                    f"{call.func}: its kernel gave a result of other metadata than its meta kernel; the "
+                    "holder's tensor was written: compute on full_tensor() values instead"
+                )
+            for t, shape, stride in written_shapes:  # out= tensors the kernel resized: as they were
+                if t.shape != shape:
+                    t.resize_(shape).as_strided_(shape, stride)
+            return None
+    elif error is not None:
+        raise error
     # where the holder's result lives (the others computed on meta): a factory's device= if given
     device = torch.device(call.kwargs["device"]) if call.kwargs.get("device") is not None else None
     device = device or call.owners[0]._local_tensor.device
@@ -343,13 +382,87 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
         shape = tuple(t.shape)
         if t.dim() == 0:
             placement = (norm_partial(call.func, call.args, call.kwargs) if info.norm else None) or Partial("sum")
-            local = t if me == holder else torch.zeros((), dtype=t.dtype, device=device)
+            local = t if me == holder else _placeholder(t, torch.zeros((), dtype=t.dtype, device=device))
             return call.cls.make(local, mesh, placement, shape, holder=holder)
-        local = t if me == holder else torch.empty((0, *shape[1:]), dtype=t.dtype, device=device)
+        local = t if me == holder else _placeholder(t, torch.empty((0, *shape[1:]), dtype=t.dtype, device=device))
         placement = OwnerShard(0, owned_ranges(shape[0], holder, mesh.size()))
         return call.cls.make(local, mesh, placement, shape, t.stride(), holder=holder)
 
     return call.returns(out, converted, wrap)
+
+
+def _placeholder(like: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """A non-holder's piece ``empty`` with the conjugate and negative bits of the result
+    ``like`` (a DTensor wrapper takes them from its piece, and torch's composite operators
+    branch on them: ``resolve_conj`` clones where ``is_conj()``)."""
+    if like.is_conj():
+        empty = empty.conj()
+    if like.is_neg():
+        empty = empty._neg_view()
+    return empty
+
+
+# Exceptions an operator raises, by code: the other ranks raise the holder's type (0: none).
+_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError,
+    ValueError,
+    IndexError,
+    TypeError,
+    NotImplementedError,
+    KeyError,
+    ZeroDivisionError,
+    OverflowError,
+    torch.linalg.LinAlgError,
+)
+
+
+def _error_code(exc: BaseException) -> int:
+    for code, kind in reversed(list(enumerate(_ERRORS, start=1))):  # subclasses (LinAlgError) first
+        if isinstance(exc, kind):
+            return code
+    return 1  # RuntimeError
+
+
+def _metadata_digest(out: Any, written: set[int]) -> int:
+    """A digest of a result's structure: every new tensor's shape, stride, dtype and conjugate /
+    negative bits, other values' reprs (what must be the same on every rank; never a tensor's
+    data). A written argument returned (``ids`` in ``written``) counts by position only: the
+    caller gets its own tensor back, whose layout is its spec's."""
+    leaves, spec = tree_flatten(out)
+    parts = [str(spec)]
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and id(t) in written:
+            parts.append("W")
+        elif isinstance(t, torch.Tensor):
+            parts.append(f"T{tuple(t.shape)}{tuple(t.stride())}{t.dtype}{t.is_conj():d}{t.is_neg():d}")
+        else:
+            parts.append(f"{type(t).__name__}:{t!r}")
+    return zlib.crc32("|".join(parts).encode())
+
+
+def _agree(call: Call, holder: int, error: BaseException | None, out: Any, converted: list) -> bool:
+    """Every rank's (error code, result digest) gathered: raises the holder's error on every
+    rank; False where the holder's result differs in metadata from the others' (meta) result."""
+    mesh = call.mesh
+    written = {id(c) for a, c in zip(call.flat, converted, strict=True) if id(a) in call.written}
+    mine = torch.tensor(
+        [_error_code(error) if error is not None else 0, _metadata_digest(out, written) if error is None else 0],
+        dtype=torch.int64,
+        device=call.owners[0]._local_tensor.device,
+    )
+    flat = torch.empty(2 * mesh.size(), dtype=torch.int64, device=mine.device)
+    comm.all_gather_into_tensor(flat, mine, group=mesh.get_group(), name="holder_agreement")
+    table = flat.view(mesh.size(), 2)
+    code, digest = (int(v) for v in table[holder].tolist())
+    if code:  # every rank learns the holder's message, then raises
+        said = comm.all_gather_object(str(error) if error is not None else None, group=mesh.get_group())
+        if error is not None:
+            raise error
+        raise _ERRORS[code - 1](f"{call.func} raised on rank {holder}, which holds its tensors: {said[holder]}")
+    if error is not None:
+        raise error  # unreachable: the holder's own row carries its error
+    other = next(r for r in range(mesh.size()) if r != holder)
+    return digest == int(table[other, 1])
 
 
 def _meta(a: Any) -> Any:
@@ -416,6 +529,10 @@ def _row_blocks(call: Call) -> Any:
     local piece, and reducing an empty piece can raise on that rank alone. None otherwise."""
     if not call.one_mesh() or call.mesh.ndim != 1:
         return None
+    if call.info.norm:
+        partial = norm_partial(call.func, call.args, call.kwargs)
+        if partial is None or partial.reduce_op in ("max", "min"):
+            return None  # an infinite order is a partial max (NaN lost in the combine): gathered
     W = call.mesh.size()
     for o in call.owners:
         if _replicated(o.placement):
@@ -525,7 +642,7 @@ def dispatch(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: 
         out = _same_layout(call)
         if out is not None:
             return out
-    if info.stock_rule and info.reduction:
+    if info.row_blocks:
         out = _row_blocks(call)
         if out is not None:
             return out

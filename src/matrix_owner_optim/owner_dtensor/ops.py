@@ -24,6 +24,7 @@ __all__ = [
     "JOINS",
     "NEW_FACTORIES",
     "NORMS",
+    "ROW_BLOCK_REDUCTIONS",
     "OpClass",
     "OperatorInfo",
     "mutated_arguments",
@@ -65,6 +66,20 @@ ELEMENTWISE = frozenset(
 )
 
 NORMS = frozenset({aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim})
+
+# Reductions of Shard(0) row blocks that DTensor's own rules compute exactly as a partial sum
+# (or a finite-order partial norm): a gradient norm, a sum, a mean. Not the max / min family: a
+# partial max is combined by the backend's MAX, which drops NaN (gloo's max(nan, x) is x), and
+# DTensor's argmax / argmin of row blocks fail on some shapes; those are gathered.
+ROW_BLOCK_REDUCTIONS = frozenset(
+    {
+        aten.sum.default,
+        aten.sum.dim_IntList,
+        aten.mean.default,
+        aten.mean.dim,
+        *NORMS,
+    }
+)
 JOINS = frozenset({aten.stack.default, aten.cat.default})
 
 # Random in-place operators whose result does not read the values they overwrite: the whole
@@ -124,11 +139,13 @@ class OperatorInfo:
     overwrites: bool  # random in-place that never reads the values it overwrites
     meta: bool  # has a meta kernel and a data-independent result shape
     meta_trusted: bool  # pointwise, or DTensor has a rule for it: its meta kernel is exercised
+    meta_exact: bool  # its result's metadata on meta is the kernel's by construction (see _meta_exact)
     stock_rule: bool  # DTensor has a sharding rule for it (row blocks follow DTensor's own rules)
     norm: bool
     join: bool
     collective: bool  # a torch.distributed collective (refused with stock DTensor's errors)
     reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
+    row_blocks: bool  # a reduction DTensor's rule computes exactly on Shard(0) rows (ROW_BLOCK_REDUCTIONS)
     written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
@@ -155,6 +172,23 @@ def _has_meta(func: Any) -> bool:
     return any(func.has_kernel_for_dispatch_key(k) or k in func.py_kernels for k in keys)
 
 
+def _meta_exact(func: Any, pointwise: bool) -> bool:
+    """Whether ``func``'s result on ``meta`` has, by construction, the shapes, strides and dtypes
+    its kernel gives: a pointwise operator; a structured kernel (its CPU and CUDA kernels run the
+    same generated meta function that ``meta`` runs: ``RegisterMeta`` in its registrations); or
+    no CPU / CUDA kernel of its own (a device-generic composite: the same code on every device).
+    Otherwise a hand-written meta kernel stands beside a device kernel and may disagree with it
+    (``native_batch_norm`` in eval mode: ``(C,)`` statistics on meta, empty ones on CPU)."""
+    if pointwise:
+        return True
+    overload = func._overloadname
+    name = func._schema.name if overload == "default" else f"{func._schema.name}.{overload}"
+    if "RegisterMeta" in torch._C._dispatch_dump(name):
+        return True
+    keys = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+    return not any(func.has_kernel_for_dispatch_key(k) for k in keys)
+
+
 def _stock_rule(func: Any) -> bool:
     prop = DTensor._op_dispatcher.sharding_propagator
     tables = (prop.op_strategy_funcs, prop.op_single_dim_strategy_funcs, prop.op_to_rules)
@@ -178,11 +212,13 @@ def operator_info(func: Any) -> OperatorInfo:
         overwrites=func in OVERWRITING_RANDOM,
         meta=_has_meta(func),
         meta_trusted=pointwise or _stock_rule(func),
+        meta_exact=_meta_exact(func, pointwise),
         stock_rule=_stock_rule(func),
         norm=func in NORMS,
         join=func in JOINS,
         collective=namespace in _COLLECTIVE_NAMESPACES,
         reduction=torch.Tag.reduction in func.tags,
+        row_blocks=func in ROW_BLOCK_REDUCTIONS and _stock_rule(func),
         written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
     )
     if info["collective"]:

@@ -49,7 +49,15 @@ def as_owner_dtensor(value: Any) -> Any:
 
 
 def like_layout(t: OwnerDTensor, local: torch.Tensor) -> OwnerDTensor:
-    """``local`` (this rank's piece of a tensor laid out as ``t``) as an owner-layout DTensor."""
+    """``local`` (this rank's piece of a tensor laid out as ``t``) as an owner-layout DTensor.
+
+    A piece of ``t``'s dtype on a contiguous ``t`` shares ``t``'s spec (specs are immutable):
+    a gradient is wrapped this way once per parameter per step, and building a new
+    ``DTensorSpec`` each time was most of the layout's own cost in a W=1 step."""
+    spec = t._spec
+    meta = spec.tensor_meta
+    if meta is not None and meta.dtype == local.dtype and tuple(meta.stride) == contiguous_stride(meta.shape):
+        return OwnerDTensor._wrap(local, spec, t._holder)
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
 
 
@@ -98,9 +106,17 @@ class OwnerDTensor(DcpChunks, DTensor):
         shape = torch.Size(tuple(int(s) for s in shape))
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
         spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        holder = holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
+        return OwnerDTensor._wrap(local, spec, holder, requires_grad=requires_grad)
+
+    @staticmethod
+    def _wrap(
+        local: torch.Tensor, spec: DTensorSpec, holder: int | None, *, requires_grad: bool = False
+    ) -> OwnerDTensor:
+        """``local`` under an existing ``spec`` (no copy, no new spec)."""
         r = DTensor.__new__(OwnerDTensor, local, spec, requires_grad=requires_grad)  # type: ignore[call-arg]
         assert isinstance(r, OwnerDTensor)
-        r._holder = holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
+        r._holder = holder
         return r
 
     @staticmethod
