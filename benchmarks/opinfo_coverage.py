@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - began, 1),
         }
         print(f"W={W}: {summary.counts()} ({len(other)} violations)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {args.out}")
+        # written after every world size: a long run stopped in the next one keeps this one
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.out}")
     return 1 if violations else 0
 
 
