@@ -122,8 +122,8 @@ def _holder_agreement(W: int) -> dict[str, list[Outcome]]:
     * ``native_batch_norm`` in eval mode on a held input: torch's meta kernel gives ``(C,)``
       statistics where the CPU kernel gives empty ones, so the other ranks' shapes would differ
       from the holder's; the agreement sends it to the gathered rule.
-    * ``index_select`` with an index out of range on a held tensor (a hand-written meta kernel,
-      so the holder-local rule agrees): the holder's ``IndexError`` on every rank.
+    * ``index_select`` / ``gather`` with an index out of range on a held tensor (operators that
+      read indices, so the holder-local rule agrees): the holder's error on every rank.
     * ``amax`` / ``norm(inf)`` of row blocks holding a NaN: gathered (a partial max combined by
       the backend's MAX loses the NaN); ``sum`` stays a row-block reduction and is exact."""
     x = torch.arange(24.0).reshape(3, 2, 4) / 7
@@ -144,6 +144,9 @@ def _holder_agreement(W: int) -> dict[str, list[Outcome]]:
         out[f"native_batch_norm eval, held{owner}"] = agreed(batch_norm)
         out[f"index_select out of range, held{owner}"] = agreed(
             lambda owner=owner: torch.index_select(build(x, Placed("held", owner)), 0, bad_index) and None
+        )
+        out[f"gather out of range, held{owner}"] = agreed(  # structured, but it reads indices
+            lambda owner=owner: torch.gather(build(x, Placed("held", owner)), 0, bad_index.expand(2, 2, 4)) and None
         )
     rows = Placed("rows")
     for name, fn in {

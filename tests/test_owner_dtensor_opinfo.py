@@ -145,8 +145,9 @@ def test_holder_agreement_and_row_block_reductions(contract: tuple[int, dict[str
     row blocks keep a NaN (see ``_owner_contract._holder_agreement``)."""
     W, res = contract
     for name, outcomes in res["agreement"].items():
-        if name.startswith("index_select"):
-            assert all(o[0] == "raised" and o[1] == "IndexError" for o in outcomes), (W, name, outcomes)
+        if "out of range" in name:  # the holder's error type, on every rank
+            assert all(o[0] == "raised" for o in outcomes), (W, name, outcomes)
+            assert len({o[1] for o in outcomes}) == 1, (W, name, outcomes)
         elif name.startswith("native_batch_norm"):
             assert all(o[0] == "ok" and o[1][0][0] == o[1][0][1] and o[1][1] for o in outcomes), (W, name, outcomes)
         else:

@@ -35,9 +35,10 @@ device kernel (not pointwise, not structured: ``OperatorInfo.meta_exact``) ends 
 agreement (one all-gather of two integers per rank, skipped at W=1): an error the holder raised
 on its *values* is raised on every rank, and a result whose metadata is not what ``meta`` gave
 the others (torch's meta kernel of ``native_batch_norm`` in eval mode) is computed gathered
-instead. Pointwise and structured operators (every operator of an optimizer's step) take no
-collective; known limit: one of them that fails on its values (an index out of range in
-``gather``) raises on the holder only.
+instead; so do operators that read indices from data (``gather``, ``scatter``, ``index``), whose
+out-of-range index is raised on every rank. Pointwise and structured operators (every operator
+of an optimizer's step) take no collective; known limit: one of them that fails on its values
+raises on the holder only.
 """
 
 from __future__ import annotations

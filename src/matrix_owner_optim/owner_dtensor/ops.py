@@ -178,9 +178,13 @@ def _meta_exact(func: Any, pointwise: bool) -> bool:
     same generated meta function that ``meta`` runs: ``RegisterMeta`` in its registrations); or
     no CPU / CUDA kernel of its own (a device-generic composite: the same code on every device).
     Otherwise a hand-written meta kernel stands beside a device kernel and may disagree with it
-    (``native_batch_norm`` in eval mode: ``(C,)`` statistics on meta, empty ones on CPU)."""
+    (``native_batch_norm`` in eval mode: ``(C,)`` statistics on meta, empty ones on CPU). An
+    operator that reads indices from data (an ``index`` / ``indices`` argument: ``gather``,
+    ``scatter``, ``index``) is not exact either: it fails on its values, on the holder only."""
     if pointwise:
         return True
+    if any(a.name in ("index", "indices") for a in func._schema.arguments):
+        return False
     overload = func._overloadname
     name = func._schema.name if overload == "default" else f"{func._schema.name}.{overload}"
     if "RegisterMeta" in torch._C._dispatch_dump(name):
