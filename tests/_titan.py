@@ -43,9 +43,10 @@ def _sdpa(layers: list[Any]) -> list[Any]:
     return layers
 
 
-def llama_config() -> Any:
-    """A tiny Llama3 (fused wqkv, 2 layers, dim 16, 4 heads, untied head) from torchtitan's
-    builders, as its ``debugmodel`` is built."""
+def llama_config(fuse_qkv: bool = True) -> Any:
+    """A tiny Llama3 (2 layers, dim 16, 4 heads, untied head) from torchtitan's builders, as its
+    ``debugmodel`` is built: fused ``wqkv`` by default; ``fuse_qkv=False`` gives separate
+    ``wq``/``wk``/``wv`` for torch's state-dict tools (see :func:`qwen3_moe_config`)."""
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
@@ -57,7 +58,7 @@ def llama_config() -> Any:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
         layers=_sdpa(
             llama3._build_llama3_layers(
-                fuse_qkv=True,
+                fuse_qkv=fuse_qkv,
                 n_layers=LAYERS,
                 dim=DIM,
                 n_heads=HEADS,

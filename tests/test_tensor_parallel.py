@@ -33,8 +33,12 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
 * state dicts: DCP of torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` at step 2,
   loaded into a fresh model and optimizer with ``set_model_state_dict`` /
   ``set_optimizer_state_dict``: the remaining steps repeat the run bit for bit;
-* the same checkpoint resumed on this package's 1D owner layout at W=2 (a second spawn)
-  continues as the (2, 2) run did, at the noise floor;
+* the same checkpoint resumed on this package's 1D owner layout at W=2 (each tp group one such
+  layout, in the same spawn) continues as the (2, 2) run did, at the noise floor;
+* torchtitan's Llama3 (separate q/k/v) under parallelize_llama on (2, 2) saved with DCP at step
+  1 (tests/_titan_checkpoint.py): loaded bitwise, parameters and full optimizer state, on the
+  package's 1D owner layout at W=2 and W=4 and on stock FSDP2 at W=4, and the W=4 owner layout's
+  checkpoint back on (2, 2); every continued run equals the uninterrupted one process;
 * this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
   (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
   fail at the first forward inside DTensor's dispatch.
@@ -51,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _titan_checkpoint
 from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
@@ -240,6 +245,11 @@ TITAN_STEPS, TITAN_BATCH = 3, 4  # dp coordinate d takes rows [2d, 2d + 2)
 # into bfloat16 ulps of the update. torch.optim.Muon itself is checked in lockstep: fed the same
 # gradients it agrees bitwise, so that difference is the model's round-off, not the step.
 LLAMA_MUON = {**MUON, "ns_dtype": torch.float32}
+# The checkpoint runs between (2, 2) and the 1D layouts (tests/_titan_checkpoint.py)
+LLAMA_CHECKPOINT = {
+    "clip": CLIP,
+    "optimizer": {"matrix": "muon", "matrix_options": LLAMA_MUON, "tail": "adamw", "tail_options": ADAMW},
+}
 
 
 def titan_matrix_names(model: nn.Module) -> set[str]:
@@ -261,12 +271,13 @@ def titan_optimizers(
     ]
 
 
-def titan_reference(order: str = "forward") -> dict[str, Any]:
+def titan_reference(order: str = "forward", fuse_qkv: bool = True) -> dict[str, Any]:
     """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor),
-    Muon with float32 Newton-Schulz, torch's clip_grad_norm_ every step."""
+    Muon with float32 Newton-Schulz, torch's clip_grad_norm_ every step; ``fuse_qkv=False``:
+    the checkpoint runs' model, separate q/k/v."""
     import _titan
 
-    model = _titan.build(_titan.llama_config(), _titan.parallelism())
+    model = _titan.build(_titan.llama_config(fuse_qkv=fuse_qkv), _titan.parallelism())
     opts = titan_optimizers(model, Muon, LLAMA_MUON)
     return _clipped_run(
         model,
@@ -547,18 +558,25 @@ def tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         "llama_lockstep": _titan_llama(lockstep=True),
         "moe": _titan_moe(rank, f"{ckpt}/moe"),
         "resumed": _resume(mesh, ckpt),
+        "owner_layout_resumed": _owner_layout_resume(mesh, ckpt),
+        "llama_checkpoint": _titan_checkpoint.round_trips(mesh, LLAMA_CHECKPOINT, f"{ckpt}/llama"),
         "one_matrix": _one_matrix(mesh),
         "bad": _bad_placements(mesh),
         "owner_layout": _owner_layout_on_tp(mesh),
     }
     if rank == 0:  # the one-process torchtitan references, where torchtitan is imported already
-        out["references"] = {"llama": titan_reference(), "moe": moe_reference()}
+        out["references"] = {
+            "llama": titan_reference(),
+            "llama_separate_qkv": titan_reference(fuse_qkv=False),
+            "moe": moe_reference(),
+        }
     return out
 
 
-def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Tensor]:
-    """The (dp=2, tp=2) checkpoint resumed on this package's 1D owner layout at W=2: rank r
-    takes the rows dp coordinate r took, and trains the remaining steps."""
+def _owner_layout_resume(mesh: Any, ckpt: str) -> dict[str, torch.Tensor]:
+    """The (dp=2, tp=2) checkpoint resumed on this package's 1D owner layout at W=2: each tp
+    group ({0, 1} and {2, 3}) is one such layout (two identical runs, no second spawn); shard
+    rank s takes the rows dp coordinate s took, and trains the remaining steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -567,8 +585,8 @@ def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Ten
     def built() -> tuple[Net, OwnerRoutedOptimizer]:
         model = build()
         for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh["tp"])
+        fully_shard(model, mesh=mesh["tp"])
         return model, OwnerRoutedOptimizer(
             model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
         )
@@ -578,9 +596,10 @@ def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Ten
     dcp.load(state, checkpoint_id=ckpt)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
+    s = mesh["tp"].get_local_rank()
     for step in range(SAVE_AT, STEPS):
         x, y = batches()[step]
-        lo, hi = rank * BATCH // W, (rank + 1) * BATCH // W
+        lo, hi = s * BATCH // 2, (s + 1) * BATCH // 2
         model(x[lo:hi], y[lo:hi]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -589,15 +608,9 @@ def owner_layout_resume_job(rank: int, W: int, ckpt: str) -> dict[str, torch.Ten
 
 
 @functools.cache
-def _runs() -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
-    with tempfile.TemporaryDirectory(prefix="moo-tp-") as ckpt:
-        tp = spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
-        owner = spawn_ranks(owner_layout_resume_job, 2, ckpt, threads_per_rank=1, strict_shutdown=True)
-    return tp, owner
-
-
 def results() -> list[dict[str, Any]]:
-    return _runs()[0]
+    with tempfile.TemporaryDirectory(prefix="moo-tp-") as ckpt:
+        return spawn_ranks(tp_job, 4, ckpt, threads_per_rank=1)
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -747,11 +760,40 @@ def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
 
 def test_fsdp_x_tp_checkpoint_resumes_on_the_owner_layout_at_two_ranks() -> None:
     want = results()[0]["train"]["params"]  # the (2, 2) run's last step
-    for rank, got in enumerate(_runs()[1]):
+    for rank, got in enumerate(r["owner_layout_resumed"] for r in results()):
         worst = max(_rel(got[n], p) for n, p in want.items())
         print(f"owner layout W=2 rank {rank}: worst parameter rel err to the (2, 2) run {worst:.2e}")
         for n, p in want.items():
             assert _rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(got[n], p):.2e}"
+
+
+LLAMA_LAYOUTS = ("tp", "owner2", "owner4", "fsdp4", "back")
+
+
+def test_torchtitan_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
+    """torchtitan's parallelize_llama on (dp=2, tp=2) saves model and optimizer with DCP at step
+    1; the checkpoint loads bitwise (parameters and torch's full optimizer state) on this
+    package's 1D owner layout at W=2 and W=4 and on stock FSDP2 at W=4; the W=4 owner layout's
+    checkpoint at step 2 loads back on (2, 2). Every run continued to step 3 equals the
+    uninterrupted one-process run at the noise floor."""
+    ref = results()[0]["references"]["llama_separate_qkv"]["params"]
+    for rank, r in enumerate(results()):
+        got = r["llama_checkpoint"]
+        for layout in LLAMA_LAYOUTS[1:]:
+            params, state = (
+                (got["saved_owner4"], got["saved_owner4_state"])
+                if layout == "back"
+                else (got["saved"], got["saved_state"])
+            )
+            for n, p in params.items():
+                assert torch.equal(got["loaded"][layout][n], p), f"rank {rank} {layout}: {n} loaded differs"
+            assert got["loaded_state"][layout].keys() == state.keys(), (rank, layout)
+            for k, v in state.items():
+                assert torch.equal(got["loaded_state"][layout][k], v), f"rank {rank} {layout}: state {k} differs"
+        for layout in LLAMA_LAYOUTS:
+            worst = max(_rel(got["params"][layout][n], p) for n, p in ref.items())
+            print(f"rank {rank}: torchtitan Llama3 checkpoint, {layout}: worst parameter rel err {worst:.2e}")
+            assert worst <= TITAN_PARAM_RTOL, f"rank {rank} {layout}: rel err {worst:.2e}"
 
 
 def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
@@ -773,7 +815,13 @@ def test_unsupported_tp_and_ep_placements_are_refused_naming_them() -> None:
 
 
 if __name__ == "__main__":  # the noise floor: the references against themselves, summation order changed
-    for name, run in (("two blocks", reference), ("torchtitan Llama3", titan_reference), ("Qwen3-MoE", moe_reference)):
+    runs = (
+        ("two blocks", reference),
+        ("torchtitan Llama3", titan_reference),
+        ("torchtitan Llama3, separate q/k/v", functools.partial(titan_reference, fuse_qkv=False)),
+        ("Qwen3-MoE", moe_reference),
+    )
+    for name, run in runs:
         a, b = run(), run("reversed")
         print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
         if "norms" in a:
