@@ -64,6 +64,7 @@ from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_s
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import steps_here
 from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
+from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -398,7 +399,9 @@ def _hsdp(rank: int, W: int) -> dict:
     # matrices reach the other replica at the next forward pass (ShardingContext.sync_replicas).
     out = _train(rank, model, ref, steps=4, dp=(rank, W), clip=[(2.0, 0.5), (1.0, 0.5)])
     shard_rank = mesh.get_local_rank(1)
-    steppers = {s.step_replica for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
+    # the previous step's matrices cross the replicas unit by unit: one broadcast per unit and
+    # replica that stepped some of this rank's pieces of it
+    per_unit = {(s.unit, s.step_replica) for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
     for i, st in enumerate(out["steps"]):
         by = {}
         for phase, op in st["ops"]:
@@ -409,9 +412,8 @@ def _hsdp(rank: int, W: int) -> dict:
         assert by[("backward", "reduce_scatter_v")] == 3
         assert 1 <= by.get(("backward", "replicate_reduce_scatter_v"), 0) <= 3
         assert 1 <= by.get(("backward", "replicate_all_reduce"), 0) <= 3
-        # the previous step's matrices cross the replicas before the gathers, one broadcast per
-        # replica that stepped some of this rank's pieces
-        assert by.get(("forward", "replicate_broadcast"), 0) == (len(steppers) if i else 0)
+        # the previous step's matrices cross the replicas before each unit's gather
+        assert by.get(("forward", "replicate_broadcast"), 0) == (len(per_unit) if i else 0)
         assert st["phase"]["optimizer"]["calls"] == 0
     fwd_recv = sum((s.numel - s.local_numel(shard_rank)) * F32 for s in plan)
     assert all(st["recv_by_op"][("forward", "all_gather_v")] == fwd_recv for st in out["steps"])
@@ -432,6 +434,7 @@ def _hsdp(rank: int, W: int) -> dict:
         "mutant_grad": mutant_err,
         "global_owner": _global_owner(rank, W),
         "every_replica": _global_owner(rank, W, every_replica=True),
+        "deferred": _deferred_broadcast(rank, W),
     }
 
 
@@ -514,6 +517,72 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, e
         "ref_ns_flops": ref_opts[0].ns_flops,
         "state_bytes": state_bytes([opt]),
     }
+
+
+def _deferred_broadcast(rank: int, W: int) -> dict:
+    """The two placements of the global owners' broadcast (``replica_broadcast="step"`` and
+    ``"forward"``) on a (2, 2) mesh, one model each, same batches: losses and every parameter
+    bitwise equal after every step. With the broadcast deferred the step sends nothing, each
+    unit's broadcast travels in the next forward (one per unit and step replica holding pieces
+    here), and a parameter read before that forward (``full_tensor()``, ``state_dict()``) lands
+    it first."""
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
+    models, opts = {}, {}
+    for placement in ("step", "forward"):
+        model, _ = _models(seed=11)
+        _shard(model, mesh=mesh)
+        models[placement] = model
+        opts[placement] = OwnerRoutedOptimizer(
+            model, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS, replica_broadcast=placement
+        )
+    plan, shard_rank = models["forward"].fix_plan(), mesh.get_local_rank(1)
+    # the broadcasts this rank takes part in per step: one per (unit, step replica) with pieces here
+    per_unit = {(s.unit, s.step_replica) for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
+    # pieces another replica steps: stale here between the step and the next forward
+    stale = [n for n, p in models["forward"].named_parameters() if not steps_here(p) and local_tensor(p).numel()]
+    assert stale, "the plan gives this rank no matrix another replica steps"
+    for step in range(3):
+        losses, ops = {}, {}
+        for placement, model in models.items():
+            with CommCounter() as cc:
+                with comm_phase("forward"):
+                    loss = model(*local_batch(step, rank, W))
+                loss.backward()
+                with comm_phase("optimizer"):
+                    opts[placement].step()
+            opts[placement].zero_grad()
+            losses[placement], ops[placement] = loss.detach(), cc.by_op
+        assert torch.equal(losses["step"], losses["forward"]), (step, losses)
+        assert ops["step"]("optimizer").get("replicate_broadcast", 0) == len({r for _, r in per_unit})
+        assert "replicate_broadcast" not in ops["forward"]("optimizer")
+        # step 0's broadcasts travel in step 1's forward; step 1's were landed by a read
+        assert ops["forward"]("forward").get("replicate_broadcast", 0) == (len(per_unit) if step == 1 else 0)
+        params = {n: p for n, p in models["step"].named_parameters()}
+        if step == 1:
+            # deferred: a piece another replica stepped still holds the previous values here...
+            fwd = dict(models["forward"].named_parameters())
+            assert not torch.equal(local_tensor(fwd[stale[0]]), local_tensor(params[stale[0]])), stale[0]
+            # ...until a read lands it: full_tensor() of a piece replica 1 stepped (collective: one name)
+            n = next(n for n, p in params.items() if get_matrix_shard(p).step_replica == 1)
+            got = fwd[n].full_tensor()
+            assert torch.equal(got, params[n].full_tensor()), n
+        if step == 2:  # so does a state dict (every fully_shard module's pre hook)
+            sd = models["forward"].state_dict()
+            for n in stale:
+                assert torch.equal(local_tensor(sd[n]), local_tensor(params[n])), (step, n)
+    with CommCounter() as cc:  # nothing left due: the next forward sends nothing across replicas
+        models["forward"].state_dict()
+    assert "replicate_broadcast" not in cc.by_op(), cc.by_op()
+    for placement in models:  # every replica's full parameters, bitwise the same in both placements
+        models[placement].unshard()
+    try:
+        fwd = dict(models["forward"].named_parameters())
+        for n, p in models["step"].named_parameters():
+            assert torch.equal(p, fwd[n]), n
+    finally:
+        for model in models.values():
+            model.reshard()
+    return {"broadcasts_per_forward": len(per_unit), "stale_matrices": len(stale)}
 
 
 def _check_global_owner(results: list[dict], replicas: int, key: str = "global_owner") -> None:

@@ -17,6 +17,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
+from ..replica_sync import land_deferred
 from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
@@ -195,7 +196,9 @@ class OwnerDTensor(DcpChunks, DTensor):
     def full_value(self) -> torch.Tensor:
         """The whole tensor on every rank, in new storage (a collective unless replicated): as
         DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
-        tensor, nor the other way round, also on the rank that holds it."""
+        tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
+        whose replicas' broadcast is deferred to the next forward lands it first."""
+        land_deferred(self)
         p, local = self.placement, self._local_tensor
         group = self.device_mesh.get_group()
         if isinstance(p, Replicate) or self.device_mesh.size() == 1:
