@@ -166,7 +166,7 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
         opts: dict[str, Any] = {"lr": mlr}
         if cfg.optimizer == "muon":
             opts.update(ns_dtype=ns_dtype, weight_decay=0.0)
-        extra = {} if cfg.replica_broadcast is None else {"replica_broadcast": cfg.replica_broadcast}
+        extra: dict[str, Any] = {} if cfg.replica_broadcast is None else {"replica_broadcast": cfg.replica_broadcast}
         return [
             OwnerRoutedOptimizer(
                 base,
