@@ -18,8 +18,10 @@ When (``OwnerRoutedOptimizer(replica_broadcast=...)``, measured in DESIGN.md):
   asynchronously for every unit at the next forward pass and landed by the unit before its
   all-gather reads its pieces, so later units' broadcasts overlap earlier units' compute. Reads
   outside a forward land every due broadcast first: ``unshard()``, ``state_dict()`` /
-  ``load_state_dict()`` (hence DCP and torch's get/set_*_state_dict) and a parameter's
-  ``full_tensor()`` (``land_deferred``; the runtime sets ``ReplicaSync.land_all``).
+  ``load_state_dict()`` (hence DCP and torch's get/set_*_state_dict) and ``full_tensor()`` of a
+  parameter or its ``detach()`` (``land_deferred``; the runtime sets ``ReplicaSync.land_all``).
+  A piece read directly (``to_local()``), or a value computed from one, before the next forward
+  holds the previous step's values on the replicas that did not step it.
 
 A plain ``torch.optim`` optimizer stepping the local pieces claims nothing: a tree whose
 gradients landed since the last sync (``ReplicaSync.pending``) gets its broadcasts due at the
@@ -52,6 +54,7 @@ __all__ = [
     "get_replica",
     "held_pieces",
     "issue_broadcast",
+    "keep_replica_place",
     "land_deferred",
     "steps_here",
     "sync_replicas",
@@ -101,6 +104,14 @@ def attach_replica(param: torch.Tensor, place: ReplicaPlace) -> None:
 def get_replica(param: torch.Tensor) -> ReplicaPlace | None:
     """This process's place across HSDP replicas for ``param`` (None: no replicas)."""
     return getattr(param, _REPLICA_ATTR, None)
+
+
+def keep_replica_place(src: torch.Tensor, alias: torch.Tensor) -> None:
+    """``alias`` (a ``detach()`` / ``alias()`` of ``src``) reads the same piece: it carries the
+    same place, so reading its value lands a deferred sync as reading ``src`` does."""
+    place = get_replica(src)
+    if place is not None:
+        attach_replica(alias, place)
 
 
 def steps_here(param: torch.Tensor) -> bool:

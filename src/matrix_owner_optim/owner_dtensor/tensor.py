@@ -17,7 +17,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
-from ..replica_sync import land_deferred
+from ..replica_sync import keep_replica_place, land_deferred
 from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
@@ -280,7 +280,13 @@ class OwnerDTensor(DcpChunks, DTensor):
         info = operator_info(func)
         if info.cls is OpClass.LIST:
             return run_lists(cls, func, args, kwargs or {}, info)
-        return dispatch(cls, func, args, kwargs or {}, info)
+        out = dispatch(cls, func, args, kwargs or {}, info)
+        if func in _ALIASES and isinstance(out, OwnerDTensor):
+            keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too
+        return out
+
+
+_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 def _as_tuple(x: Any) -> tuple:

@@ -236,6 +236,9 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "label": label,
         "median_optimizer_time_s": statistics.median(r["median_optimizer_time_s"] for r in runs),
         "median_step_time_s": statistics.median(r["median_step_time_s"] for r in runs),
+        # per round (rows alternate within a round): ratios between rows round by round
+        "optimizer_time_s_per_round": [r["median_optimizer_time_s"] for r in runs],
+        "step_time_s_per_round": [r["median_step_time_s"] for r in runs],
         "bytes_sent_per_rank_profiled": prof,
         "bytes_sent_per_rank_counted": counted,
         "resident_bytes_per_rank_max": per_rank_max(lambda r: r["resident_bytes"]["total"]),
