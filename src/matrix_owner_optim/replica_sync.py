@@ -55,6 +55,8 @@ __all__ = [
     "held_pieces",
     "issue_broadcast",
     "keep_replica_place",
+    "mark_replica_state",
+    "replica_state_source",
     "land_deferred",
     "steps_here",
     "sync_replicas",
@@ -112,6 +114,25 @@ def keep_replica_place(src: torch.Tensor, alias: torch.Tensor) -> None:
     place = get_replica(src)
     if place is not None:
         attach_replica(alias, place)
+
+
+_STATE_ATTR = "_moo_replica_state"
+
+
+def mark_replica_state(value: torch.Tensor, param: torch.Tensor) -> None:
+    """Mark ``value``, an optimizer-state entry of ``param`` in a state dict, as held on
+    ``param``'s step replica only (HSDP): its ``full_tensor()`` is then gathered there and
+    broadcast over the replicate group, so every replica gets the whole value (torch's
+    ``full_state_dict=True``). No-op for parameters every replica steps."""
+    shard, place = get_matrix_shard(param), get_replica(param)
+    if shard is not None and shard.step_replica is not None and place is not None and place.size > 1:
+        setattr(value, _STATE_ATTR, (place, shard.step_replica))
+
+
+def replica_state_source(value: torch.Tensor) -> tuple[ReplicaPlace, int] | None:
+    """(this process's place, the step replica holding ``value``) for a state entry marked by
+    :func:`mark_replica_state`, else None."""
+    return getattr(value, _STATE_ATTR, None)
 
 
 def steps_here(param: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
-from ..replica_sync import keep_replica_place, land_deferred
+from ..replica_sync import keep_replica_place, land_deferred, replica_state_source
 from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
@@ -199,6 +199,21 @@ class OwnerDTensor(DcpChunks, DTensor):
         tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
         whose replicas' broadcast is deferred to the next forward lands it first."""
         land_deferred(self)
+        source = replica_state_source(self)
+        if source is None:
+            return self._full_in_group()
+        # HSDP optimizer state held on one replica (its global owner's): gathered in that
+        # replica's shard group, then broadcast over the replicate group to the other replicas
+        place, src = source
+        if place.rank == src:
+            full = self._full_in_group()
+        else:
+            full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
+        comm.broadcast(as_bytes(full), group_src=src, group=place.group, name="replica_full_state")
+        return full
+
+    def _full_in_group(self) -> torch.Tensor:
+        """:meth:`full_value` over this tensor's own mesh (the shard group)."""
         p, local = self.placement, self._local_tensor
         group = self.device_mesh.get_group()
         if isinstance(p, Replicate) or self.device_mesh.size() == 1:
