@@ -138,3 +138,8 @@ TITAN_PARAM_RTOL = 1e-5
 # expert gradients alone differ by 2e-3 (each ep rank's partial rounded to bfloat16), hence the
 # float32 experts. 5x the floor:
 MOE_PARAM_RTOL = 5e-6
+
+# HSDP (2, 2), float16 compute (MixedPrecisionPolicy) + GradScaler, one step skipped for an
+# infinity in one replica's matrix gradient, against float32 in one process after 3 steps:
+# measured 2.9e-3 (float16 round-off of the forward and the gradients); ~3.4x above.
+HSDP_FP16_PARAM_RTOL = 1e-2

@@ -110,6 +110,8 @@ def test_roles_names_and_options_are_checked() -> None:
     # 6. arguments of the router itself
     with pytest.raises(ValueError, match=r"replicated must be 'owner' or 'redundant', got 'all'"):
         OwnerRoutedOptimizer(model, replicated="all", **OPTS)
+    with pytest.raises(ValueError, match=r"replica_broadcast must be one of \('step', 'forward'\).*got 'later'"):
+        OwnerRoutedOptimizer(model, replica_broadcast="later", **OPTS)
     with pytest.raises(TypeError, match=r"skip_nonfinite_grads must be True or False, got 'yes'"):
         OwnerRoutedOptimizer(model, skip_nonfinite_grads="yes", **OPTS)  # type: ignore[arg-type]
 

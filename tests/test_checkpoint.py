@@ -9,6 +9,8 @@ parameter and both shapes (or skip explicitly with ``strict=False``).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -211,6 +213,74 @@ def _whole_state(held: dict) -> dict[tuple[str, str], torch.Tensor]:
     return {k: torch.cat([pieces[s] for s in sorted(pieces)]) for k, pieces in held.items()}
 
 
+def _full_state_dicts(model, opt) -> tuple[dict, dict]:
+    """torch's full state dicts (every rank gets whole tensors) of ``model`` and ``opt``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    return get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
+
+
+def _hsdp_full_state_dicts(model, opt, mesh, rank: int, W: int) -> float:
+    """``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True`` on
+    the (2, 2) mesh after K steps: the same keys as one process's (OwnerRoutedOptimizer on the
+    unsharded model, the global batches), every tensor within the parity tolerance (state held
+    by one global owner arrives whole on every rank); loading them with ``set_*_state_dict``
+    into a fresh (2, 2) model gives back bitwise the same full state dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from _tolerances import PARITY_PARAM_RTOL
+
+    ref = _model(0)
+    ref_opt = OwnerRoutedOptimizer(ref, replicated="redundant", **OPTS)  # plain tensors, as one process
+    for s in range(K):
+        ref(*rank_batch(s, 0, 1, batch=HSDP_BATCH, cfg=CFG)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    msd, osd = _full_state_dicts(model, opt)
+    ref_msd, ref_osd = _full_state_dicts(ref, ref_opt)
+    assert msd.keys() == ref_msd.keys()
+    worst = 0.0
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        nonlocal worst
+        assert not hasattr(a, "device_mesh") and a.shape == b.shape, what  # whole plain tensors
+        err = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+        assert err <= PARITY_PARAM_RTOL, (what, err)
+        worst = max(worst, err)
+
+    for k, v in ref_msd.items():
+        close(msd[k], v, f"model {k}")
+    assert osd["state"].keys() == ref_osd["state"].keys()
+    for fqn, st in ref_osd["state"].items():
+        assert st.keys() == osd["state"][fqn].keys(), fqn
+        for key, v in st.items():
+            if torch.is_tensor(v) and v.dim():
+                close(osd["state"][fqn][key], v, f"optimizer {fqn} {key}")
+            else:
+                assert float(osd["state"][fqn][key]) == float(v), (fqn, key)
+    fresh, fresh_opt = _sharded_gpt(mesh, 21)
+    full = StateDictOptions(full_state_dict=True)
+    # torch's loaders lay the given dicts out in place: load copies, compare with the originals
+    set_model_state_dict(fresh, copy.deepcopy(msd), options=full)
+    set_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(osd), options=full)
+    msd2, osd2 = _full_state_dicts(fresh, fresh_opt)
+    for k, v in msd.items():
+        assert torch.equal(msd2[k], v), f"reloaded model {k}"
+    for fqn, st in osd["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(osd2["state"][fqn][key]), torch.as_tensor(v)), (fqn, key)
+    return worst
+
+
 def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -221,12 +291,13 @@ def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
     _steps(model, opt, range(K), rank, W)
     ckpt.save(d, model, opt)
     saved, saved_held = _full_params(model), _held_state(model, opt)
+    full_sd_err = _hsdp_full_state_dicts(model, opt, mesh, rank, W)
     # a matrix's state is held by one rank (its global owner), the tail's by both replicas' holders
     matrices = {n for n, p in model.named_parameters() if p.dim() == 2 and (n, "momentum_buffer") in saved_held}
     assert matrices, "no matrix state saved"
     _steps(model, opt, range(K, 2 * K), rank, W)
     want = _full_params(model)
-    out: dict = {"worst": {}}
+    out: dict = {"worst": {}, "full_state_dicts": full_sd_err}
     # (2, 2) -> (2, 2): a resume on the same mesh is bitwise the uninterrupted run
     ckpt.save(d + "-again", model, opt)
     again, again_opt = _sharded_gpt(mesh, 11)
@@ -274,3 +345,4 @@ def _hsdp_checkpoint_job(rank: int, W: int, d: str) -> dict:
 def test_hsdp_save_loads_at_w4_and_w2(tmp_path):
     results = spawn_ranks(_hsdp_checkpoint_job, 4, str(tmp_path / "hsdp"), threads_per_rank=1)
     print("continued after (2, 2) -> 1D, worst relative error by world size:", [r["worst"] for r in results])
+    print("(2, 2) full state dicts vs one process:", max(r["full_state_dicts"] for r in results))

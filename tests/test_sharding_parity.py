@@ -53,7 +53,7 @@ from _ref import (
     roles_by_fqn,
     state_bytes,
 )
-from _tolerances import HSDP_W6_PARAM_RTOL
+from _tolerances import HSDP_FP16_PARAM_RTOL, HSDP_W6_PARAM_RTOL
 from _tolerances import PARITY_GRAD_RTOL as GRAD_RTOL
 from _tolerances import PARITY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import PARITY_NORM_RTOL as NORM_RTOL
@@ -63,7 +63,8 @@ from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank, plan_model
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import steps_here
-from matrix_owner_optim.sharding import clip_grad_norm_, fully_shard
+from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -398,7 +399,9 @@ def _hsdp(rank: int, W: int) -> dict:
     # matrices reach the other replica at the next forward pass (ShardingContext.sync_replicas).
     out = _train(rank, model, ref, steps=4, dp=(rank, W), clip=[(2.0, 0.5), (1.0, 0.5)])
     shard_rank = mesh.get_local_rank(1)
-    steppers = {s.step_replica for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
+    # the previous step's matrices cross the replicas unit by unit: one broadcast per unit and
+    # replica that stepped some of this rank's pieces of it
+    per_unit = {(s.unit, s.step_replica) for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
     for i, st in enumerate(out["steps"]):
         by = {}
         for phase, op in st["ops"]:
@@ -409,9 +412,8 @@ def _hsdp(rank: int, W: int) -> dict:
         assert by[("backward", "reduce_scatter_v")] == 3
         assert 1 <= by.get(("backward", "replicate_reduce_scatter_v"), 0) <= 3
         assert 1 <= by.get(("backward", "replicate_all_reduce"), 0) <= 3
-        # the previous step's matrices cross the replicas before the gathers, one broadcast per
-        # replica that stepped some of this rank's pieces
-        assert by.get(("forward", "replicate_broadcast"), 0) == (len(steppers) if i else 0)
+        # the previous step's matrices cross the replicas before each unit's gather
+        assert by.get(("forward", "replicate_broadcast"), 0) == (len(per_unit) if i else 0)
         assert st["phase"]["optimizer"]["calls"] == 0
     fwd_recv = sum((s.numel - s.local_numel(shard_rank)) * F32 for s in plan)
     assert all(st["recv_by_op"][("forward", "all_gather_v")] == fwd_recv for st in out["steps"])
@@ -432,6 +434,9 @@ def _hsdp(rank: int, W: int) -> dict:
         "mutant_grad": mutant_err,
         "global_owner": _global_owner(rank, W),
         "every_replica": _global_owner(rank, W, every_replica=True),
+        "deferred": _deferred_broadcast(rank, W),
+        "grad_scaler": _grad_scaler(rank, W),
+        "optimizer_in_backward": _optimizer_in_backward(rank, W),
     }
 
 
@@ -516,6 +521,159 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, e
     }
 
 
+def _deferred_broadcast(rank: int, W: int) -> dict:
+    """The two placements of the global owners' broadcast (``replica_broadcast="step"`` and
+    ``"forward"``) on a (2, 2) mesh, one model each, same batches: losses and every parameter
+    bitwise equal after every step. With the broadcast deferred the step sends nothing, each
+    unit's broadcast travels in the next forward (one per unit and step replica holding pieces
+    here), and a parameter read before that forward (``full_tensor()``, ``state_dict()``) lands
+    it first."""
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
+    models, opts = {}, {}
+    for placement in ("step", "forward"):
+        model, _ = _models(seed=11)
+        _shard(model, mesh=mesh)
+        models[placement] = model
+        opts[placement] = OwnerRoutedOptimizer(
+            model, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS, replica_broadcast=placement
+        )
+    plan, shard_rank = models["forward"].fix_plan(), mesh.get_local_rank(1)
+    # the broadcasts this rank takes part in per step: one per (unit, step replica) with pieces here
+    per_unit = {(s.unit, s.step_replica) for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
+    # pieces another replica steps: stale here between the step and the next forward
+    stale = [n for n, p in models["forward"].named_parameters() if not steps_here(p) and local_tensor(p).numel()]
+    assert stale, "the plan gives this rank no matrix another replica steps"
+    for step in range(3):
+        losses, ops = {}, {}
+        for placement, model in models.items():
+            with CommCounter() as cc:
+                with comm_phase("forward"):
+                    loss = model(*local_batch(step, rank, W))
+                loss.backward()
+                with comm_phase("optimizer"):
+                    opts[placement].step()
+            opts[placement].zero_grad()
+            losses[placement], ops[placement] = loss.detach(), cc.by_op
+        assert torch.equal(losses["step"], losses["forward"]), (step, losses)
+        assert ops["step"]("optimizer").get("replicate_broadcast", 0) == len({r for _, r in per_unit})
+        assert "replicate_broadcast" not in ops["forward"]("optimizer")
+        # step 0's broadcasts travel in step 1's forward; step 1's were landed by a read
+        assert ops["forward"]("forward").get("replicate_broadcast", 0) == (len(per_unit) if step == 1 else 0)
+        params = {n: p for n, p in models["step"].named_parameters()}
+        if step == 1:
+            # deferred: a piece another replica stepped still holds the previous values here...
+            fwd = dict(models["forward"].named_parameters())
+            assert not torch.equal(local_tensor(fwd[stale[0]]), local_tensor(params[stale[0]])), stale[0]
+            # ...until a read lands it: full_tensor() of a piece replica 1 stepped (collective: one name)
+            n = next(n for n, p in params.items() if get_matrix_shard(p).step_replica == 1)
+            got = fwd[n].full_tensor()
+            assert torch.equal(got, params[n].full_tensor()), n
+        if step == 2:  # so does a state dict (every fully_shard module's pre hook)
+            sd = models["forward"].state_dict()
+            for n in stale:
+                assert torch.equal(local_tensor(sd[n]), local_tensor(params[n])), (step, n)
+    with CommCounter() as cc:  # nothing left due: the next forward sends nothing across replicas
+        models["forward"].state_dict()
+    assert "replicate_broadcast" not in cc.by_op(), cc.by_op()
+    for placement in models:  # every replica's full parameters, bitwise the same in both placements
+        models[placement].unshard()
+    try:
+        fwd = dict(models["forward"].named_parameters())
+        for n, p in models["step"].named_parameters():
+            assert torch.equal(p, fwd[n]), n
+    finally:
+        for model in models.values():
+            model.reshard()
+    return {"broadcasts_per_forward": len(per_unit), "stale_matrices": len(stale)}
+
+
+def _grad_scaler(rank: int, W: int) -> dict:
+    """``torch.amp.GradScaler`` on a (2, 2) mesh, float16 compute (``MixedPrecisionPolicy``),
+    ``OwnerRoutedOptimizer``: at step 1 an infinity is put in the gradient of a matrix replica 1
+    steps, on its global owner only (no rank of replica 0 holds that gradient). ``found_inf`` is
+    agreed over the whole mesh, so every rank skips that step, as one process (fp32, the same
+    infinity) does: the scales agree with one process's at every step and the skipped step
+    changes no parameter (bitwise); the replicas hold bitwise equal parameters at the end."""
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
+    model, ref = _models(seed=13)
+    _shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS)
+    # one process: the same one optimizer (GradScaler skips per optimizer: one for both roles)
+    ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
+    plan_names = [n for n, p in model.named_parameters() if get_matrix_shard(p).step_replica == 1]
+    target = plan_names[0]  # a matrix replica 1's global owner steps (the same name on every rank)
+    scales, ref_scales, unchanged = [], [], None
+    for step in range(3):
+        scaler.scale(model(*local_batch(step, rank, W))).backward()
+        ref_scaler.scale(ref(*global_batch(step, W, cfg=CFG))).backward()
+        if step == 1:
+            p = dict(model.named_parameters())[target]
+            if p.grad is not None and local_tensor(p.grad).numel():  # its global owner only
+                local_tensor(p.grad).fill_(float("inf"))
+            dict(ref.named_parameters())[target].grad.fill_(float("inf"))
+            before = {n: local_tensor(q).clone() for n, q in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        if step == 1:
+            unchanged = all(torch.equal(local_tensor(q), before[n]) for n, q in model.named_parameters())
+        scales.append(scaler.get_scale())
+        ref_scales.append(ref_scaler.get_scale())
+    assert scales == ref_scales and scales[1] < scales[0], (scales, ref_scales)
+    assert unchanged, "the skipped step changed a parameter"
+    model.unshard()
+    try:
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        model.reshard()
+    # bitwise equal on both replicas: the other replica's copy, from the rank at the same shard rank
+    peers = [None] * W
+    torch.distributed.all_gather_object(peers, full)
+    peer = peers[(rank + W // 2) % W]
+    for n, t in full.items():
+        assert torch.equal(t, peer[n]), n
+    err = max(rel_err(full[n], q) for n, q in ref.named_parameters())
+    assert err <= HSDP_FP16_PARAM_RTOL, err
+    return {"scales": scales, "param_err_vs_fp32": err}
+
+
+def _optimizer_in_backward(rank: int, W: int) -> dict:
+    """Optimizer in backward on a (2, 2) mesh: each parameter's post-accumulate-grad hook steps
+    its own ``torch.optim.AdamW`` and drops the gradient. A matrix's hook runs on its global
+    owner only (its gradient lands there), the tail's on every replica; the stepped matrices
+    cross the replicas before the next forward's gathers (and before ``full_tensor()``). Equal to
+    one process running the same hooks after every step."""
+    mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
+    model, ref = _models(seed=17)
+    _shard(model, mesh=mesh)
+    model.fix_plan()
+    keep = []
+    for m in (model, ref):
+        for p in m.parameters():
+            opt = torch.optim.AdamW([p], **ADAMW_OPTS)
+
+            def step(q: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+                opt.step()
+                q.grad = None
+
+            p.register_post_accumulate_grad_hook(step)
+            keep.append(opt)
+    worst = 0.0
+    for step in range(3):
+        model(*local_batch(step, rank, W)).backward()
+        ref(*global_batch(step, W, cfg=CFG)).backward()
+        assert all(p.grad is None for m in (model, ref) for p in m.parameters())  # every hook ran
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            full = p.detach().full_tensor()
+            assert_close(full, q, PARAM_RTOL, f"step {step} rank {rank} {n}")
+            worst = max(worst, rel_err(full, q))
+    return {"worst_param": worst}
+
+
 def _check_global_owner(results: list[dict], replicas: int, key: str = "global_owner") -> None:
     """Every matrix's optimizer state on exactly one rank, the tail's on every replica; the
     Newton-Schulz calls and FLOPs summed over all ranks equal one process's (not x replicas).
@@ -543,6 +701,16 @@ def _check_global_owner(results: list[dict], replicas: int, key: str = "global_o
 
 def test_hsdp_w4() -> None:
     results = spawn_ranks(_hsdp, 4, threads_per_rank=1)
+    print(
+        "GradScaler (2, 2): scales",
+        results[0]["grad_scaler"]["scales"],
+        "parameters vs float32 one process",
+        max(r["grad_scaler"]["param_err_vs_fp32"] for r in results),
+    )
+    print(
+        "optimizer in backward (2, 2): worst parameter error",
+        max(r["optimizer_in_backward"]["worst_param"] for r in results),
+    )
     for rank, res in enumerate(results):
         print(f"rank {rank} HSDP bytes:", res["hsdp_bytes"])
         assert res["mutant_grad"] >= 1.0 - 1e-6  # dividing by the shard size doubles gradients

@@ -248,16 +248,19 @@ def barrier(group: Any = None, name: str = "barrier") -> None:
     record(name, 0, 0)
 
 
-def broadcast(tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast") -> None:
+def broadcast(
+    tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast", async_op: bool = False
+) -> Any:
     """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: the source sends
-    ``W - 1`` copies, every other rank receives one."""
+    ``W - 1`` copies, every other rank receives one. ``async_op=True``: counted when issued,
+    the ``Work`` handle returned (wait on it before reading ``tensor``)."""
     W, rank = _world(group)
     n = _nbytes(tensor)
     if rank == group_src:
         record(name, n * (W - 1), 0)
     else:
         record(name, 0, n)
-    dist.broadcast(tensor, group_src=group_src, group=group)
+    return dist.broadcast(tensor, group_src=group_src, group=group, async_op=async_op)
 
 
 def object_device(group: Any = None) -> torch.device:

@@ -26,7 +26,7 @@ from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..planning.registry import DEFAULT_COST
-from ..replica_sync import claim_sync, steps_here, sync_replicas
+from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, defer_replicas, steps_here, sync_replicas
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -73,11 +73,14 @@ class LayoutConfig:
     ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
     model; by default ``planning.registry.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
     replicated matrix updated by one owner, results shared) or ``"redundant"`` (every rank
-    updates every replicated matrix, no communication).
+    updates every replicated matrix, no communication). ``replica_broadcast`` is when HSDP's
+    global owners send their updated matrices to the other replicas (``"step"``: at the end of
+    the step; ``"forward"``: deferred into the next forward's gathers).
     """
 
     matrix_cost: CostModel = DEFAULT_COST
     replicated: str = "owner"
+    replica_broadcast: str = DEFAULT_REPLICA_BROADCAST  # HSDP: "step" or "forward" (replica_sync.py)
 
 
 class UpdateLayout(ABC):
@@ -212,8 +215,13 @@ class LocalLayout(UpdateLayout):
 
     def after_step(self) -> None:
         self.zero_grad(True)
-        # HSDP: each matrix's global owner sends the new values to the other replicas' holders
-        sync_replicas([rp.param for rp in self.entries])
+        # HSDP: each matrix's global owner sends the new values to the other replicas' holders,
+        # now or before each unit's next all-gather
+        params = [rp.param for rp in self.entries]
+        if self.config.replica_broadcast == "forward":
+            defer_replicas(params)
+        else:
+            sync_replicas(params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for rp in self.entries:

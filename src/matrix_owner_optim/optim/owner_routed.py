@@ -39,6 +39,7 @@ from ..owner_dtensor import is_owner_dtensor
 from ..planning.metadata import Role
 from ..planning.roles import RoleOverrides, conv_params
 from ..planning.views import MatrixView, ViewOverrides
+from ..replica_sync import BROADCAST_PLACEMENTS, DEFAULT_REPLICA_BROADCAST
 from ..tensors import is_dtensor, local_tensor
 from . import report
 from . import state_dict as sd_
@@ -90,6 +91,15 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         replicated: for parameters replicated on every rank of a multi-rank job (DDP),
             ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
+        replica_broadcast: HSDP (a ``(replicate, shard)`` mesh, one global owner per matrix):
+            when each global owner sends its updated matrices to the other replicas.
+            ``"step"``: at the end of ``step()`` (every replica's parameters are equal when it
+            returns); ``"forward"``: deferred into the next forward pass, each unit's broadcast
+            issued at its start and landed before that unit's all-gather, overlapping compute
+            (``unshard()``, state dicts and a parameter's ``full_tensor()`` land it first; a
+            piece read directly before the next forward holds the previous step's values on
+            the other replicas). Same bytes, bitwise the same parameters; the default is the
+            faster one in ``bench`` (DESIGN.md, "HSDP: one global owner per matrix").
         skip_nonfinite_grads: check before every step whether any gradient this rank updates
             holds a NaN or an infinity; one scalar all-reduce (max) over ``process_group`` makes
             every rank agree, and if any rank found one the step is skipped on every rank (no
@@ -124,11 +134,17 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         roles: Mapping[str, str] | None = None,
         matrix_views: Mapping[str, str | MatrixView] | None = None,
         replicated: str = "owner",
+        replica_broadcast: str = DEFAULT_REPLICA_BROADCAST,
         skip_nonfinite_grads: bool = False,
         process_group: Any = None,
     ) -> None:
         if replicated not in ("owner", "redundant"):
             raise ValueError(f"replicated must be 'owner' or 'redundant', got {replicated!r}")
+        if replica_broadcast not in BROADCAST_PLACEMENTS:
+            raise ValueError(
+                f"replica_broadcast must be one of {BROADCAST_PLACEMENTS} (when HSDP's global owners send "
+                f"the updated matrices to the other replicas), got {replica_broadcast!r}"
+            )
         if not isinstance(skip_nonfinite_grads, bool):
             raise TypeError(f"skip_nonfinite_grads must be True or False, got {skip_nonfinite_grads!r}")
         self.skip_nonfinite_grads = skip_nonfinite_grads
@@ -145,7 +161,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._infinite_ok = set().union(*(r.infinite_ok for r in self._kinds.values()))
         self._overrides = RoleOverrides(roles)
         self._views = ViewOverrides(matrix_views)
-        self._config = LayoutConfig(matrix_cost=self._kinds[MATRIX].cost, replicated=replicated)
+        self._config = LayoutConfig(
+            matrix_cost=self._kinds[MATRIX].cost, replicated=replicated, replica_broadcast=replica_broadcast
+        )
         self._routed: list[RoutedParam] = []
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)

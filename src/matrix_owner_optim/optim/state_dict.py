@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .. import comm
 from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
 from ..pieces import placement_of
-from ..replica_sync import steps_here
+from ..replica_sync import mark_replica_state, steps_here
 from ..tensors import is_dtensor
 from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
 from .routing import RoutedParam
@@ -53,6 +53,10 @@ def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutO
         layout = layout_of[id(rp)]
         sd["state"][idx] = {k: layout.state_entry(rp, k, v) for k, v in st.items()}
     _list_held_elsewhere(sd["state"], ordered, layout_of, group)
+    for idx, st in sd["state"].items():  # HSDP: a matrix's state lives on one replica
+        for v in st.values():
+            if is_owner_dtensor(v) and v.dim():
+                mark_replica_state(v, ordered[idx].param)
     for idx in range(len(ordered)):  # stateless: an empty entry, so every rank's keys cover
         sd["state"].setdefault(idx, {})  # every parameter (DSD needs that)
     sd["state"] = dict(sorted(sd["state"].items()))  # one order on every rank, whoever holds what

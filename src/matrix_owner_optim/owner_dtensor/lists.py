@@ -15,7 +15,8 @@ Reductions: ``_foreach_norm`` of local pieces is a partial norm per element (zer
 holds nothing), as DTensor's own ``_foreach_norm`` rule gives; ``_foreach_max`` is gathered (the
 max of an empty piece is an error, not an identity). ``_amp_foreach_non_finite_check_and_unscale_``
 (GradScaler's unscale) then takes the max of ``found_inf`` over each mesh, as DTensor's own handler
-does, so every rank skips the same step.
+does, and under HSDP over the replicate group too (a matrix's gradient lives on its global owner's
+replica only: ``replica_sync.py``), so every rank of the whole mesh skips the same step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import comm
+from ..replica_sync import get_replica
 from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
 from .placement import same_placement
@@ -189,5 +191,12 @@ def _agree_found_inf(args: tuple, kwargs: dict, lists: list[int]) -> None:
                 g = t.device_mesh.get_group(dim)
                 if all(g is not seen for seen in groups):
                     groups.append(g)
+    # HSDP: the shard group's max, then the replicas' (a gradient of one replica's global owner
+    # is on no rank of the other replicas' shard groups). Every gradient of a replicated tree
+    # carries its place, and every replica holds some (its tail), so all replicas issue this.
+    for t in args[lists[0]]:
+        place = get_replica(t)
+        if place is not None and place.size > 1 and all(place.group is not seen for seen in groups):
+            groups.append(place.group)
     for g in groups:
         comm.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=g, name="found_inf")

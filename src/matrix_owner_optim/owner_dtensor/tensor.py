@@ -17,6 +17,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
+from ..replica_sync import keep_replica_place, land_deferred, replica_state_source
 from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
@@ -211,7 +212,24 @@ class OwnerDTensor(DcpChunks, DTensor):
     def full_value(self) -> torch.Tensor:
         """The whole tensor on every rank, in new storage (a collective unless replicated): as
         DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
-        tensor, nor the other way round, also on the rank that holds it."""
+        tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
+        whose replicas' broadcast is deferred to the next forward lands it first."""
+        land_deferred(self)
+        source = replica_state_source(self)
+        if source is None:
+            return self._full_in_group()
+        # HSDP optimizer state held on one replica (its global owner's): gathered in that
+        # replica's shard group, then broadcast over the replicate group to the other replicas
+        place, src = source
+        if place.rank == src:
+            full = self._full_in_group()
+        else:
+            full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
+        comm.broadcast(as_bytes(full), group_src=src, group=place.group, name="replica_full_state")
+        return full
+
+    def _full_in_group(self) -> torch.Tensor:
+        """:meth:`full_value` over this tensor's own mesh (the shard group)."""
         p, local = self.placement, self._local_tensor
         group = self.device_mesh.get_group()
         if isinstance(p, Replicate) or self.device_mesh.size() == 1:
@@ -293,7 +311,13 @@ class OwnerDTensor(DcpChunks, DTensor):
         info = operator_info(func)
         if info.cls is OpClass.LIST:
             return run_lists(cls, func, args, kwargs or {}, info)
-        return dispatch(cls, func, args, kwargs or {}, info)
+        out = dispatch(cls, func, args, kwargs or {}, info)
+        if func in _ALIASES and isinstance(out, OwnerDTensor):
+            keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too
+        return out
+
+
+_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 def _as_tuple(x: Any) -> tuple:

@@ -76,9 +76,11 @@ class MeshAdvice:
         preconditioner: the cost model the plan balanced.
         bytes_max_over_mean, flops_max_over_mean: the plan's imbalance at ``shard`` ranks
             (resident bytes, optimizer FLOPs; 1.0 is perfect).
-        resident_bytes_per_rank: parameter + gradient + optimizer state of each shard-dim rank
-            between steps (the same on every replica), as the planner counts them: activations
-            and the transiently gathered unit buffers are not included.
+        resident_bytes_per_rank: parameter + gradient + optimizer state of each rank between
+            steps, as the planner counts them: per global rank ``r * shard + s`` (the plan's
+            ``replica_loads``: a matrix's state on its one global owner, not on every replica's
+            holder), or per shard rank when ``replicate == 1``. Activations and the transiently
+            gathered unit buffers are not included.
         max_resident_bytes, mean_resident_bytes: their maximum and mean.
         max_imbalance, memory_per_rank: the limits the advice was asked to meet.
         candidates: every shard size evaluated, largest first; the last one is the advice.
@@ -289,7 +291,14 @@ def plan_mesh(
     for shard in divisors_descending(world_size):
         plan = plan_tensors(specs, shard, cost=cost)
         imb = plan.imbalance()
-        resident = tuple(int(x.resident_bytes) for x in plan.loads)
+        # memory per global rank with one global owner per matrix (planning/replicas.py): a
+        # matrix's optimizer state on one replica's holder only, not on every replica's
+        replicate = world_size // shard
+        if replicate > 1:
+            plan = assign_step_replicas(plan, specs, replicate, cost=cost)
+            resident = tuple(int(x.resident_bytes) for x in plan.replica_loads)
+        else:
+            resident = tuple(int(x.resident_bytes) for x in plan.loads)
         cand = MeshCandidate(
             shard=shard,
             replicate=world_size // shard,
@@ -301,8 +310,6 @@ def plan_mesh(
         )
         cands.append(cand)
         if cand.accepted:
-            # one global owner per matrix over all W ranks (planning/replicas.py)
-            plan = assign_step_replicas(plan, specs, world_size // shard, cost=cost)
             return MeshAdvice(
                 world_size=world_size,
                 replicate=cand.replicate,

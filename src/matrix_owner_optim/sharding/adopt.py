@@ -34,7 +34,7 @@ from ..owner_dtensor import OwnerDTensor, mesh_of_group
 from .ignored import is_ignored
 from .state import OwnerShardState
 
-__all__ = ["adopt_assigned", "adoption_hook"]
+__all__ = ["adopt_assigned", "adoption_hook", "replica_sync_hook"]
 
 
 def adoption_hook(state: OwnerShardState) -> Callable[[nn.Module, Any], None]:
@@ -42,6 +42,20 @@ def adoption_hook(state: OwnerShardState) -> Callable[[nn.Module, Any], None]:
 
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         adopt_assigned(state)
+
+    return hook
+
+
+def replica_sync_hook(state: OwnerShardState) -> Callable[..., None]:
+    """A ``state_dict`` / ``load_state_dict`` pre hook: under HSDP with the replicas' broadcast
+    deferred to the next forward, land every broadcast the tree has due first, so a state dict
+    reads the stepped values on every replica and a load is not overwritten by a later landing
+    (collective over the replicate group, as the state-dict calls of a sharded model are)."""
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        ctx = state.tree.context
+        if ctx is not None:
+            ctx.sync_replicas()
 
     return hook
 

@@ -25,7 +25,7 @@ from .. import comm
 from ..owner_dtensor import mesh_of_group
 from ..planning.metadata import ShardingPlan
 from ..planning.registry import CostSpec, resolve_cost
-from .adopt import adoption_hook
+from .adopt import adoption_hook, replica_sync_hook
 from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
 from .ignored import is_ignored, mark_ignored
@@ -140,6 +140,9 @@ def fully_shard(
     state.register()
     for m in modules:
         m.register_load_state_dict_post_hook(adoption_hook(state))  # load_state_dict(assign=True)
+        # HSDP, broadcast deferred to the next forward: state dicts read and write synced pieces
+        m.register_state_dict_pre_hook(replica_sync_hook(state))
+        m.register_load_state_dict_pre_hook(replica_sync_hook(state))
     return module
 
 

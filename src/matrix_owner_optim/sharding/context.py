@@ -33,7 +33,7 @@ from torch.autograd import Variable
 
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
-from ..replica_sync import sync_replicas
+from ..replica_sync import defer_replicas
 from .handle import ParamHandle
 from .ignored import is_ignored
 from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
@@ -81,6 +81,8 @@ class ShardingContext:
         self._registrations: dict[tuple[int, str], ParamHandle] = {
             (id(mod), name): h for u in units for h in u.handles for mod, name in h.locations
         }
+        if groups.replica_sync is not None:  # HSDP: reads outside a forward land due broadcasts
+            groups.replica_sync.land_all = self.sync_replicas
 
     # -- lookups ---------------------------------------------------------------------------------
     def unit_of(self, module: nn.Module) -> ShardedUnit | None:
@@ -208,16 +210,28 @@ class ShardingContext:
             record.pending.wait()
 
     # -- iteration boundaries --------------------------------------------------------------------
+    def _replicas_due(self) -> None:
+        """HSDP with a plain torch optimizer (no ``OwnerRoutedOptimizer`` claimed the tree): if
+        a backward landed global owners' gradients since the last sync, they may have stepped,
+        so every unit gets its broadcast due (``replica_sync.py``)."""
+        sync = self.groups.replica_sync
+        if sync is not None and sync.pending and not sync.by_optimizer:
+            defer_replicas([h.sharded for u in self.units for h in u.handles])
+
     def sync_replicas(self) -> None:
-        """HSDP: if global owners may have stepped since the last sync (a backward landed their
-        gradients) and no optimizer synced, send their matrices to the other replicas now
-        (``replica_sync.py``; ``OwnerRoutedOptimizer.step()`` syncs itself)."""
-        sync_replicas([h.sharded for u in self.units for h in u.handles], only_pending=True)
+        """HSDP: land every unit's due broadcast now, in unit order (before ``unshard()`` and
+        state-dict reads and writes, and a parameter's ``full_tensor()``; a forward lands each
+        unit's before its gather instead)."""
+        self._replicas_due()
+        for unit in self.units:
+            unit.land_replica_sync()
 
     def begin_forward_pass(self) -> None:
-        """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring)."""
+        """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring), and
+        under HSDP every unit's due broadcast issued asynchronously, in unit order (each unit
+        lands its own before its all-gather, so the later ones overlap compute)."""
         self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
-        self.sync_replicas()
+        self._replicas_due()
         interrupted = self.backward_active
         if interrupted:
             self.interrupted_backwards += 1
@@ -233,6 +247,9 @@ class ShardingContext:
         if self._fwd_seq:
             self.forward_order, self._fwd_seq = self._fwd_seq, []
         self.prefetch_log = []
+        with comm_phase("forward"):
+            for unit in self.units:
+                unit.issue_replica_sync()
 
     def reset_iteration(self) -> None:
         """FSDP2's ``reset_iter_state``: after an exception aborted a forward or backward, drop

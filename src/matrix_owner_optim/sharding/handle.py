@@ -21,6 +21,7 @@ from torch import nn
 
 from ..owner_dtensor import like_layout
 from ..planning.metadata import MatrixShard
+from ..replica_sync import attach_replica, get_replica
 from ..tensors import local_tensor
 
 __all__ = ["ParamHandle"]
@@ -68,7 +69,11 @@ class ParamHandle:
         an owner-layout DTensor of the parameter's layout on every rank."""
         grad = self.sharded.grad
         if grad is None:
-            self.sharded.grad = like_layout(self.sharded, g)  # type: ignore[arg-type]
+            grad = like_layout(self.sharded, g)  # type: ignore[arg-type]
+            place = get_replica(self.sharded)
+            if place is not None:  # HSDP: GradScaler agrees found_inf over the replicas too
+                attach_replica(grad, place)
+            self.sharded.grad = grad
         else:
             local_tensor(grad).add_(g)
 

@@ -24,6 +24,13 @@ user asked for it:
 Invariants (asserted at every transition): a gather record exists exactly in GATHERING; the
 unsharded tensors are registered exactly in UNSHARDED and HELD.
 
+Under HSDP with the broadcast deferred (``replica_sync.py``, placement ``"forward"``) a unit
+also has a *pending replica sync*, orthogonal to the states above: due when its tree's
+``ReplicaSync.generation`` moved past the one it last broadcast (:attr:`ShardedUnit.replica_due`),
+issued asynchronously (:meth:`ShardedUnit.issue_replica_sync`, at the start of a forward pass)
+and landed (:meth:`ShardedUnit.land_replica_sync`) before :meth:`ShardedUnit.issue_gather` reads
+the unit's pieces, so every replica gathers the stepped values.
+
 The unit never calls up: the :class:`~.context.ShardingContext` that owns it decides *when*
 (hooks, prefetch, one reduction in flight) and calls these methods; a reduction the unit issues
 comes back as a :class:`ReductionInFlight` record that the context lands later. What the unit
@@ -44,7 +51,7 @@ from torch import nn
 from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import MatrixShard
-from ..replica_sync import ReplicaSync
+from ..replica_sync import PendingBroadcast, ReplicaPlace, ReplicaSync, held_pieces, issue_broadcast
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -261,6 +268,8 @@ class ShardedUnit:
         self.gather_layout = SegmentLayout.build(self._shards, groups.world_size)
         self._reduce_layouts: dict[frozenset[int], SegmentLayout] = {}
         self._replica_splits: dict[int, ReplicaSplit] = {}  # by id of a cached reduce layout
+        self._replica_generation = 0  # the tree's ReplicaSync.generation last broadcast
+        self._replica_in_flight: PendingBroadcast | None = None
         self.rebuild_unsharded()
 
     def _set(self, state: ShardedState) -> None:
@@ -312,12 +321,41 @@ class ShardedUnit:
             self._replica_splits[id(layout)] = split
         return split
 
+    # -- HSDP: the deferred broadcast of stepped matrices -------------------------------------------
+    @property
+    def replica_due(self) -> bool:
+        """Its global owners stepped since this unit last broadcast (the deferred placement)."""
+        sync = self.groups.replica_sync
+        return sync is not None and self.groups.replicate_size > 1 and self._replica_generation != sync.generation
+
+    def issue_replica_sync(self) -> None:
+        """Issue the due broadcast asynchronously (one per step replica and dtype holding pieces
+        here; none when nothing is due or it is in flight). Every rank of the replicate group
+        issues the same ones in the same unit order."""
+        sync = self.groups.replica_sync
+        if not self.replica_due or self._replica_in_flight is not None:
+            return
+        assert sync is not None
+        self._replica_generation = sync.generation
+        place = ReplicaPlace(self.groups.replicate_rank, self.groups.replicate_size, self.groups.replicate_group, sync)
+        self._replica_in_flight = issue_broadcast(place, held_pieces([h.sharded for h in self.handles]))
+
+    def land_replica_sync(self) -> None:
+        """The stepped values in this rank's pieces: the due broadcast issued (if not yet) and
+        completed. Before any read of the pieces (the all-gather's send buffer, state dicts)."""
+        self.issue_replica_sync()
+        record, self._replica_in_flight = self._replica_in_flight, None
+        if record is not None:
+            record.wait()
+
     # -- data ----------------------------------------------------------------------------------
     def issue_gather(self, *, for_user: bool = False) -> bool:
         """SHARDED -> GATHERING: issue the all-gather-v asynchronously; True if it did (a no-op
-        in other states; at one rank the data is copied and the unit is GATHERED at once)."""
+        in other states; at one rank the data is copied and the unit is GATHERED at once).
+        A deferred HSDP broadcast due on the unit lands first."""
         if self.state is not ShardedState.SHARDED:
             return False
+        self.land_replica_sync()
         groups, layout = self.groups, self.gather_layout
         me = groups.rank
         if groups.world_size == 1:  # one rank owns everything: no collective, no send buffer

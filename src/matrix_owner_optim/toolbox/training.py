@@ -81,6 +81,7 @@ class TrainConfig:
     progress: bool = False
     corpus_lines: int = 20000
     device: str = "cpu"  # "cuda" under torchrun on GPUs: each rank uses cuda:<LOCAL_RANK>
+    replica_broadcast: str | None = None  # owner_hsdp: "step" or "forward" (None: the optimizer's default)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -165,6 +166,7 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
         opts: dict[str, Any] = {"lr": mlr}
         if cfg.optimizer == "muon":
             opts.update(ns_dtype=ns_dtype, weight_decay=0.0)
+        extra: dict[str, Any] = {} if cfg.replica_broadcast is None else {"replica_broadcast": cfg.replica_broadcast}
         return [
             OwnerRoutedOptimizer(
                 base,
@@ -172,6 +174,7 @@ def _optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimize
                 matrix_options=opts,
                 tail="adamw",
                 tail_options={"lr": cfg.tail_lr, "weight_decay": 0.0},
+                **extra,
             )
         ]
     if cfg.optimizer == "torch_adamw":

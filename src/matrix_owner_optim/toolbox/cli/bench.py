@@ -8,6 +8,9 @@ Rows (all on the built-in GPT, embedded data, CPU gloo ranks):
 * ``d``  stock FSDP2 + OwnerRoutedOptimizer(Muon) (gradient shards all-to-all to owners)
 * ``e``  stock FSDP2 + AdamW
 * ``a-shampoo`` / ``c-shampoo``, ``a-soap`` / ``c-soap``: owner layout vs reconstruction
+* ``h`` / ``h-fwd`` / ``h-replicas``: the owner layout on a (2, W/2) HSDP mesh, one global owner
+  per matrix with the replicas' broadcast at the end of ``step()`` / deferred into the next
+  forward's gathers, and every replica stepping what it holds (HSDP before global owners)
 * ``p``  the plain model, no sharding, + OwnerRoutedOptimizer(Muon): only at W=1, where it is
   the base that row ``a`` (the owner layout on one rank) must match
 
@@ -48,8 +51,21 @@ ROWS: dict[str, tuple[str, str, str]] = {
     "a-soap": ("owner", "soap", "owner layout + SOAP"),
     "c-soap": ("fsdp2", "reconstruction_soap", "stock FSDP2 + reconstruction SOAP"),
     "p": ("single", "muon", "plain model (no sharding) + OwnerRoutedOptimizer(Muon)"),
-    "h": ("owner_hsdp", "muon", "owner layout on a (2, W/2) mesh, one global owner per matrix + Muon"),
+    "h": (
+        "owner_hsdp",
+        "muon",
+        "owner layout on a (2, W/2) mesh, one global owner per matrix + Muon, broadcast at step()",
+    ),
+    "h-fwd": (
+        "owner_hsdp",
+        "muon",
+        "owner layout on a (2, W/2) mesh, one global owner per matrix + Muon, broadcast deferred to the next forward",
+    ),
     "h-replicas": ("owner_hsdp_replicas", "muon", "owner layout on a (2, W/2) mesh, every replica steps + Muon"),
+}
+ROW_OPTIONS: dict[str, dict[str, Any]] = {  # TrainConfig fields a row sets beyond layout and optimizer
+    "h": {"replica_broadcast": "step"},
+    "h-fwd": {"replica_broadcast": "forward"},
 }
 ONE_RANK_ROWS = ("a", "p")  # at W=1: what the owner layout costs over the plain model
 
@@ -186,6 +202,7 @@ def run_bench(
                     warmup=1,
                     profile_step=steps - 1,
                     ns_dtype="bfloat16",
+                    **ROW_OPTIONS.get(row, {}),
                 )
                 per_row[row].append(summarize(spawn_ranks(train_rank, W, cfg)))
         results["runs"][str(W)] = {row: _aggregate(row, runs) for row, runs in per_row.items()}
@@ -219,6 +236,9 @@ def _aggregate(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "label": label,
         "median_optimizer_time_s": statistics.median(r["median_optimizer_time_s"] for r in runs),
         "median_step_time_s": statistics.median(r["median_step_time_s"] for r in runs),
+        # per round (rows alternate within a round): ratios between rows round by round
+        "optimizer_time_s_per_round": [r["median_optimizer_time_s"] for r in runs],
+        "step_time_s_per_round": [r["median_step_time_s"] for r in runs],
         "bytes_sent_per_rank_profiled": prof,
         "bytes_sent_per_rank_counted": counted,
         "resident_bytes_per_rank_max": per_rank_max(lambda r: r["resident_bytes"]["total"]),
