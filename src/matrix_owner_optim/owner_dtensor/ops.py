@@ -179,12 +179,12 @@ def _meta_exact(func: Any, pointwise: bool) -> bool:
     no CPU / CUDA kernel of its own (a device-generic composite: the same code on every device).
     Otherwise a hand-written meta kernel stands beside a device kernel and may disagree with it
     (``native_batch_norm`` in eval mode: ``(C,)`` statistics on meta, empty ones on CPU). An
-    operator that reads indices from data (an ``index`` / ``indices`` argument: ``gather``,
+    operator that reads indices from data (an ``index`` / ``indices`` tensor argument: ``gather``,
     ``scatter``, ``index``) is not exact either: it fails on its values, on the holder only."""
     if pointwise:
         return True
-    if any(a.name in ("index", "indices") for a in func._schema.arguments):
-        return False
+    if any(a.name in ("index", "indices") and "Tensor" in str(a.type) for a in func._schema.arguments):
+        return False  # (an int index, select's, is metadata: checked on meta too)
     overload = func._overloadname
     name = func._schema.name if overload == "default" else f"{func._schema.name}.{overload}"
     if "RegisterMeta" in torch._C._dispatch_dump(name):
