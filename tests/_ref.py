@@ -98,6 +98,22 @@ def train_adamw_beside(model: torch.nn.Module, ref: torch.nn.Module, steps: int,
             o.zero_grad()
 
 
+def optimizer_in_backward(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """One AdamW per parameter, stepped by the parameter's post-accumulate-grad hook, which then
+    drops the gradient (optimizer in backward); keep the returned optimizers alive."""
+    opts = []
+    for p in model.parameters():
+        opt = torch.optim.AdamW([p], **ADAMW_OPTS)
+
+        def step(q: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
+            opt.step()
+            q.grad = None
+
+        p.register_post_accumulate_grad_hook(step)
+        opts.append(opt)
+    return opts
+
+
 def roles_by_fqn(sharded_model: torch.nn.Module) -> dict[str, Role]:
     """The planned role of every parameter (fixes a pending plan first: reading does not)."""
     fix_lazy_plans(sharded_model.parameters())

@@ -33,7 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ref import ADAMW_OPTS, CFG, full_grad_rows, global_batch, local_batch, max_param_rel_err_native, rel_err
+from _ref import (
+    CFG,
+    full_grad_rows,
+    global_batch,
+    local_batch,
+    max_param_rel_err_native,
+    optimizer_in_backward,
+    rel_err,
+)
 from _tolerances import PARITY_GRAD_RTOL as GRAD_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
@@ -134,21 +142,6 @@ def _counts(rank: int, W: int, group: Any, stock: bool) -> dict[str, Any]:
     return out
 
 
-def _optimizer_in_backward(model: nn.Module) -> list[torch.optim.Optimizer]:
-    """One AdamW per parameter, stepped by the parameter's hook, which then drops the gradient."""
-    opts = []
-    for p in model.parameters():
-        opt = torch.optim.AdamW([p], **ADAMW_OPTS)
-
-        def step(q: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
-            opt.step()
-            q.grad = None
-
-        p.register_post_accumulate_grad_hook(step)
-        opts.append(opt)
-    return opts
-
-
 def _trained(rank: int, W: int, group: Any) -> dict[str, float]:
     """Ours, stock FSDP2 and one process, each with optimizer-in-backward, STEPS steps."""
     torch.manual_seed(0)
@@ -156,7 +149,7 @@ def _trained(rank: int, W: int, group: Any) -> dict[str, float]:
     ref, stock, init = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     _shard(model, False, group)
     _shard(stock, True, group)
-    keep = [_optimizer_in_backward(m) for m in (model, ref, stock)]
+    keep = [optimizer_in_backward(m) for m in (model, ref, stock)]
     for step in range(STEPS):
         model(*local_batch(step, rank, W)).backward()
         stock(*local_batch(step, rank, W)).backward()

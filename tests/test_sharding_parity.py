@@ -47,6 +47,7 @@ from _ref import (
     local_batch,
     mean_over_ranks,
     no_gradient_here,
+    optimizer_in_backward,
     owner_optimizers,
     reference_optimizers,
     rel_err,
@@ -651,17 +652,8 @@ def _optimizer_in_backward(rank: int, W: int) -> dict:
     model, ref = _models(seed=17)
     _shard(model, mesh=mesh)
     model.fix_plan()
-    keep = []
     for m in (model, ref):
-        for p in m.parameters():
-            opt = torch.optim.AdamW([p], **ADAMW_OPTS)
-
-            def step(q: torch.Tensor, opt: torch.optim.Optimizer = opt) -> None:
-                opt.step()
-                q.grad = None
-
-            p.register_post_accumulate_grad_hook(step)
-            keep.append(opt)
+        optimizer_in_backward(m)  # each hook holds its optimizer
     worst = 0.0
     for step in range(3):
         model(*local_batch(step, rank, W)).backward()
