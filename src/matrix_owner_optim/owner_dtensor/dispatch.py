@@ -460,8 +460,6 @@ def _agree(call: Call, holder: int, error: BaseException | None, out: Any, conve
         if error is not None:
             raise error
         raise _ERRORS[code - 1](f"{call.func} raised on rank {holder}, which holds its tensors: {said[holder]}")
-    if error is not None:
-        raise error  # unreachable: the holder's own row carries its error
     other = next(r for r in range(mesh.size()) if r != holder)
     return digest == int(table[other, 1])
 
