@@ -20,6 +20,11 @@ verdicts of a job that a hang aborted survive it. A hang is a process-group time
 (:data:`PG_TIMEOUT_S`); the parent records the trial in flight as ``ABORTED`` and resumes at
 the next operator (:func:`run_world`).
 
+Every rank must run the same calls: ranks are spawned with one string-hash seed (a sample
+function that iterates a set of strings orders it by that seed) and agree on each operator's
+samples (one all-gather of a digest) before its trials; samples that differ are reported as
+``SAMPLES-DIFFER``, a violation.
+
 Random operators (``bernoulli``, ``normal``, dropout, ...) are compared under the same seed:
 every trial seeds torch's generator identically before the plain call and before the owner
 call, on every rank. An operator whose plain result differs between two calls under the same
@@ -28,6 +33,7 @@ seed is nondeterministic and not compared (``n/a``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -215,6 +221,14 @@ def _leaf_signature(a: Any) -> tuple:
     if isinstance(a, torch.Tensor):
         return ("T", tuple(a.shape), str(a.dtype))
     return ("V", type(a).__name__)
+
+
+def _sample_signature(sample: Any) -> list[tuple]:
+    """What every rank must agree on before a sample's trials: each argument's shape and dtype,
+    and every non-tensor argument's value (a sample function that iterates a ``set`` of strings,
+    as meshgrid's does over ``{'xy', 'ij'}``, orders it by the process's string hash)."""
+    flat, _ = _call_parts(sample)
+    return [_leaf_signature(a) if isinstance(a, torch.Tensor) else ("V", repr(a)) for a in flat]
 
 
 def _digest(obj: Any) -> int:
@@ -445,6 +459,10 @@ def rank_job(rank: int, W: int, mode: str, start: int, log_dir: str, only: froze
                 sample_list = []
             if not sample_list:
                 log.write(op=i, name=name, key=f"{name}|samples", verdict="n/a", detail="no sample with a dense tensor")
+            differing = _agree([(s, _sample_signature(sample)) for s, sample in sample_list])
+            if differing is not None:  # a trial would compare different calls across ranks
+                log.write(op=i, name=name, key=f"{name}|samples", verdict="SAMPLES-DIFFER", detail=str(differing)[:600])
+                sample_list = []
             for s, sample in sample_list:
                 tensors = _tensors(_call_parts(sample)[0])
                 if not tensors or not all(_supported(t) for t in tensors):
@@ -571,6 +589,22 @@ def summarize(W: int, log_dir: str, summary: Summary) -> int | None:
     return op
 
 
+@contextlib.contextmanager
+def _hash_seed(seed: int) -> Iterator[None]:
+    """Spawned ranks with one string-hash seed: OpInfo sample functions that iterate sets of
+    strings then build the same samples, in the same order, on every rank (each spawned
+    interpreter otherwise draws its own seed; ``rank_job`` still checks the samples agree)."""
+    before = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = before
+
+
 def run_world(
     W: int,
     mode: str,
@@ -589,7 +623,8 @@ def run_world(
             log_dir = os.path.join(root, f"attempt{attempt}")
             os.makedirs(log_dir)
             try:
-                spawn_ranks(rank_job, W, mode, start, log_dir, only, timeout_s=PG_TIMEOUT_S)
+                with _hash_seed(0):
+                    spawn_ranks(rank_job, W, mode, start, log_dir, only, timeout_s=PG_TIMEOUT_S)
                 crashed = None
             except RankError as exc:
                 crashed = str(exc)

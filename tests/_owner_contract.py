@@ -125,7 +125,10 @@ def _holder_agreement(W: int) -> dict[str, list[Outcome]]:
     * ``index_select`` / ``gather`` with an index out of range on a held tensor (operators that
       read indices, so the holder-local rule agrees): the holder's error on every rank.
     * ``amax`` / ``norm(inf)`` of row blocks holding a NaN: gathered (a partial max combined by
-      the backend's MAX loses the NaN); ``sum`` stays a row-block reduction and is exact."""
+      the backend's MAX loses the NaN); ``sum`` stays a row-block reduction and is exact.
+    * ``addmm(b, x, w.t())`` with ``x`` and ``w`` held by two ranks (gathered): bitwise the plain
+      result. The gathered ``w.t()`` must keep its transposed strides, or BLAS sums in another
+      order (multi_head_attention_forward was 0.1 off after three such products)."""
     x = torch.arange(24.0).reshape(3, 2, 4) / 7
     w, b, mean, var = torch.ones(2), torch.zeros(2), torch.full((2,), 0.5), torch.full((2,), 2.0)
     nan = torch.arange(12.0).reshape(4, 3)
@@ -148,6 +151,14 @@ def _holder_agreement(W: int) -> dict[str, list[Outcome]]:
         out[f"gather out of range, held{owner}"] = agreed(  # structured, but it reads indices
             lambda owner=owner: torch.gather(build(x, Placed("held", owner)), 0, bad_index.expand(2, 2, 4)) and None
         )
+    torch.manual_seed(5)
+    xm, wm, bm = torch.randn(3, 4) * 9, torch.randn(4, 4) * 9, torch.randn(4) * 9
+    out["addmm(b, x, w.t()), x and w on two owners"] = agreed(
+        lambda: torch.equal(
+            _full(torch.addmm(bm, build(xm, Placed("held", 0)), build(wm, Placed("held", W - 1)).t())),
+            torch.addmm(bm, xm, wm.t()),
+        )
+    )
     rows = Placed("rows")
     for name, fn in {
         "amax(dim=0)": lambda t: t.amax(dim=0),

@@ -286,3 +286,18 @@ def test_list_of_modules_is_one_unit(results):
     for r in res:
         assert r["list"]["grouped"] == 1 and r["list"]["units"] == CFG.n_layers + 2, r["list"]
         assert r["list"]["param_err"] <= TRAJ_RTOL, r["list"]
+
+
+def test_owner_placements_never_share_a_cache_key_with_other_pieces() -> None:
+    """DTensor's sharding-propagation caches key on placements: two owner placements with other
+    pieces, or an owner placement and FSDP2's even ``Shard(0)``, must hash and compare apart;
+    against a plain ``Shard(0)`` equality stays by dim (DTensorSpec's shard-order check)."""
+    from torch.distributed.tensor import Shard
+
+    from matrix_owner_optim.owner_dtensor.placement import OwnerShard
+
+    on0, on1 = OwnerShard(0, ((0, 4), (4, 4))), OwnerShard(0, ((4, 4), (0, 4)))
+    assert on0 != on1 and hash(on0) != hash(on1)
+    assert on0 == OwnerShard(0, ((0, 4), (4, 4))) and hash(on0) == hash(OwnerShard(0, ((0, 4), (4, 4))))
+    assert hash(on0) != hash(Shard(0)) and len({on0, on1, Shard(0)}) == 3
+    assert not (on0 != Shard(0))  # DTensorSpec._verify_shard_order: placements[d] != Shard(dim)

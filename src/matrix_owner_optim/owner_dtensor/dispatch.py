@@ -139,12 +139,38 @@ def _all_replicated(call: Call) -> bool:
 
 def full_of(a: Any) -> Any:
     """The whole value of one argument on every rank (a collective for a non-replicated DTensor;
-    every rank calls it for the same arguments)."""
+    every rank calls it for the same arguments), in the argument's own strides (see
+    :func:`_in_strides_of`)."""
     if isinstance(a, DTensor):
-        if hasattr(a, "full_value"):
-            return a.full_value()
-        return a.full_tensor()
+        full = a.full_value() if hasattr(a, "full_value") else a.full_tensor()
+        return _in_strides_of(a, full)
     return a
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely with no overlap (a permutation of the
+    contiguous strides; size-1 dimensions may have any stride)."""
+    if 0 in shape:
+        return False
+    expected = 1
+    for size, step in sorted(((n, st) for n, st in zip(shape, stride, strict=True) if n > 1), key=lambda x: x[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _in_strides_of(a: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (contiguous, as gathers return it) in ``a``'s strides where ``a`` is a dense
+    view in another order (a transposed matrix): a kernel given the gathered value then picks
+    what it picks for the plain tensor (BLAS's transpose flags, so its summation order), and a
+    gathered result rounds as the plain one does. Overlapping strides (``expand``) stay
+    contiguous: no storage has them."""
+    stride = tuple(a.stride())
+    if stride == tuple(full.stride()) or a.dim() < 2 or not _dense(tuple(a.shape), stride):
+        return full
+    restrided = torch.empty_strided(tuple(a.shape), stride, dtype=full.dtype, device=full.device)
+    return restrided.copy_(full)
 
 
 def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:

@@ -66,8 +66,19 @@ class OwnerShard(Shard):
             return starts[0] if starts else 0
         return None
 
-    # Equality stays Shard's (by dim): DTensorSpec checks its shard order with ``== Shard(dim)``.
-    # Whether two tensors have the same pieces is :func:`same_placement`.
+    def __eq__(self, other: object) -> bool:
+        """Two owner placements are equal when their pieces are (ranges included). Against a
+        plain ``Shard`` equality stays Shard's, by dim: DTensorSpec verifies its shard order
+        with ``placements[d] != Shard(dim)``."""
+        if isinstance(other, OwnerShard):
+            return self.dim == other.dim and self.ranges == other.ranges
+        return bool(super().__eq__(other))
+
+    def __hash__(self) -> int:
+        """By dim and ranges, never a ``Shard``'s hash: DTensor's sharding-propagation caches
+        key on specs, and a cached answer for one placement must not be handed to a call on
+        another (rows held by rank 1 are not rows held by rank 0, nor FSDP2's even rows)."""
+        return hash((OwnerShard, self.dim, self.ranges))
 
     def __repr__(self) -> str:
         return f"OwnerShard(dim={self.dim}, ranges={self.ranges})"
