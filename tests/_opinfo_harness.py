@@ -20,9 +20,10 @@ verdicts of a job that a hang aborted survive it. A hang is a process-group time
 (:data:`PG_TIMEOUT_S`); the parent records the trial in flight as ``ABORTED`` and resumes at
 the next operator (:func:`run_world`).
 
-Every rank must run the same calls: ranks are spawned with one string-hash seed (a sample
-function that iterates a set of strings orders it by that seed) and agree on each operator's
-samples (one all-gather of a digest) before its trials; samples that differ are reported as
+Every rank must run the same calls: the ranks fork from one forkserver (tests/_ranks.py), so
+they share its string-hash seed (a sample function that iterates a set of strings orders it by
+that seed: meshgrid's ``{'xy', 'ij'}``), and they agree on each operator's samples (one
+all-gather of a digest) before its trials; samples that differ are reported as
 ``SAMPLES-DIFFER``, a violation.
 
 Random operators (``bernoulli``, ``normal``, dropout, ...) are compared under the same seed:
@@ -33,7 +34,6 @@ seed is nondeterministic and not compared (``n/a``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -54,7 +54,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from _owner_layouts import SINGLE, applicable, assign, build, placement_for, world_mesh
-from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
+from _ranks import spawn_ranks
+from matrix_owner_optim.toolbox.launch import RankError
 
 __all__ = [
     "GOOD",
@@ -589,22 +590,6 @@ def summarize(W: int, log_dir: str, summary: Summary) -> int | None:
     return op
 
 
-@contextlib.contextmanager
-def _hash_seed(seed: int) -> Iterator[None]:
-    """Spawned ranks with one string-hash seed: OpInfo sample functions that iterate sets of
-    strings then build the same samples, in the same order, on every rank (each spawned
-    interpreter otherwise draws its own seed; ``rank_job`` still checks the samples agree)."""
-    before = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = str(seed)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = before
-
-
 def run_world(
     W: int,
     mode: str,
@@ -623,8 +608,7 @@ def run_world(
             log_dir = os.path.join(root, f"attempt{attempt}")
             os.makedirs(log_dir)
             try:
-                with _hash_seed(0):
-                    spawn_ranks(rank_job, W, mode, start, log_dir, only, timeout_s=PG_TIMEOUT_S)
+                spawn_ranks(rank_job, W, mode, start, log_dir, only, timeout_s=PG_TIMEOUT_S)
                 crashed = None
             except RankError as exc:
                 crashed = str(exc)

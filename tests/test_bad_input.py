@@ -28,13 +28,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from _ranks import spawn_ranks
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, plan_model
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import MixedPrecisionPolicy
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 # The smallest GPT with matrices (Linear weights), tail (norms, biases) and sharded tensors

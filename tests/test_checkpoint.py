@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, CFG4, MUON_OPTS, assert_bitwise_equal, param_copies, rank_batch, run_steps
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 CFG = CFG4

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
+from _ranks import spawn_ranks
 from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 
 def _launcher_env(rank: int, W: int) -> None:

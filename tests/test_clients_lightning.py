@@ -24,10 +24,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, CFG, MUON_OPTS
 from _tolerances import CLIENT_ATOL
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from _clients import OPTIM, build_hf, full_params, global_tokens, hf_loss, local_tokens
+from _ranks import spawn_ranks
 from _tolerances import CLIENT_ATOL
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from _clients import OPTIM, build_hf, full_params, local_tokens, max_abs_diff, reference_params, train
+from _ranks import spawn_ranks
 from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 
 def container(model: torch.nn.Module) -> Any:

@@ -41,9 +41,9 @@ from _clients import (
     reference_params,
     train,
 )
+from _ranks import spawn_ranks
 from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 pytestmark = pytest.mark.xdist_group("clients_transformers")
 

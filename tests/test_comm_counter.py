@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from _ranks import spawn_ranks
 from matrix_owner_optim import comm
 from matrix_owner_optim.comm import CommCounter, comm_phase, current_phase
 from matrix_owner_optim.sharding import fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 N = 1000  # float32 elements per test all-reduce

@@ -19,10 +19,10 @@ import functools
 import pytest
 import torch
 
+from _ranks import spawn_ranks
 from _ref import rel_err_native, roundtrip
 from _tolerances import DDP_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.multirank

@@ -29,6 +29,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, MUON_OPTS, SHAMPOO_SMALL_EPS, global_batch, local_batch, make_models, rel_err
 from _tolerances import DDP_W3_LOSS_RTOL as LOSS_RTOL
 from _tolerances import DDP_W3_PARAM_RTOL as PARAM_RTOL
@@ -36,7 +37,6 @@ from _tolerances import LOCKSTEP_RTOL
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon, Shampoo
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 pytestmark = pytest.mark.multirank

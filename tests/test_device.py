@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _ranks import spawn_ranks
 from matrix_owner_optim.sharding.api import mesh_device, move_states_to_device
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 
 def test_tensors_on_meta_or_already_there_stay() -> None:

@@ -47,12 +47,12 @@ import torch
 import torch.distributed as dist
 
 from _owner_contract import agreed
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, CFG, global_batch, local_batch, rel_err_native
 from _tolerances import OPTIONS_FP16_RTOL as FP16_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import MixedPrecisionPolicy, OwnerRoutedOptimizer
 from matrix_owner_optim.sharding import fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank

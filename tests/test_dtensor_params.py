@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate
 
+from _ranks import spawn_ranks
 from _ref import (
     ADAMW_OPTS,
     CFG,
@@ -49,7 +50,6 @@ from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 from matrix_owner_optim.toolbox.profiling import backend_ops
 

@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, CFG, MUON_OPTS, global_batch, local_batch
 from _tolerances import TRAJECTORY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.sharding.fsdp_api import FSDP_MODULE_METHODS, FULLY_SHARD_ARGUMENTS
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 README = Path(__file__).resolve().parents[1] / "README.md"

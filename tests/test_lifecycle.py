@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from _ranks import spawn_ranks
 from _ref import ADAMW_OPTS, assert_close, global_batch, local_batch, no_gradient_here
 from _tolerances import LIFECYCLE_RTOL as RTOL
 from matrix_owner_optim import register_fsdp_forward_method
@@ -43,7 +44,6 @@ from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
 from matrix_owner_optim.sharding.unit import ShardedState
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)

@@ -25,13 +25,13 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import spawn_ranks
 from _ref import CFG, max_param_rel_err_native, train_adamw_beside
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
 from matrix_owner_optim.planning.registry import get_cost_model
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank

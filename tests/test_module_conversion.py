@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import spawn_ranks
 from _ref import CFG, local_batch, max_param_rel_err_native, train_adamw_beside
 from _tolerances import FLOAT64_PARAM_RTOL as RTOL64
 from matrix_owner_optim.sharding import fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank

@@ -23,13 +23,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from _moe import TinyMoE
+from _ranks import spawn_ranks
 from _ref import rel_err_native
 from _tolerances import TRAJECTORY_PARAM_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import get_matrix_shard
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 pytestmark = pytest.mark.multirank

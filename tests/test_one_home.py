@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from _ranks import spawn_ranks
 from _ref import CFG
 from matrix_owner_optim import OwnerRoutedOptimizer, register_optimizer, register_preconditioner
 from matrix_owner_optim.optim import registry as optim_registry
@@ -41,7 +42,6 @@ from matrix_owner_optim.planning.registry import (
 from matrix_owner_optim.preconditioners import Shampoo
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.sharding.state import state_of
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 SPECS = ("shampoo", Shampoo, SHAMPOO_COST)  # a name, an optimizer class, a cost model

@@ -32,7 +32,7 @@ import pytest
 
 from _opinfo_harness import PG_TIMEOUT_S, Summary, run_world
 from _owner_contract import collectives_job, reads_job
-from matrix_owner_optim.toolbox.launch import spawn_ranks
+from _ranks import spawn_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import matrix_owner_optim as moo
+from _ranks import spawn_ranks
 from _ref import (
     CFG,
     assert_close,
@@ -43,7 +44,6 @@ from matrix_owner_optim.replica_sync import steps_here
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli.main import main as cli_main
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _ranks import spawn_ranks
 from _ref import CFG
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import plan_model
 from matrix_owner_optim.sharding import fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank

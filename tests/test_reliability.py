@@ -21,11 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _ranks import spawn_ranks
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.sharding.state import state_of as _state
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import RankError, spawn_ranks
+from matrix_owner_optim.toolbox.launch import RankError
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.multirank

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from _ranks import spawn_ranks
 from _ref import computed_once, rel_err_native
 from _tolerances import LOCKSTEP_RTOL
 from _tolerances import SHAMPOO_BLOCKS_RTOL as RTOL
@@ -38,7 +39,6 @@ from matrix_owner_optim.planning.bands import declare_row_band
 from matrix_owner_optim.planning.cost import MUON_COST, row_block_of, shampoo_cost, soap_cost
 from matrix_owner_optim.preconditioners import Muon, Shampoo
 from matrix_owner_optim.sharding import fully_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 B = 32  # max_preconditioner_dim

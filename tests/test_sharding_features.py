@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from _ranks import spawn_ranks
 from _ref import (
     assert_close,
     full_grad_rows,
@@ -45,7 +46,6 @@ from matrix_owner_optim.sharding import (
     fully_shard,
 )
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from _ranks import spawn_ranks
 from _ref import (
     ADAMW_OPTS,
     MUON_OPTS,
@@ -73,7 +74,6 @@ from matrix_owner_optim.sharding import (
     fully_shard,
 )
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 
 pytestmark = pytest.mark.multirank

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from _ranks import spawn_ranks
 from _ref import CFG4
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, get_matrix_shard
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT
 
 CFG = CFG4

@@ -37,6 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
+from _ranks import spawn_ranks
 from _ref import (
     ADAMW_OPTS,
     CFG4,
@@ -66,7 +67,6 @@ from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import steps_here
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
 

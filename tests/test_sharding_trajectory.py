@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from _ranks import spawn_ranks
 from _ref import (
     ADAMW_OPTS,
     SHAMPOO_SMALL_EPS,
@@ -46,7 +47,6 @@ from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
 pytestmark = pytest.mark.multirank

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from _ranks import spawn_ranks
 from _ref import (
     ADAMW_OPTS,
     CFG4,
@@ -53,7 +54,6 @@ from _ref import (
 )
 from _tolerances import DDP_W3_RESUME_RTOL, LOCKSTEP_RTOL, WHOLE_BATCH_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 CFG = CFG4

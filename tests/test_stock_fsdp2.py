@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _ranks import spawn_ranks
 from _ref import rel_err_native, roundtrip
 from _tolerances import STOCK_FSDP2_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
 pytestmark = pytest.mark.multirank

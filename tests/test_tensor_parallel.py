@@ -56,10 +56,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import _titan_checkpoint
+from _ranks import spawn_ranks
 from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
-from matrix_owner_optim.toolbox.launch import spawn_ranks
 
 pytestmark = pytest.mark.multirank
 
