@@ -143,3 +143,9 @@ MOE_PARAM_RTOL = 5e-6
 # infinity in one replica's matrix gradient, against float32 in one process after 3 steps:
 # measured 2.9e-3 (float16 round-off of the forward and the gradients); ~3.4x above.
 HSDP_FP16_PARAM_RTOL = 1e-2
+
+# Pipeline stages on the owner layout (tests/test_pipeline_stages.py, (pp=2, dp=2), 3 steps):
+# the one-process reference against itself with the batch reversed differs by 8.5e-8
+# (parameters) and 8.3e-8 (losses); the stages measured 1.1e-8 / 8.7e-8. ~4x the floor:
+PP_PARAM_RTOL = 4e-7
+PP_LOSS_RTOL = 4e-7
