@@ -56,6 +56,10 @@ NOT_PACKAGE = {
     "to_empty": "nn.Module.to_empty, the meta-device init the runtime supports",
     "vector_norm": "torch.linalg.vector_norm, which torch's clip_grad_norm_ calls",
     "gate_up_proj": "transformers' fused expert parameter, the example of a stack",
+    "PipelineStage": "torch.distributed.pipelining's stage, which pipeline stages on the layout use",
+    "ScheduleGPipe": "torch.distributed.pipelining's GPipe schedule, the one tested with stages",
+    "stage_backward": "torch.distributed.pipelining's backward of a stage (plain autograd)",
+    "scale_grads": "torch.distributed.pipelining's gradient scaling by the micro-batch count",
 }
 
 # The document's variables for package objects, resolved as these classes.
