@@ -119,15 +119,26 @@ def build_context(
                 f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
                 "register every parameter before calling fully_shard"
             )
+        tp_slice = _check_tensor_parallel(param, shard, replicate_size)
         with torch.no_grad():
             param.grad = None
-            piece = _resident_piece(local_tensor(param), shard, rank)
-            param.relayout(piece, placement_of(shard))
+            full = local_tensor(param)  # the whole tensor, or its TP slice (a 2D (dp, tp) mesh)
+            piece = _resident_piece(full, shard, rank)
+            if tp_slice is None:
+                param.relayout(piece, placement_of(shard))
+            else:  # the TP slice whole on its dp owner; TP's placement stays on tp
+                param.relayout(piece, (placement_of(shard), tp_slice))
         attach_matrix_shard(param, shard, rank, group)
         if replicate_group is not None:
             attach_replica(param, place)
         unlink_lazy_plan(param)
-        handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
+        # a TP slice moves over dp as a tensor of the slice's shape: the unit's segments, its
+        # unsharded tensor and its gradient are the slice's; the plan (and the optimizer) keep
+        # the global shape
+        unit_shard = shard if tp_slice is None else dataclasses.replace(shard, shape=tuple(full.shape))
+        handles_of[s.unit].append(
+            ParamHandle(unit_shard, locations[id(param)], param, rank, param.dtype, tp=tp_slice is not None)
+        )
 
     groups = ShardGroups(group, rank, W, replicate_group, replicate_size, replica_rank, place.sync)
     root_index = -1 if is_container else len(states) - 1
@@ -251,6 +262,23 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
         )
         for s in specs
     }
+
+
+def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_size: int) -> Any:
+    """The TP placement of a tensor-parallel parameter (on a 2D (dp, tp) mesh), None for the
+    owner layout's plain ones; refuses what the 2D layout does not build yet, naming it."""
+    if param.device_mesh.ndim != 2:
+        return None
+    what = f"fully_shard: tensor-parallel parameter {shard.fqn!r} ({tuple(param.placements)})"
+    if replicate_size > 1:
+        raise NotImplementedError(f"{what}: HSDP x tensor parallel is not supported; shard over the dp mesh alone")
+    if shard.holds_rows:
+        raise NotImplementedError(
+            f"{what} has the 'rows' role (an embedding or head, split by rows over dp); on a (dp, tp) mesh "
+            "the owner layout holds TP slices whole: give it the 'tail' role (plan with roles=) or leave it "
+            "out (ignored_params)"
+        )
+    return param.placements[1]
 
 
 def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
