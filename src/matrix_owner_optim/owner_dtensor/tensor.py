@@ -145,7 +145,9 @@ class OwnerDTensor(DcpChunks, DTensor):
         return OwnerDTensor.make(local, mesh, Shard(0), shape)
 
     @staticmethod
-    def tensor_parallel(local: torch.Tensor, mesh: Any, placements: tuple[Any, Any], shape: Sequence[int]) -> OwnerDTensor:
+    def tensor_parallel(
+        local: torch.Tensor, mesh: Any, placements: tuple[Any, Any], shape: Sequence[int]
+    ) -> OwnerDTensor:
         """``local`` (this rank's piece of a tensor-parallel slice) on the 2D (dp, tp) ``mesh``
         with ``placements`` (dp's: ``Replicate()`` before the plan, ``OwnerShard`` after; tp's
         as ``parallelize_module`` left it) for a global ``shape`` (``two_dim.py``)."""
@@ -284,7 +286,12 @@ class OwnerDTensor(DcpChunks, DTensor):
         if self.device_mesh.ndim == 2 and mesh == self.device_mesh and placements is not None:
             if len(placements) == 2 and all(isinstance(p, Replicate) for p in placements):
                 return DTensor.from_local(
-                    self._full_2d(), mesh, [Replicate(), Replicate()], run_check=False, shape=self.shape, stride=self.stride()
+                    self._full_2d(),
+                    mesh,
+                    [Replicate(), Replicate()],
+                    run_check=False,
+                    shape=self.shape,
+                    stride=self.stride(),
                 )
         if mesh is not self.device_mesh or placements is None or not all(isinstance(p, Replicate) for p in placements):
             raise NotImplementedError(

@@ -34,6 +34,7 @@ then TP's own gather over tp; new storage on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -69,15 +70,13 @@ def is_2d(t: Any) -> bool:
     return isinstance(t, DTensor) and t.device_mesh.ndim == 2
 
 
-def spec_2d(
-    mesh: Any, placements: tuple[Any, Any], shape: torch.Size | tuple[int, ...], dtype: torch.dtype
-) -> DTensorSpec:
+def spec_2d(mesh: Any, placements: Sequence[Any], shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec:
     """The spec of an owner-layout tensor on the 2D (dp, tp) ``mesh`` of global ``shape``."""
     shape = torch.Size(tuple(int(s) for s in shape))
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype))
 
 
-def tp_mesh_of(t: DTensor) -> Any:
+def tp_mesh_of(t: Any) -> Any:
     """The tp sub-mesh (dim 1) of a 2D owner-layout tensor's mesh."""
     mesh = t.device_mesh
     names = mesh.mesh_dim_names

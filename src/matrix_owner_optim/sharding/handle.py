@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -128,7 +127,7 @@ class ParamHandle:
             shape = self.sharded.shape
             spec = DTensorSpec(
                 tp_mesh_of(self.sharded),
-                (self.sharded.placements[1],),
+                (self.sharded.placements[1],),  # type: ignore[attr-defined]
                 tensor_meta=TensorMeta(shape, contiguous_stride(shape), self.compute_dtype),
             )
             wrapped = DTensor.__new__(DTensor, data, spec, requires_grad=False)  # type: ignore[call-arg]
@@ -147,7 +146,7 @@ class ParamHandle:
         own redistribute, as torch's FSDP2 does), then its local slice."""
         if not self.tp or not isinstance(g, DTensor):
             return g
-        want = (self.sharded.placements[1],)
+        want = (self.sharded.placements[1],)  # type: ignore[attr-defined]
         if tuple(g.placements) != want:
             g = g.redistribute(placements=want)
         return g._local_tensor
