@@ -40,22 +40,26 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
 
 def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
     """The 2D (dp, tp) mesh a tensor-parallel parameter ``p`` is laid out on when ``fully_shard``
-    shards over the 1D ``mesh`` (its dp dim): the root mesh of both, dp first. None when ``p``
-    is not such a parameter (the caller refuses it, naming what is supported)."""
+    shards over the 1D ``mesh`` (its dp dim): the two 1D meshes concatenated, dp first, as
+    torch's FSDP2 builds its 2D spec (``DeviceMesh._concatenate``: the groups both already
+    have, no new process group). None when ``p`` is not such a parameter (the caller refuses
+    it, naming what is supported): either mesh unnamed or not 1D, meshes of different roots or
+    overlapping, a placement other than ``Shard`` or ``Replicate()`` (``_StridedShard``,
+    ``Partial``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     p_mesh = p.device_mesh
-    if not hasattr(mesh, "mesh_dim_names") or mesh.ndim != 1 or p_mesh.ndim != 1:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1 or p_mesh.ndim != 1:
         return None
-    root = mesh._get_root_mesh()
-    if root is not p_mesh._get_root_mesh() or root.ndim != 2 or root.mesh_dim_names is None:
-        return None
-    if mesh.mesh_dim_names is None or p_mesh.mesh_dim_names is None:
-        return None
-    if tuple(root.mesh_dim_names) != (mesh.mesh_dim_names[0], p_mesh.mesh_dim_names[0]):
+    if mesh.mesh_dim_names is None or p_mesh.mesh_dim_names is None or mesh.mesh_dim_names == p_mesh.mesh_dim_names:
         return None
     placement = p.placements[0]
     if not (type(placement) is Shard or isinstance(placement, Replicate)):
         return None
-    return root
+    try:
+        return DeviceMesh._concatenate([mesh, p_mesh])
+    except RuntimeError:  # another root, or overlapping meshes
+        return None
 
 
 def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None, mesh: Any) -> None:
