@@ -30,11 +30,26 @@ from typing import Any
 import pytest
 import torch
 
-from _tolerances import TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.toolbox.launch import spawn_ranks
-from test_tensor_parallel import ADAMW, CLIP, MUON, STEPS, Block, Net, _clipped_run, _micro, batches, build
+from test_tensor_parallel import (
+    ADAMW,
+    CLIP,
+    LLAMA_MUON,
+    MUON,
+    STEPS,
+    TITAN_BATCH,
+    TITAN_STEPS,
+    Block,
+    Net,
+    _clipped_run,
+    _micro,
+    batches,
+    build,
+    titan_reference,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -143,6 +158,52 @@ def _train(mesh: Any, case: str) -> dict[str, Any]:
     return out
 
 
+def _titan_owner(rank: int, W: int) -> dict[str, Any]:
+    """torchtitan's Llama3 (tests/_titan.py's tiny config and CPU adaptations) with the TP plan
+    its parallelize_llama applies (``model.parallelize``: vocab-parallel embedding, colwise fused
+    wqkv, w1, w3 and lm_head, rowwise wo and w2, SequenceParallel norms) on dp_shard=2, tp=2, and
+    the package's fully_shard over its fsdp mesh in place of torchtitan's apply_fsdp_to_decoder
+    (the same units: the embedding, each block, norm with lm_head, the root; gradient division
+    off, as torchtitan's: its loss is divided by the global token count). This package's Muon
+    (float32 Newton-Schulz) + AdamW, torch's clip_grad_norm_ every step."""
+    import _titan
+    from matrix_owner_optim import fully_shard
+    from matrix_owner_optim.sharding import OwnerShardedModule
+
+    par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
+    model = _titan.build(_titan.llama_config(), par)
+    dims = _titan.parallel_dims(par, W)
+    model.parallelize(dims)
+    dp_mesh = dims.get_mesh("fsdp")
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for m in model.modules():
+        if isinstance(m, OwnerShardedModule):
+            m.set_gradient_divide_factor(1.0)
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+    dp = dp_mesh.get_local_rank()
+    norms, losses = [], []
+    for tokens, targets in _titan.batches(TITAN_STEPS, TITAN_BATCH):
+        rows = slice(2 * dp, 2 * dp + 2)
+        loss = _titan.loss(model, tokens[rows], targets[rows], tokens.numel())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {
+        "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()},
+        "routes": {r["name"]: r["role"] for r in opt.routes()},
+        "norms": norms,
+        "losses": losses,
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+    }
+
+
 def _refused(mesh: Any) -> dict[str, str]:
     """What the package's fully_shard still refuses at the call, naming the parameter."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -167,6 +228,9 @@ def owner_tp_job(rank: int, W: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {case: _train(mesh, case) for case in CASES}
     out["refused"] = _refused(mesh)
+    out["llama"] = _titan_owner(rank, W)
+    if rank == 0:  # the one-process torchtitan reference, where torchtitan is imported already
+        out["llama_reference"] = titan_reference()
     return out
 
 
@@ -252,6 +316,23 @@ def test_steady_step_moves_what_bytes_per_step_says() -> None:
             else:
                 assert not t["ops"], (rank, t["ops"])
             assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, case, t["sent"], t["received"])
+
+
+def test_torchtitan_llama_tp_on_the_owner_layout_equals_one_process() -> None:
+    res = results()
+    ref = res[0]["llama_reference"]
+    for rank, r in enumerate(res):
+        t = r["llama"]
+        assert t["placements"]["layers.0.feed_forward.w2.weight"].endswith("Shard(dim=1))"), t["placements"]
+        assert t["placements"]["tok_embeddings.weight"].startswith("(OwnerShard"), t["placements"]
+        for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        print(f"torchtitan Llama3 rank {rank}: worst parameter rel err {worst:.2e}")
+        assert worst <= TITAN_PARAM_RTOL, f"rank {rank}: rel err {worst:.2e}"
+    for i, b in enumerate(ref["losses"]):  # the loss is divided by the global token count: the dp sum
+        a = res[0]["llama"]["losses"][i] + res[2]["llama"]["losses"][i]
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
 
 
 def test_fully_shard_refuses_unsupported_tp_forms_at_the_call() -> None:

@@ -22,7 +22,7 @@ from ..lazy_plan import unlink_lazy_plan
 from ..owner_dtensor import OwnerDTensor
 from ..pieces import placement_of
 from ..planning.cost import CostModel
-from ..planning.metadata import MatrixShard, ShardingPlan, attach_matrix_shard, record_unit_prefixes
+from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_shard, record_unit_prefixes
 from ..planning.planner import plan_tensors
 from ..planning.replicas import assign_step_replicas
 from ..planning.roles import TensorSpec, specs_from_module
@@ -80,6 +80,7 @@ def build_context(
         for sp in specs_from_module(root, unit_prefixes=prefixes)
         if not is_ignored(by_name[sp.fqn])  # fully_shard(ignored_params=...): left as they are
     ]
+    specs = [_tp_rows_as_tail(sp, by_name[sp.fqn]) for sp in specs]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
     locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
@@ -264,6 +265,16 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
     }
 
 
+def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
+    """A tensor-parallel ``rows`` tensor (a vocab-parallel embedding, a colwise head) is planned
+    as a ``tail`` tensor: its TP slice held whole by one dp owner. Row blocks of a TP slice
+    split dim 0 twice (torch's ``_StridedShard``), which the 2D layout does not build; the
+    optimizer is the tail's either way (``rows`` tensors get the tail optimizer)."""
+    if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
+        return dataclasses.replace(spec, role=Role.TAIL)
+    return spec
+
+
 def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_size: int) -> Any:
     """The TP placement of a tensor-parallel parameter (on a 2D (dp, tp) mesh), None for the
     owner layout's plain ones; refuses what the 2D layout does not build yet, naming it."""
@@ -274,9 +285,8 @@ def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_si
         raise NotImplementedError(f"{what}: HSDP x tensor parallel is not supported; shard over the dp mesh alone")
     if shard.holds_rows:
         raise NotImplementedError(
-            f"{what} has the 'rows' role (an embedding or head, split by rows over dp); on a (dp, tp) mesh "
-            "the owner layout holds TP slices whole: give it the 'tail' role (plan with roles=) or leave it "
-            "out (ignored_params)"
+            f"{what} has the 'rows' role in the given plan (split by rows over dp); on a (dp, tp) mesh the "
+            "owner layout holds TP slices whole: plan it as 'tail' (fully_shard plans it so without plan=)"
         )
     return param.placements[1]
 
