@@ -16,6 +16,8 @@ reference are test_tensor_parallel.py's two TP blocks (hidden sizes 10 and 6). O
 * the layouts: placements and local pieces as the plan says (the TP slice on the owner, empty
   elsewhere), and DCP's view of them (``compute_local_shape_and_global_offset``);
 * every matrix's optimizer state only on its owners ``(o, *)``, and the resident bytes per rank;
+* DCP of the model's state dict (each owner writes its TP slice) loads bitwise into a fresh
+  planned model;
 * a steady step's collectives: one all-gather over tp per dtype on the owners, the bytes
   ``bytes_per_step()`` says;
 * what ``fully_shard`` still refuses at the call, naming the parameter: a TP block sharded over
@@ -25,6 +27,7 @@ reference are test_tensor_parallel.py's two TP blocks (hidden sizes 10 and 6). O
 from __future__ import annotations
 
 import functools
+import tempfile
 from typing import Any
 
 import pytest
@@ -116,7 +119,9 @@ def _layout(model: Net) -> dict[str, Any]:
     return out
 
 
-def _train(mesh: Any, case: str) -> dict[str, Any]:
+def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
     from matrix_owner_optim.tensors import local_tensor
 
     model = _owner_tp(mesh)
@@ -155,6 +160,13 @@ def _train(mesh: Any, case: str) -> dict[str, Any]:
     )
     out["param_bytes"] = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
     out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    # DCP of the model: each owner writes its TP slice; a fresh planned model loads it in place
+    dcp.save(model.state_dict(), checkpoint_id=f"{ckpt}/{case}")
+    fresh = _owner_tp(mesh)
+    OwnerRoutedOptimizer(fresh, **CASES[case])  # fixes the plan: the parameters are pieces now
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=f"{ckpt}/{case}")
+    out["loaded"] = {n: p.full_tensor().detach().clone() for n, p in fresh.named_parameters()}
     return out
 
 
@@ -222,11 +234,11 @@ def _refused(mesh: Any) -> dict[str, str]:
     return out
 
 
-def owner_tp_job(rank: int, W: int) -> dict[str, Any]:
+def owner_tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    out: dict[str, Any] = {case: _train(mesh, case) for case in CASES}
+    out: dict[str, Any] = {case: _train(mesh, case, ckpt) for case in CASES}
     out["refused"] = _refused(mesh)
     out["llama"] = _titan_owner(rank, W)
     if rank == 0:  # the one-process torchtitan reference, where torchtitan is imported already
@@ -236,7 +248,8 @@ def owner_tp_job(rank: int, W: int) -> dict[str, Any]:
 
 @functools.cache
 def results() -> list[dict[str, Any]]:
-    return spawn_ranks(owner_tp_job, 4, threads_per_rank=1)
+    with tempfile.TemporaryDirectory(prefix="moo-owner-tp-") as ckpt:
+        return spawn_ranks(owner_tp_job, 4, ckpt, threads_per_rank=1)
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -289,6 +302,14 @@ def test_tp_slices_are_held_whole_by_their_dp_owner() -> None:
         assert {n: x["owner"] for n, x in r["muon_f32"]["layout"].items()} == {
             n: x["owner"] for n, x in res[0]["muon_f32"]["layout"].items()
         }
+
+
+def test_dcp_of_the_model_loads_bitwise_into_a_fresh_planned_model() -> None:
+    for rank, r in enumerate(results()):
+        for case in CASES:
+            t = r[case]
+            for n, p in t["params"].items():
+                assert torch.equal(t["loaded"][n], p), (rank, case, n)
 
 
 def test_matrix_state_only_on_its_owners_and_resident_bytes() -> None:

@@ -143,6 +143,16 @@ class OwnerTPLayout(UpdateLayout):
             if rp.proxy is not None:
                 rp.proxy.grad = None
 
+    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        raise NotImplementedError(
+            f"optimizer state {key!r} of {rp.label!r}: state dicts of the owner layout on a (dp, tp) mesh "
+            "are not built yet (the model's state dict and DCP of its parameters are); checkpoint the "
+            "optimizer of a (dp, tp) run on stock FSDP2 x TP (torch.distributed.fsdp.fully_shard)"
+        )
+
+    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        return self.state_entry(rp, key, value)
+
     def bytes_per_step(self) -> int:
         """Bytes this rank sends plus receives in one step: per dtype, its message (header, its
         weight and gradient slices, padded to the largest TP rank's) to each of the ``T-1``
