@@ -39,9 +39,9 @@ of each TP slice uneven (3 and 2 rows, 2 and 1). One spawned job:
   1 (tests/_titan_checkpoint.py): loaded bitwise, parameters and full optimizer state, on the
   package's 1D owner layout at W=2 and W=4 and on stock FSDP2 at W=4, and the W=4 owner layout's
   checkpoint back on (2, 2); every continued run equals the uninterrupted one process;
-* this package's own ``fully_shard`` refuses a TP block at the call (the owner layout over a
-  (dp, tp) mesh is not built yet), naming the parameter and its placements, where it used to
-  fail at the first forward inside DTensor's dispatch.
+* this package's own ``fully_shard`` refuses a TP block sharded over its own tp mesh at the
+  call, naming the parameter and its placements (over the dp dim beside it, the supported form,
+  tests/test_tensor_parallel_owner.py).
 """
 
 from __future__ import annotations
@@ -534,7 +534,9 @@ def _bad_placements(mesh: Any) -> dict[str, str]:
 
 
 def _owner_layout_on_tp(mesh: Any) -> str:
-    """The package's own fully_shard on a TP block: refused at the call, naming the parameter."""
+    """The package's own fully_shard on a TP block over its own tp mesh (not the dp dim beside
+    it: tests/test_tensor_parallel_owner.py runs that form): refused at the call, naming the
+    parameter."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from matrix_owner_optim import fully_shard
@@ -542,7 +544,7 @@ def _owner_layout_on_tp(mesh: Any) -> str:
     block = Block(10)
     parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     try:
-        fully_shard(block, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["tp"])
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -797,10 +799,13 @@ def test_torchtitan_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
 
 
 def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:
+    """A TP block sharded over its own tp mesh is refused at the call, naming the parameter and
+    the supported form (fully_shard over the dp dim of the (dp, tp) mesh)."""
     for r in results():
         msg = r["owner_layout"]
         assert msg.startswith("fully_shard(Block): parameter 'w1.weight' is a DTensor"), msg
-        assert "(Shard(dim=0),)" in msg and "torch.distributed.fsdp.fully_shard" in msg, msg
+        assert "(Shard(dim=0),)" in msg and "mesh=mesh['dp']" in msg, msg
+        assert "torch.distributed.fsdp.fully_shard" in msg, msg
 
 
 def test_unsupported_tp_and_ep_placements_are_refused_naming_them() -> None:

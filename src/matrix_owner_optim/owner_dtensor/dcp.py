@@ -1,5 +1,9 @@
 """DCP's checkpoint protocol for owner-layout DTensors: this rank's rows as one chunk.
 
+(On a 2D (dp, tp) mesh: this rank's TP slice where it owns it, cut as
+``compute_local_shape_and_global_offset`` cuts it; the TP ranks of a ``Replicate()`` tp
+placement write the same chunk, which DCP deduplicates as for stock DTensors.)
+
 A rank writes the rows it holds (one chunk) and nothing where it holds none, so a checkpoint
 written at W ranks loads at any W' on any layout.
 """
@@ -30,6 +34,8 @@ class DcpChunks:
 
     if TYPE_CHECKING:  # what the mixin reads, provided by OwnerDTensor and torch.Tensor
         placement: Any
+        placements: Any
+        device_mesh: Any
         _local_tensor: torch.Tensor
         shape: torch.Size
 
@@ -42,6 +48,13 @@ class DcpChunks:
 
     # -- DCP's checkpoint protocol: this rank's rows as one chunk, nothing where it holds none ----
     def _chunk(self) -> ChunkStorageMetadata | None:
+        if self.device_mesh.ndim == 2:  # a TP slice held by its dp owner (two_dim.py): DTensor's own cut
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            sizes, offsets = compute_local_shape_and_global_offset(self.shape, self.device_mesh, self.placements)
+            if self._local_tensor.numel() == 0:
+                return None
+            return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         p = self.placement
         if isinstance(p, Replicate):
             return ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=self.shape)

@@ -23,6 +23,7 @@ from .dispatch import dispatch, local_rank
 from .lists import run_lists
 from .ops import OpClass, operator_info
 from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
+from .two_dim import dispatch_2d, full_value_2d, run_lists_2d, spec_2d, tp_mesh_of
 
 aten = torch.ops.aten
 
@@ -59,6 +60,8 @@ def like_layout(t: OwnerDTensor, local: torch.Tensor) -> OwnerDTensor:
     meta = spec.tensor_meta
     if meta is not None and meta.dtype == local.dtype and tuple(meta.stride) == contiguous_stride(meta.shape):
         return OwnerDTensor._wrap(local, spec, t._holder)
+    if t.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner (two_dim.py)
+        return OwnerDTensor._wrap(local, spec_2d(t.device_mesh, tuple(t.placements), t.shape, local.dtype), t._holder)
     return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
 
 
@@ -142,6 +145,17 @@ class OwnerDTensor(DcpChunks, DTensor):
         return OwnerDTensor.make(local, mesh, Shard(0), shape)
 
     @staticmethod
+    def tensor_parallel(
+        local: torch.Tensor, mesh: Any, placements: tuple[Any, Any], shape: Sequence[int]
+    ) -> OwnerDTensor:
+        """``local`` (this rank's piece of a tensor-parallel slice) on the 2D (dp, tp) ``mesh``
+        with ``placements`` (dp's: ``Replicate()`` before the plan, ``OwnerShard`` after; tp's
+        as ``parallelize_module`` left it) for a global ``shape`` (``two_dim.py``)."""
+        dp = placements[0]
+        holder = dp.holder if isinstance(dp, OwnerShard) else None
+        return OwnerDTensor._wrap(local, spec_2d(mesh, placements, shape, local.dtype), holder)
+
+    @staticmethod
     def replicated(full: torch.Tensor, mesh: Any) -> OwnerDTensor:
         """Every rank holds ``full`` (a module's parameters until the plan is fixed)."""
         return OwnerDTensor.make(full, mesh, Replicate(), full.shape, full.stride())
@@ -165,13 +179,13 @@ class OwnerDTensor(DcpChunks, DTensor):
         module and an optimizer hold stays the same, as FSDP2 re-points ``_local_tensor``)."""
         meta = self._spec.tensor_meta
         assert meta is not None
+        placements = tuple(placement) if isinstance(placement, tuple) else (placement,)
         self._spec = DTensorSpec(
-            self.device_mesh, (placement,), tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
+            self.device_mesh, placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
         )
         self._local_tensor = local
-        self._holder = (
-            holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
-        )
+        dp = placements[0]
+        self._holder = holder if holder is not None else (dp.holder if isinstance(dp, OwnerShard) else None)
 
     def local_rows(self) -> tuple[int, int] | None:
         """This rank's rows ``[start, stop)`` of dim 0 (None for a replicated or 0-dim tensor)."""
@@ -214,6 +228,8 @@ class OwnerDTensor(DcpChunks, DTensor):
         DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
         tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
         whose replicas' broadcast is deferred to the next forward lands it first."""
+        if self.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner
+            return self._full_2d()
         land_deferred(self)
         source = replica_state_source(self)
         if source is None:
@@ -227,6 +243,21 @@ class OwnerDTensor(DcpChunks, DTensor):
             full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
         comm.broadcast(as_bytes(full), group_src=src, group=place.group, name="replica_full_state")
         return full
+
+    def _full_2d(self) -> torch.Tensor:
+        """:meth:`full_value` on the 2D (dp, tp) mesh: over dp from the owner, then over tp."""
+        if isinstance(self.placement, Replicate):  # before the plan: every dp rank holds the TP slice
+            tp = DTensor.from_local(
+                self._local_tensor,
+                tp_mesh_of(self),
+                [self.placements[1]],
+                run_check=False,
+                shape=self.shape,
+                stride=self.stride(),
+            )
+            return tp.full_tensor().clone()
+        assert self._holder is not None
+        return full_value_2d(self, self._holder)
 
     def _full_in_group(self) -> torch.Tensor:
         """:meth:`full_value` over this tensor's own mesh (the shard group)."""
@@ -252,6 +283,16 @@ class OwnerDTensor(DcpChunks, DTensor):
     ) -> DTensor:  # type: ignore[override]
         """To ``Replicate`` on its own mesh (what ``full_tensor()`` and state-dict gathering ask)."""
         mesh = device_mesh if device_mesh is not None else self.device_mesh
+        if self.device_mesh.ndim == 2 and mesh == self.device_mesh and placements is not None:
+            if len(placements) == 2 and all(isinstance(p, Replicate) for p in placements):
+                return DTensor.from_local(
+                    self._full_2d(),
+                    mesh,
+                    [Replicate(), Replicate()],
+                    run_check=False,
+                    shape=self.shape,
+                    stride=self.stride(),
+                )
         if mesh is not self.device_mesh or placements is None or not all(isinstance(p, Replicate) for p in placements):
             raise NotImplementedError(
                 f"an owner-layout tensor redistributes only to Replicate() on its own mesh (full_tensor()); "
@@ -309,6 +350,10 @@ class OwnerDTensor(DcpChunks, DTensor):
         """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
         (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
         info = operator_info(func)
+        if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
+            if info.cls is OpClass.LIST:
+                return run_lists_2d(cls, func, args, kwargs or {})
+            return dispatch_2d(cls, func, args, kwargs or {}, info)
         if info.cls is OpClass.LIST:
             return run_lists(cls, func, args, kwargs or {}, info)
         out = dispatch(cls, func, args, kwargs or {}, info)
@@ -318,6 +363,18 @@ class OwnerDTensor(DcpChunks, DTensor):
 
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+
+def _is_2d_owner(a: Any) -> bool:
+    return isinstance(a, OwnerDTensor) and a._spec.mesh.ndim == 2
+
+
+def _any_2d(args: tuple, kwargs: dict | None) -> bool:
+    """Whether a call has an owner-layout argument on a 2D (dp, tp) mesh (``two_dim.py``)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if _is_2d_owner(a) or (isinstance(a, (list, tuple)) and any(_is_2d_owner(t) for t in a)):
+            return True
+    return False
 
 
 def _as_tuple(x: Any) -> tuple:

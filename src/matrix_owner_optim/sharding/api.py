@@ -117,7 +117,7 @@ def fully_shard(
         check_plan_world_size(plan, dist.get_world_size(group))
     for m in modules:
         _check_submodules(m, group, replicate_group)
-    check_plain_parameters(modules, ignored_params)
+    check_plain_parameters(modules, ignored_params, mesh)
     names = {id(sub): name for m in modules for name, sub in m.named_modules()}
     tree = ShardTree.join(  # refuses a call inside naming another plan or cost, before anything changes
         trees_inside(modules), module=modules[0], plan=plan, cost=cost, name_of=lambda m: names.get(id(m), "?")
@@ -127,7 +127,7 @@ def fully_shard(
     mark_ignored(modules, ignored_params)  # the last check: nothing is recorded if it refuses
     for m in modules:
         move_states_to_device(m, device)
-        as_owner_dtensors(m, device_mesh)
+        as_owner_dtensors(m, device_mesh, mesh)
         swap_class(m)
     state = OwnerShardState(
         modules,

@@ -22,7 +22,7 @@ from ..lazy_plan import unlink_lazy_plan
 from ..owner_dtensor import OwnerDTensor
 from ..pieces import placement_of
 from ..planning.cost import CostModel
-from ..planning.metadata import MatrixShard, ShardingPlan, attach_matrix_shard, record_unit_prefixes
+from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_shard, record_unit_prefixes
 from ..planning.planner import plan_tensors
 from ..planning.replicas import assign_step_replicas
 from ..planning.roles import TensorSpec, specs_from_module
@@ -80,6 +80,7 @@ def build_context(
         for sp in specs_from_module(root, unit_prefixes=prefixes)
         if not is_ignored(by_name[sp.fqn])  # fully_shard(ignored_params=...): left as they are
     ]
+    specs = [_tp_rows_as_tail(sp, by_name[sp.fqn]) for sp in specs]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
     locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
@@ -119,15 +120,26 @@ def build_context(
                 f"fully_shard: {s.fqn!r} was registered after fully_shard was called on its module; "
                 "register every parameter before calling fully_shard"
             )
+        tp_slice = _check_tensor_parallel(param, shard, replicate_size)
         with torch.no_grad():
             param.grad = None
-            piece = _resident_piece(local_tensor(param), shard, rank)
-            param.relayout(piece, placement_of(shard))
+            full = local_tensor(param)  # the whole tensor, or its TP slice (a 2D (dp, tp) mesh)
+            piece = _resident_piece(full, shard, rank)
+            if tp_slice is None:
+                param.relayout(piece, placement_of(shard))
+            else:  # the TP slice whole on its dp owner; TP's placement stays on tp
+                param.relayout(piece, (placement_of(shard), tp_slice))
         attach_matrix_shard(param, shard, rank, group)
         if replicate_group is not None:
             attach_replica(param, place)
         unlink_lazy_plan(param)
-        handles_of[s.unit].append(ParamHandle(shard, locations[id(param)], param, rank, param.dtype))
+        # a TP slice moves over dp as a tensor of the slice's shape: the unit's segments, its
+        # unsharded tensor and its gradient are the slice's; the plan (and the optimizer) keep
+        # the global shape
+        unit_shard = shard if tp_slice is None else dataclasses.replace(shard, shape=tuple(full.shape))
+        handles_of[s.unit].append(
+            ParamHandle(unit_shard, locations[id(param)], param, rank, param.dtype, tp=tp_slice is not None)
+        )
 
     groups = ShardGroups(group, rank, W, replicate_group, replicate_size, replica_rank, place.sync)
     root_index = -1 if is_container else len(states) - 1
@@ -251,6 +263,32 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixS
         )
         for s in specs
     }
+
+
+def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
+    """A tensor-parallel ``rows`` tensor (a vocab-parallel embedding, a colwise head) is planned
+    as a ``tail`` tensor: its TP slice held whole by one dp owner. Row blocks of a TP slice
+    split dim 0 twice (torch's ``_StridedShard``), which the 2D layout does not build; the
+    optimizer is the tail's either way (``rows`` tensors get the tail optimizer)."""
+    if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
+        return dataclasses.replace(spec, role=Role.TAIL)
+    return spec
+
+
+def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_size: int) -> Any:
+    """The TP placement of a tensor-parallel parameter (on a 2D (dp, tp) mesh), None for the
+    owner layout's plain ones; refuses what the 2D layout does not build yet, naming it."""
+    if param.device_mesh.ndim != 2:
+        return None
+    what = f"fully_shard: tensor-parallel parameter {shard.fqn!r} ({tuple(param.placements)})"
+    if replicate_size > 1:
+        raise NotImplementedError(f"{what}: HSDP x tensor parallel is not supported; shard over the dp mesh alone")
+    if shard.holds_rows:
+        raise NotImplementedError(
+            f"{what} has the 'rows' role in the given plan (split by rows over dp); on a (dp, tp) mesh the "
+            "owner layout holds TP slices whole: plan it as 'tail' (fully_shard plans it so without plan=)"
+        )
+    return param.placements[1]
 
 
 def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:

@@ -9,6 +9,12 @@ low-precision buffer, gathered like the others. Freed storage is released with
 ``untyped_storage().resize_(0)``, so what autograd saved stays valid and is revived in place by
 the next gather.
 
+A tensor-parallel parameter (an owner-layout DTensor on a 2D (dp, tp) mesh, ``tp=True``) moves
+over dp as its TP slice: the unit gathers and reduces the slice, and the unsharded tensor
+registered for compute is a stock DTensor on the tp mesh with TP's placement, as torch's FSDP2
+wraps its all-gather output for 2D, so TP's forward and its collectives run untouched; its
+gradient arrives as a TP DTensor and is reduced as its local slice (``_slice_of_grad``).
+
 With gradient sync off, the unsharded gradients move after each backward into a per-parameter
 accumulator in ``reduce_dtype`` (fp32 for bf16 compute with fp32 reduce, as FSDP2 accumulates),
 which the next synced backward reduces once.
@@ -18,8 +24,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..owner_dtensor import like_layout
+from ..owner_dtensor import contiguous_stride, like_layout
+from ..owner_dtensor.two_dim import tp_mesh_of
 from ..planning.metadata import MatrixShard
 from ..replica_sync import attach_replica, get_replica
 from ..tensors import local_tensor
@@ -47,8 +56,11 @@ class ParamHandle:
         sharded: nn.Parameter,
         rank: int,
         compute_dtype: torch.dtype,
+        *,
+        tp: bool = False,
     ) -> None:
         self.shard = shard
+        self.tp = tp
         self.locations = locations
         self.sharded = sharded
         self.rank = rank
@@ -57,6 +69,7 @@ class ParamHandle:
         self.aliases_resident = False
         self.accumulated = None
         self._unsharded: nn.Parameter | None = None
+        self._data: torch.Tensor | None = None  # the unsharded tensor's plain data (its TP slice under TP)
         self._nbytes = 0
 
     @property
@@ -94,20 +107,49 @@ class ParamHandle:
             raise RuntimeError(f"{self.shard.fqn}: the unsharded tensor was not created yet")
         return self._unsharded
 
+    @property
+    def unsharded_data(self) -> torch.Tensor:
+        """The plain tensor gathers write into and frees release: the unsharded tensor itself,
+        or under tensor parallelism its local TP slice."""
+        if self._data is None:
+            raise RuntimeError(f"{self.shard.fqn}: the unsharded tensor was not created yet")
+        return self._data
+
     def create_unsharded(self) -> None:
         """(Re)create the unsharded tensor for the sharded one's current device and dtype."""
         self.aliases_resident = self.is_owner and self.compute_dtype == self.sharded.dtype
         requires_grad = self.sharded.requires_grad
         if self.aliases_resident:
-            t = nn.Parameter(self.local.detach(), requires_grad=requires_grad)
+            data = self.local.detach()
         else:
-            t = nn.Parameter(
-                torch.empty(self.shard.shape, dtype=self.compute_dtype, device=self.sharded.device),
-                requires_grad=requires_grad,
+            data = torch.empty(self.shard.shape, dtype=self.compute_dtype, device=self.sharded.device)
+        if self.tp:  # TP's forward computes with a DTensor on the tp mesh of TP's placement
+            shape = self.sharded.shape
+            spec = DTensorSpec(
+                tp_mesh_of(self.sharded),
+                (self.sharded.placements[1],),  # type: ignore[attr-defined]
+                tensor_meta=TensorMeta(shape, contiguous_stride(shape), self.compute_dtype),
             )
+            wrapped = DTensor.__new__(DTensor, data, spec, requires_grad=False)  # type: ignore[call-arg]
+            t = nn.Parameter(wrapped, requires_grad=requires_grad)
+        else:
+            t = nn.Parameter(data, requires_grad=requires_grad)
+            data = t
         self._unsharded = t
-        self._nbytes = t.numel() * t.element_size()
+        self._data = data
+        self._nbytes = data.numel() * data.element_size()
         self.accumulated = None
+
+    def _slice_of_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient as the plain tensor the reduction sums: under tensor parallelism TP's
+        gradient DTensor in TP's placement (a ``Partial`` one reduced over tp first, by TP's
+        own redistribute, as torch's FSDP2 does), then its local slice."""
+        if not self.tp or not isinstance(g, DTensor):
+            return g
+        want = (self.sharded.placements[1],)  # type: ignore[attr-defined]
+        if tuple(g.placements) != want:
+            g = g.redistribute(placements=want)
+        return g._local_tensor
 
     def sync_requires_grad(self) -> None:
         """Follow ``sharded.requires_grad`` (frozen / unfrozen by the user)."""
@@ -120,19 +162,19 @@ class ParamHandle:
     def alloc(self) -> None:
         """Revive the unsharded storage in place (same storage object autograd saved)."""
         if not self.aliases_resident:
-            storage = self.unsharded.untyped_storage()
+            storage = self.unsharded_data.untyped_storage()
             if storage.size() != self._nbytes:
                 storage.resize_(self._nbytes)
 
     def free(self) -> None:
         if not self.aliases_resident:
-            storage = self.unsharded.untyped_storage()
+            storage = self.unsharded_data.untyped_storage()
             if storage.size() != 0:
                 storage.resize_(0)
 
     def write(self, flat: torch.Tensor, rows: tuple[int, int] | None) -> None:
         """Copy gathered elements into the unsharded tensor without bumping its version."""
-        t = self.unsharded
+        t = self.unsharded_data
         with torch.autograd._unsafe_preserve_version_counter(t):
             dst = t if rows is None else t[rows[0] : rows[1]]
             dst.copy_(flat.view(dst.shape))
@@ -151,6 +193,7 @@ class ParamHandle:
         g = self.unsharded.grad
         if g is None:
             return
+        g = self._slice_of_grad(g)
         if self.accumulated is None:
             self.accumulated = g.detach().to(reduce_dtype, copy=True)
         else:
@@ -163,6 +206,8 @@ class ParamHandle:
         acc = self.accumulated
         self.unsharded.grad = None
         self.accumulated = None
+        if g is not None:
+            g = self._slice_of_grad(g)
         if acc is None:
             return g
         if g is not None:

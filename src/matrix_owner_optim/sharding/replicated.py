@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..owner_dtensor import OwnerDTensor
+from ..owner_dtensor.two_dim import TP_PLACEMENTS
 from .ignored import is_ignored
 
-__all__ = ["as_owner_dtensors", "check_plain_parameters", "current_parameter"]
+__all__ = ["as_owner_dtensors", "check_plain_parameters", "current_parameter", "tp_root_mesh"]
 
 _REPLACED_BY = "_moo_replaced_by"
 
@@ -37,33 +38,73 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
     return new if isinstance(new, torch.Tensor) else p
 
 
-def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None) -> None:
-    """Refuse a parameter that is already a DTensor of another kind (tensor parallel's
-    ``parallelize_module``, ``distribute_tensor``) before anything is recorded: the owner layout
-    holds whole tensors over one data-parallel mesh, and a TP slice inside it would fail at the
-    first forward, deep in DTensor's dispatch."""
+def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
+    """The 2D (dp, tp) mesh a tensor-parallel parameter ``p`` is laid out on when ``fully_shard``
+    shards over the 1D ``mesh`` (its dp dim): the two 1D meshes concatenated, dp first, as
+    torch's FSDP2 builds its 2D spec (``DeviceMesh._concatenate``: the groups both already
+    have, no new process group). None when ``p`` is not such a parameter (the caller refuses
+    it, naming what is supported): either mesh unnamed or not 1D, meshes of different roots or
+    overlapping, a placement other than ``Shard`` or ``Replicate()`` (``_StridedShard``,
+    ``Partial``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    p_mesh = p.device_mesh
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1 or p_mesh.ndim != 1:
+        return None
+    if mesh.mesh_dim_names is None or p_mesh.mesh_dim_names is None or mesh.mesh_dim_names == p_mesh.mesh_dim_names:
+        return None
+    placement = p.placements[0]
+    if not (type(placement) is Shard or isinstance(placement, Replicate)):
+        return None
+    try:
+        return DeviceMesh._concatenate([mesh, p_mesh])
+    except RuntimeError:  # another root, or overlapping meshes
+        return None
+
+
+def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None, mesh: Any) -> None:
+    """Refuse a parameter that is already a DTensor of a kind the owner layout does not shard,
+    before anything is recorded. Tensor-parallel parameters (``parallelize_module`` on the tp
+    dim of a 2D (dp, tp) mesh, ``fully_shard`` over its dp dim) are sharded as TP slices held
+    whole by their dp owner (``owner_dtensor/two_dim.py``); anything else (another mesh,
+    ``_StridedShard``, ``Partial``, a 3D mesh, HSDP x TP) would fail at the first forward, deep
+    in DTensor's dispatch, so it is refused here, naming the parameter."""
     ignored = {id(p) for p in ignored_params or ()}
     for m in modules:
         for name, p in m.named_parameters():
             if isinstance(p, OwnerDTensor) or is_ignored(p) or id(p) in ignored:
                 continue
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and tp_root_mesh(p, mesh) is None:
                 raise ValueError(
                     f"fully_shard({type(m).__name__}): parameter {name!r} is a DTensor with placements "
                     f"{tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)} "
-                    f"{tuple(p.device_mesh.mesh_dim_names or ())} (tensor parallel?); the owner layout "
-                    "shards plain tensors over one data-parallel mesh (2D only as (replicate, shard) for "
-                    "HSDP), not tensor-parallel slices. For FSDP x TP use torch.distributed.fsdp."
-                    "fully_shard(block, mesh=mesh['dp']) with OwnerRoutedOptimizer, which steps "
-                    "ColwiseParallel and RowwiseParallel matrices whole on their owners; or leave the "
-                    "parameter out (ignored_params)"
+                    f"{tuple(p.device_mesh.mesh_dim_names or ())}, which the owner layout does not shard. "
+                    "It shards plain tensors, and tensor-parallel parameters laid out by parallelize_module "
+                    f"on the tp dim of a 2D (dp, tp) DeviceMesh with named dims, as {TP_PLACEMENTS} on tp, "
+                    "when fully_shard gets that mesh's dp dim (mesh=mesh['dp']); not _StridedShard or Partial "
+                    "placements, 3D meshes, or HSDP x TP. Alternatives: torch.distributed.fsdp.fully_shard"
+                    "(block, mesh=mesh['dp']) with OwnerRoutedOptimizer, or leave the parameter out "
+                    "(ignored_params)"
                 )
 
 
-def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
+def _replicated(p: torch.Tensor, mesh: Any, dp_mesh: Any) -> OwnerDTensor:
+    """``p`` as a replicated owner-layout DTensor: on ``mesh`` (the shard group's 1D mesh), or,
+    for a tensor-parallel slice, on the 2D (dp, tp) mesh with ``Replicate()`` on dp."""
+    if isinstance(p, DTensor):
+        root = tp_root_mesh(p, dp_mesh)
+        assert root is not None  # check_plain_parameters refused the rest
+        local = p._local_tensor.detach()
+        return OwnerDTensor.tensor_parallel(local, root, (Replicate(), p.placements[0]), p.shape)
+    return OwnerDTensor.replicated(p.detach(), mesh)
+
+
+def as_owner_dtensors(module: nn.Module, mesh: Any, dp_mesh: Any = None) -> None:
     """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated
     (each rank holds the whole tensor until the plan is fixed; then the same objects become this
-    rank's pieces in place). A tied parameter stays one object at every place it is registered."""
+    rank's pieces in place). A tied parameter stays one object at every place it is registered.
+    A tensor-parallel parameter becomes one on the 2D (dp, tp) mesh of ``dp_mesh`` (the mesh
+    ``fully_shard`` was given), its TP slice on every dp rank."""
     new: dict[int, nn.Parameter] = {}
     for _, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
@@ -74,7 +115,7 @@ def as_owner_dtensors(module: nn.Module, mesh: Any) -> None:
                 mod._parameters[name] = replaced  # type: ignore[assignment]
                 continue
             if id(p) not in new:
-                new[id(p)] = nn.Parameter(OwnerDTensor.replicated(p.detach(), mesh), requires_grad=p.requires_grad)
+                new[id(p)] = nn.Parameter(_replicated(p, mesh, dp_mesh), requires_grad=p.requires_grad)
                 # the old object may stay registered outside ``module`` (a parameter tied across
                 # two fully_shard calls): the plan finds its replacement through it and refuses it
                 p.__dict__[_REPLACED_BY] = new[id(p)]  # not a weakref: see the module docstring

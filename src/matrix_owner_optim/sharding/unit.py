@@ -406,11 +406,12 @@ class ShardedUnit:
                     h = self.handles[e.index]
                     if r == me and h.aliases_resident:
                         continue
-                    dst = h.unsharded if e.rows is None else h.unsharded[e.rows[0] : e.rows[1]]
+                    data = h.unsharded_data
+                    dst = data if e.rows is None else data[e.rows[0] : e.rows[1]]
                     dsts.append(dst)
                     srcs.append(parts[r][e.offset : e.offset + e.length].view(dst.shape))
             if dsts:  # copy-out in one foreach kernel; autograd's saved versions stay valid
-                written = tuple(h.unsharded for h in self.handles if not h.aliases_resident)
+                written = tuple(h.unsharded_data for h in self.handles if not h.aliases_resident)
                 with torch.autograd._unsafe_preserve_version_counter(written):
                     torch._foreach_copy_(dsts, srcs)
         if record.for_user:

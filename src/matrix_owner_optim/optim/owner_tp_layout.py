@@ -1,0 +1,169 @@
+"""The owner layout on tensor-parallel blocks: TP slices held whole by their dp owner.
+
+After the package's ``fully_shard(block, mesh=mesh["dp"])`` on blocks ``parallelize_module``
+made tensor parallel, a parameter is an owner-layout DTensor on the 2D (dp, tp) mesh
+(``owner_dtensor/two_dim.py``): rank ``(o, t)`` holds TP slice ``t`` whole, where ``o`` is the
+dp coordinate the plan made its owner (planned on global shapes, so every tp coordinate planned
+the same list and the owners of one matrix are the ranks ``(o, 0..T-1)``: the TP group of dp
+coordinate ``o``). Backward already landed each slice's dp-averaged gradient on ``(o, t)``.
+
+A step on :class:`OwnerTPLayout`:
+
+* matrices split by TP (``Shard(0)`` colwise, ``Shard(1)`` rowwise): the owners assemble the
+  whole matrix and its whole gradient with one all-gather over their TP group per dtype
+  (``tp_gather.all_gather_slices``: a header saying which gradients exist, then every owned
+  matrix's weight and gradient slice; no dp traffic), step it with the matrix optimizer
+  (Newton-Schulz on the global matrix: exact; every TP owner steps the same matrix, ``T`` times
+  in all, as the stock TP path does) and keep their slice. The weights travel too, so the
+  owners' full copies are never stale (a load, an outside edit) at the price of twice the
+  gradient's bytes.
+* everything else (biases, norms, matrices replicated on tp): the owner steps its local piece
+  with its optimizer (AdamW is elementwise: exact on a slice).
+
+Ranks at other dp coordinates hold empty pieces and do nothing: no collective there, and the
+per-TP-group collectives are symmetric within each group, so nothing waits on a rank that has
+nothing to step. Optimizer state exists only on the owners ``(o, *)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Shard
+
+from ..owner_dtensor import is_owner_dtensor
+from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
+from ..tensors import local_tensor
+from .dtensor_sharding import TPSlice
+from .layouts import UpdateLayout
+from .routing import RoutedParam
+from .tp_gather import all_gather_slices, message_sizes
+
+__all__ = ["OwnerTPLayout"]
+
+
+@dataclass
+class _Assembled:
+    """A matrix this rank's TP group owns: its TP slice and the owner's whole working copy."""
+
+    rp: RoutedParam
+    tp: TPSlice
+    full: torch.Tensor  # the proxy the matrix optimizer steps
+
+
+class OwnerTPLayout(UpdateLayout):
+    """Owner-layout parameters on a 2D (dp, tp) mesh (see the module docstring)."""
+
+    name = "owner_tp"
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self._assembled: list[_Assembled] = []
+        self._local: list[RoutedParam] = []
+
+    @staticmethod
+    def accepts(param: torch.Tensor) -> bool:
+        return is_owner_dtensor(param) and param.device_mesh.ndim == 2
+
+    def add(self, entries: list[RoutedParam]) -> None:
+        for rp in entries:
+            self.entries.append(rp)
+            shard, p = rp.shard, rp.param
+            if shard is None or shard.owner is None:
+                raise ValueError(f"{rp.label!r}: a tensor-parallel owner-layout parameter without its plan")
+            rp.owner = shard.owner
+            piece = local_tensor(p)
+            if get_shard_rank(p) != shard.owner:
+                rp.proxy = None
+                continue
+            tp = p.placements[1]  # type: ignore[attr-defined]
+            if rp.role is Role.MATRIX and isinstance(tp, Shard):
+                if p.dim() != 2:
+                    raise ValueError(
+                        f"matrix {rp.label!r} is a {p.dim()}D tensor-parallel slice {tuple(p.placements)}; the "  # type: ignore[attr-defined]
+                        "owner layout on a (dp, tp) mesh steps 2D matrices; route it to the tail optimizer "
+                        f"(roles={{{rp.label!r}: 'tail'}})"
+                    )
+                mesh = p.device_mesh  # type: ignore[attr-defined]
+                T = mesh.size(1)
+                sizes = tuple(chunk_row_sizes(int(p.shape[tp.dim]), T))
+                slice_ = TPSlice(1, tp.dim, mesh.get_local_rank(1), sizes)
+                full = torch.empty(tuple(p.shape), dtype=piece.dtype, device=piece.device)
+                rp.proxy = full
+                self._assembled.append(_Assembled(rp, slice_, full))
+            else:  # elementwise steps are exact on the slice: the local piece is the proxy
+                rp.proxy = piece.detach()
+                self._local.append(rp)
+
+    def _buckets(self) -> dict[torch.dtype, list[_Assembled]]:
+        out: dict[torch.dtype, list[_Assembled]] = {}
+        for a in self._assembled:
+            out.setdefault(a.full.dtype, []).append(a)
+        return out
+
+    def before_step(self) -> None:
+        for rp in self._local:
+            assert rp.proxy is not None
+            grad = rp.param.grad
+            rp.proxy.grad = None if grad is None else local_tensor(grad).view(rp.proxy.shape)
+        for dtype, mats in self._buckets().items():
+            self._assemble(dtype, mats)
+
+    def _assemble(self, dtype: torch.dtype, mats: list[_Assembled]) -> None:
+        """One all-gather over the owners' TP group: every owner gets every matrix whole, and
+        its gradient (the header says which gradients exist, the same on every TP owner)."""
+        slices = [(a.tp, tuple(a.full.shape)) for a in mats for _ in range(2)]
+        mine: list[torch.Tensor] = []
+        header: list[float] = []
+        for a in mats:
+            piece = local_tensor(a.rp.param)
+            grad = a.rp.param.grad
+            header.append(0.0 if grad is None else 1.0)
+            mine.append(piece)
+            mine.append(torch.zeros_like(piece) if grad is None else local_tensor(grad))
+        group = mats[0].rp.param.device_mesh.get_group(1)  # type: ignore[attr-defined]
+        headers, pieces = all_gather_slices(
+            group, header, slices, mine, dtype=dtype, device=mats[0].full.device, op="owner_tp_gather"
+        )
+        for i, a in enumerate(mats):
+            a.full.copy_(torch.cat(pieces[2 * i], dim=a.tp.dim))
+            has_grad = headers[a.tp.rank][i] > 0
+            a.full.grad = torch.cat(pieces[2 * i + 1], dim=a.tp.dim) if has_grad else None
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for a in self._assembled:
+                local_tensor(a.rp.param).copy_(a.tp.narrow(a.full, a.tp.rank))
+        self.zero_grad(True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for rp in self.entries:
+            if rp.proxy is not None:
+                rp.proxy.grad = None
+
+    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        raise NotImplementedError(
+            f"optimizer state {key!r} of {rp.label!r}: state dicts of the owner layout on a (dp, tp) mesh "
+            "are not built yet (the model's state dict and DCP of its parameters are); checkpoint the "
+            "optimizer of a (dp, tp) run on stock FSDP2 x TP (torch.distributed.fsdp.fully_shard)"
+        )
+
+    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
+        return self.state_entry(rp, key, value)
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends plus receives in one step: per dtype, its message (header, its
+        weight and gradient slices, padded to the largest TP rank's) to each of the ``T-1``
+        other TP owners, and theirs back."""
+        total = 0
+        for dtype, mats in self._buckets().items():
+            T = mats[0].tp.size
+            width = max(message_sizes(len(mats), [(a.tp, tuple(a.full.shape)) for a in mats for _ in range(2)]))
+            total += 2 * (T - 1) * width * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def extra_resident_bytes(self) -> int:
+        """The owners' whole working copies of their TP matrices (and their gradients at a step)."""
+        return sum(a.full.numel() * a.full.element_size() for a in self._assembled)

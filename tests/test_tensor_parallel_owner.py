@@ -1,0 +1,392 @@
+"""The package's own ``fully_shard`` over the dp mesh on tensor-parallel blocks, on 4 gloo ranks.
+
+torch's ``parallelize_module`` cuts each block (``ColwiseParallel`` w1, ``RowwiseParallel`` w2)
+on the tp dim of a (dp=2, tp=2) mesh, then ``matrix_owner_optim.fully_shard(block,
+mesh=mesh["dp"])`` per block and on the root: every parameter becomes an owner-layout DTensor on
+the 2D mesh, ``(OwnerShard(0, ranges over the global rows), <TP placement>)``, the TP slice whole
+on its dp owner (``owner_dtensor/two_dim.py``); forward and backward gather and reduce over dp
+only, TP's own collectives run untouched; ``OwnerRoutedOptimizer`` assembles each matrix over
+its owners' TP group and steps it whole (``optim/owner_tp_layout.py``). The model, batches and
+reference are test_tensor_parallel.py's two TP blocks (hidden sizes 10 and 6). One spawned job:
+
+* torch.optim.Muon (``matrix="torch_muon"``) + AdamW, and this package's Muon with float32
+  Newton-Schulz + AdamW, each with torch's ``clip_grad_norm_`` every step, against one process
+  running the same optimizers on the unsharded model over the whole batch: clip norms (on every
+  rank), losses and full parameters equal at the noise floor;
+* the layouts: placements and local pieces as the plan says (the TP slice on the owner, empty
+  elsewhere), and DCP's view of them (``compute_local_shape_and_global_offset``);
+* every matrix's optimizer state only on its owners ``(o, *)``, and the resident bytes per rank;
+* the 2D operator rules: a pointwise result keeps the layout (ranges included), a reduction is
+  refused on every rank, naming the operator;
+* DCP of the model's state dict (each owner writes its TP slice) loads bitwise into a fresh
+  planned model;
+* a steady step's collectives: one all-gather over tp per dtype on the owners, the bytes
+  ``bytes_per_step()`` says;
+* what ``fully_shard`` still refuses at the call, naming the parameter: a TP block sharded over
+  its own tp mesh, and HSDP x TP.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from _ranks import spawn_ranks
+from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.preconditioners import Muon
+from test_tensor_parallel import (
+    ADAMW,
+    CLIP,
+    LLAMA_MUON,
+    MUON,
+    STEPS,
+    TITAN_BATCH,
+    TITAN_STEPS,
+    Block,
+    Net,
+    _clipped_run,
+    _micro,
+    batches,
+    build,
+    titan_reference,
+)
+
+pytestmark = pytest.mark.multirank
+
+MUON_F32 = {**MUON, "ns_dtype": torch.float32}
+CASES = {
+    "torch_muon": {"matrix": "torch_muon", "matrix_options": MUON, "tail": "adamw", "tail_options": ADAMW},
+    "muon_f32": {"matrix": "muon", "matrix_options": MUON_F32, "tail": "adamw", "tail_options": ADAMW},
+}
+MATRICES = ("w1.weight", "w2.weight")
+
+
+def _reference_optimizers(model: Net, case: str) -> list[torch.optim.Optimizer]:
+    mats = [p for n, p in model.named_parameters() if n.endswith(MATRICES)]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(MATRICES)]
+    matrix: torch.optim.Optimizer = torch.optim.Muon(mats, **MUON) if case == "torch_muon" else Muon(mats, **MUON_F32)
+    return [matrix, torch.optim.AdamW(rest, **ADAMW)]
+
+
+def reference(case: str, order: str = "forward") -> dict[str, Any]:
+    """One process, whole batch (``order="reversed"``: each batch's rows reversed, the noise floor)."""
+    model = build()
+    return _clipped_run(model, _reference_optimizers(model, case), batches(), model, order)
+
+
+@functools.cache
+def reference_run(case: str) -> dict[str, Any]:
+    return reference(case)
+
+
+# -- the spawned job ----------------------------------------------------------------------------
+def _owner_tp(mesh: Any) -> Net:
+    """test_tensor_parallel's two TP blocks on the package's fully_shard over the dp mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from matrix_owner_optim import fully_shard
+
+    model = build()
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _layout(model: Net) -> dict[str, Any]:
+    """Per parameter: placements, local shape, DCP's local shape and offset, the planned owner."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from matrix_owner_optim.planning import get_matrix_shard
+
+    out = {}
+    for n, p in model.named_parameters():
+        shard = get_matrix_shard(p)
+        assert shard is not None
+        dcp_shape, dcp_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        out[n] = {
+            "type": type(p).__name__,
+            "placements": repr(tuple(p.placements)),
+            "mesh": tuple(p.device_mesh.mesh_dim_names),
+            "local": tuple(p._local_tensor.shape),
+            "dcp": (tuple(dcp_shape), tuple(dcp_offset)),
+            "owner": shard.owner,
+        }
+    return out
+
+
+def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from matrix_owner_optim.tensors import local_tensor
+
+    model = _owner_tp(mesh)
+    opt = OwnerRoutedOptimizer(model, **CASES[case])
+    out: dict[str, Any] = {"losses": [], "norms": [], "layout": _layout(model)}
+    for step in range(STEPS):
+        loss = model(*_micro(step, mesh))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        if step == STEPS - 1:
+            with CommCounter() as cc:
+                opt.step()
+            out["ops"] = cc.by_op("optimizer")
+            out["sent"] = cc.bytes("optimizer", "sent")
+            out["received"] = cc.bytes("optimizer", "received")
+            layout = next(pl for pl in opt.layouts() if pl.name == "owner_tp")
+            out["bytes_per_step"] = layout.bytes_per_step()
+        else:
+            opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    names = {id(p): n for n, p in model.named_parameters()}
+    matrix, tail = opt.matrix_optimizer, opt.tail_optimizer
+    assert matrix is not None and tail is not None
+    owner_tp = next(pl for pl in opt.layouts() if pl.name == "owner_tp")
+    out["matrix_state"] = sorted(
+        names[id(rp.param)] for rp in owner_tp.entries if rp.proxy is not None and rp.proxy in matrix.state
+    )
+    out["state_bytes"] = sum(
+        v.numel() * v.element_size()
+        for o in (matrix, tail)
+        for s in o.state.values()
+        for k, v in s.items()
+        if k != "step" and isinstance(v, torch.Tensor)
+    )
+    out["param_bytes"] = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
+    out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    # the 2D operator rules: pointwise keeps the layout (ranges included); others refused by name
+    w = model.layers[1].w2.weight
+    doubled = w.detach() * 2
+    out["doubled"] = (repr(tuple(doubled.placements)), repr(tuple(w.placements)))
+    out["doubled_exact"] = torch.equal(doubled.full_tensor(), 2 * out["params"]["layers.1.w2.weight"])
+    try:
+        w.detach().sum()
+        out["sum"] = "no error"
+    except NotImplementedError as exc:
+        out["sum"] = str(exc)
+    # DCP of the model: each owner writes its TP slice; a fresh planned model loads it in place
+    dcp.save(model.state_dict(), checkpoint_id=f"{ckpt}/{case}")
+    fresh = _owner_tp(mesh)
+    OwnerRoutedOptimizer(fresh, **CASES[case])  # fixes the plan: the parameters are pieces now
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=f"{ckpt}/{case}")
+    out["loaded"] = {n: p.full_tensor().detach().clone() for n, p in fresh.named_parameters()}
+    return out
+
+
+def _titan_owner(rank: int, W: int) -> dict[str, Any]:
+    """torchtitan's Llama3 (tests/_titan.py's tiny config and CPU adaptations) with the TP plan
+    its parallelize_llama applies (``model.parallelize``: vocab-parallel embedding, colwise fused
+    wqkv, w1, w3 and lm_head, rowwise wo and w2, SequenceParallel norms) on dp_shard=2, tp=2, and
+    the package's fully_shard over its fsdp mesh in place of torchtitan's apply_fsdp_to_decoder
+    (the same units: the embedding, each block, norm with lm_head, the root; gradient division
+    off, as torchtitan's: its loss is divided by the global token count). This package's Muon
+    (float32 Newton-Schulz) + AdamW, torch's clip_grad_norm_ every step."""
+    import _titan
+    from matrix_owner_optim import fully_shard
+    from matrix_owner_optim.sharding import OwnerShardedModule
+
+    par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
+    model = _titan.build(_titan.llama_config(), par)
+    dims = _titan.parallel_dims(par, W)
+    model.parallelize(dims)
+    dp_mesh = dims.get_mesh("fsdp")
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for m in model.modules():
+        if isinstance(m, OwnerShardedModule):
+            m.set_gradient_divide_factor(1.0)
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+    dp = dp_mesh.get_local_rank()
+    norms, losses = [], []
+    for tokens, targets in _titan.batches(TITAN_STEPS, TITAN_BATCH):
+        rows = slice(2 * dp, 2 * dp + 2)
+        loss = _titan.loss(model, tokens[rows], targets[rows], tokens.numel())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {
+        "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()},
+        "routes": {r["name"]: r["role"] for r in opt.routes()},
+        "norms": norms,
+        "losses": losses,
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+def _refused(mesh: Any) -> dict[str, str]:
+    """What the package's fully_shard still refuses at the call, naming the parameter."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from matrix_owner_optim import fully_shard
+
+    out = {}
+    for case, shard_mesh in (("tp_mesh", mesh["tp"]), ("hsdp", mesh)):
+        block = Block(10)
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        try:
+            fully_shard(block, mesh=shard_mesh)
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+    return out
+
+
+def owner_tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out: dict[str, Any] = {case: _train(mesh, case, ckpt) for case in CASES}
+    out["refused"] = _refused(mesh)
+    out["llama"] = _titan_owner(rank, W)
+    if rank == 0:  # the one-process torchtitan reference, where torchtitan is imported already
+        out["llama_reference"] = titan_reference()
+    return out
+
+
+@functools.cache
+def results() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="moo-owner-tp-") as ckpt:
+        return spawn_ranks(owner_tp_job, 4, ckpt, threads_per_rank=1)
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_owner_layout_on_tp_blocks_equals_one_process(case: str) -> None:
+    ref = reference_run(case)
+    res = results()
+    for rank, r in enumerate(res):
+        t = r[case]
+        for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        print(f"{case} rank {rank}: worst parameter rel err {worst:.2e}")
+        for n, p in ref["params"].items():
+            assert _rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(t['params'][n], p):.2e}"
+    for i, b in enumerate(ref["losses"]):  # each dp coordinate's micro-batch mean; the two average to the batch's
+        a = (res[0][case]["losses"][i] + res[2][case]["losses"][i]) / 2
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"{case} step {i}: loss {a} vs {b}"
+
+
+def test_tp_slices_are_held_whole_by_their_dp_owner() -> None:
+    res = results()
+    full = dict(build().named_parameters())
+    for rank, r in enumerate(res):
+        d, t = divmod(rank, 2)
+        for n, lay in r["muon_f32"]["layout"].items():
+            shape = tuple(full[n].shape)
+            assert lay["type"] == "OwnerDTensor" and lay["mesh"] == ("dp", "tp"), lay
+            tp = "Shard(dim=0)" if n.endswith("w1.weight") or n.endswith("w1.bias") else None
+            tp = "Shard(dim=1)" if n.endswith("w2.weight") else tp
+            tp = tp or "Replicate()"
+            ranges = tuple((0, shape[0]) if c == lay["owner"] else (shape[0], shape[0]) for c in range(2))
+            assert lay["placements"] == f"(OwnerShard(dim=0, ranges={ranges}), {tp})", (n, lay)
+            if tp == "Replicate()":
+                slice_shape, offset = shape, (0,) * len(shape)
+            else:
+                dim = int(tp[-2])
+                slice_shape = tuple(s // 2 if i == dim else s for i, s in enumerate(shape))
+                offset = tuple(t * slice_shape[dim] if i == dim else 0 for i in range(len(shape)))
+            if d == lay["owner"]:
+                assert lay["local"] == slice_shape and lay["dcp"] == (slice_shape, offset), (rank, n, lay)
+            else:
+                assert lay["local"][0] == 0 and lay["local"][1:] == slice_shape[1:], (rank, n, lay)
+                assert lay["dcp"][0] == lay["local"], (rank, n, lay)
+        # every tp coordinate planned the same owners
+        assert {n: x["owner"] for n, x in r["muon_f32"]["layout"].items()} == {
+            n: x["owner"] for n, x in res[0]["muon_f32"]["layout"].items()
+        }
+
+
+def test_2d_operator_rules_keep_the_layout_or_refuse_by_name() -> None:
+    for r in results():
+        t = r["muon_f32"]
+        assert t["doubled"][0] == t["doubled"][1] and "OwnerShard" in t["doubled"][0], t["doubled"]
+        assert t["doubled_exact"]
+        assert t["sum"].startswith("aten.sum.default on an owner-layout tensor on a 2D (dp, tp) mesh"), t["sum"]
+        assert "full_tensor()" in t["sum"], t["sum"]
+
+
+def test_dcp_of_the_model_loads_bitwise_into_a_fresh_planned_model() -> None:
+    for rank, r in enumerate(results()):
+        for case in CASES:
+            t = r[case]
+            for n, p in t["params"].items():
+                assert torch.equal(t["loaded"][n], p), (rank, case, n)
+
+
+def test_matrix_state_only_on_its_owners_and_resident_bytes() -> None:
+    res = results()
+    for rank, r in enumerate(res):
+        d = rank // 2
+        t = r["muon_f32"]
+        owned = sorted(n for n, x in t["layout"].items() if x["owner"] == d and n.endswith(MATRICES))
+        assert t["matrix_state"] == owned, (rank, t["matrix_state"], owned)
+        print(f"rank {rank}: parameters {t['param_bytes']} B, optimizer state {t['state_bytes']} B resident")
+    # per rank ~ 1/D of the TP slices: the two dp coordinates together hold each slice once
+    for t in range(2):
+        total = sum(res[d * 2 + t]["muon_f32"]["param_bytes"] for d in range(2))
+        slices = sum(p.numel() * 4 // (1 if n.endswith("w2.bias") else 2) for n, p in build().named_parameters())
+        assert total == slices, (t, total, slices)
+
+
+def test_steady_step_moves_what_bytes_per_step_says() -> None:
+    for rank, r in enumerate(results()):
+        for case in CASES:
+            t = r[case]
+            owns = any(x["owner"] == rank // 2 and n.endswith(MATRICES) for n, x in t["layout"].items())
+            if owns:
+                assert t["ops"] == {"owner_tp_gather": 1}, (rank, t["ops"])  # one dtype
+            else:
+                assert not t["ops"], (rank, t["ops"])
+            assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, case, t["sent"], t["received"])
+
+
+def test_torchtitan_llama_tp_on_the_owner_layout_equals_one_process() -> None:
+    res = results()
+    ref = res[0]["llama_reference"]
+    for rank, r in enumerate(res):
+        t = r["llama"]
+        assert t["placements"]["layers.0.feed_forward.w2.weight"].endswith("Shard(dim=1))"), t["placements"]
+        assert t["placements"]["tok_embeddings.weight"].startswith("(OwnerShard"), t["placements"]
+        for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
+            assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
+        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        print(f"torchtitan Llama3 rank {rank}: worst parameter rel err {worst:.2e}")
+        assert worst <= TITAN_PARAM_RTOL, f"rank {rank}: rel err {worst:.2e}"
+    for i, b in enumerate(ref["losses"]):  # the loss is divided by the global token count: the dp sum
+        a = res[0]["llama"]["losses"][i] + res[2]["llama"]["losses"][i]
+        assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_fully_shard_refuses_unsupported_tp_forms_at_the_call() -> None:
+    for r in results():
+        for case, msg in r["refused"].items():
+            assert msg.startswith("fully_shard(Block): parameter 'w1.weight' is a DTensor"), (case, msg)
+            assert "(Shard(dim=0),)" in msg and "(dp, tp) DeviceMesh" in msg, (case, msg)
+
+
+if __name__ == "__main__":  # the noise floor: the references against themselves, summation order changed
+    for name in CASES:
+        a, b = reference(name), reference(name, "reversed")
+        print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+        print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
+        print(name, "losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))
