@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _ranks import spawn_ranks
+from _ref import rel_err
 from _tolerances import PP_LOSS_RTOL, PP_PARAM_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 
@@ -168,17 +169,13 @@ def results() -> list[dict[str, Any]]:
     return spawn_ranks(pipeline_job, 4)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_pipeline_stages_on_the_owner_layout_equal_one_process() -> None:
     ref = reference()
     for r in results():
-        worst = max(_rel(p, ref["params"][n]) for n, p in r["params"].items())
+        worst = max(rel_err(p, ref["params"][n]) for n, p in r["params"].items())
         print(f"stage {r['stage']} dp {r['dp']}: worst parameter rel err {worst:.2e}")
         for n, p in r["params"].items():
-            assert _rel(p, ref["params"][n]) <= PP_PARAM_RTOL, (r["stage"], r["dp"], n, _rel(p, ref["params"][n]))
+            assert rel_err(p, ref["params"][n]) <= PP_PARAM_RTOL, (r["stage"], r["dp"], n, rel_err(p, ref["params"][n]))
     # the last stage's losses: each dp coordinate's micro-batch mean; the two average to the batch's
     last = [r for r in results() if r["stage"] == 1]
     for i, want in enumerate(ref["losses"]):
@@ -196,5 +193,5 @@ def test_each_matrix_state_on_one_rank_of_its_stage() -> None:
 
 if __name__ == "__main__":  # the noise floor: the reference against itself, summation order changed
     a, b = reference(), reference("reversed")
-    print("params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+    print("params", max(rel_err(a["params"][n], b["params"][n]) for n in a["params"]))
     print("losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))

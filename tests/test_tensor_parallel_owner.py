@@ -51,6 +51,7 @@ from test_tensor_parallel import (
     Net,
     _clipped_run,
     _micro,
+    _rel,
     batches,
     build,
     titan_reference,
@@ -265,10 +266,6 @@ def results() -> list[dict[str, Any]]:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_owner_layout_on_tp_blocks_equals_one_process(case: str) -> None:
     ref = reference_run(case)
