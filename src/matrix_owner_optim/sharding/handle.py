@@ -96,8 +96,9 @@ class ParamHandle:
         graph holds the unsharded tensor, not the sharded one. FSDP2 runs them at the same point
         (``foreach_reduce``, after the reduce-scatter assigned ``.grad``), once per parameter
         per reduction, on every rank (off the owner ``.grad`` is an empty piece)."""
-        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
-        for hook in list((hooks or {}).values()):
+        with torch._C.DisableTorchFunctionSubclass():  # a metadata read: no subclass hook
+            hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):  # the user's code: torch functions as usual
             hook(self.sharded)
 
     @property
@@ -115,9 +116,22 @@ class ParamHandle:
             raise RuntimeError(f"{self.shard.fqn}: the unsharded tensor was not created yet")
         return self._data
 
+    def _holds_whole(self) -> bool:
+        """This rank's resident piece is the whole tensor: its owner, or every row of a ``rows``
+        tensor (one rank). Compute can then read the resident storage itself."""
+        if self.is_owner:
+            return True
+        shard = self.shard
+        return (
+            not self.tp
+            and shard.owner is None
+            and len(shard.shape) > 0
+            and shard.row_range(self.rank) == (0, shard.shape[0])
+        )
+
     def create_unsharded(self) -> None:
         """(Re)create the unsharded tensor for the sharded one's current device and dtype."""
-        self.aliases_resident = self.is_owner and self.compute_dtype == self.sharded.dtype
+        self.aliases_resident = self._holds_whole() and self.compute_dtype == self.sharded.dtype
         requires_grad = self.sharded.requires_grad
         if self.aliases_resident:
             data = self.local.detach()

@@ -143,7 +143,9 @@ class OwnerShardState:
         param_dtype = getattr(self.mp_policy, "param_dtype", None)
         if param_dtype is not None and getattr(self.mp_policy, "cast_forward_inputs", False):
             args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
-        if not in_backward() and torch.is_grad_enabled():
+        if not in_backward() and torch.is_grad_enabled() and not unit.local_only:
+            # a local-only unit has nothing to reduce early and nothing to free: the
+            # end-of-backward callback lands its gradients (and runs their hooks)
             args, kwargs = _register_post_backward(ctx, unit, args, kwargs)
         return args, kwargs
 
@@ -152,7 +154,9 @@ class OwnerShardState:
         ctx.post_forward(unit)
         if torch.is_grad_enabled() and not in_backward():
             tensors = grad_tensors(output)  # dataclasses too, as FSDP2 (outputs.py)
-            if tensors:
+            if len(tensors) == 1:  # one output (the common case): its own hook fires once per backward
+                tensors[0].register_hook(lambda _g: ctx.pre_backward(unit))
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: ctx.pre_backward(unit), mode="any")
         output_dtype = getattr(self.mp_policy, "output_dtype", None)
         if output_dtype is not None:
