@@ -412,8 +412,8 @@ class ShardedUnit:
             for r in range(self.groups.world_size):
                 for e in layout.entries[r]:
                     h = self.handles[e.index]
-                    if r == me and h.aliases_resident:
-                        continue
+                    if e.length == 0 or (r == me and h.aliases_resident):
+                        continue  # nothing to copy (an empty copy into a view still bumps its version)
                     data = h.unsharded_data
                     dst = data if e.rows is None else data[e.rows[0] : e.rows[1]]
                     dsts.append(dst)
