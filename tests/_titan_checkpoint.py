@@ -9,6 +9,9 @@ the same 4 ranks, and moves between them through DCP of torch's ``get_model_stat
 * ``"tp"``: torchtitan's ``parallelize_llama`` with data_parallel_shard_degree=2 and
   tensor_parallel_degree=2 (stock FSDP2 x TP); dp coordinate ``d`` takes rows ``[2d, 2d + 2)``,
   the loss normalised by the global token count as torchtitan's (its FSDP sums);
+* ``"owner_tp"``: the same TP plan (torchtitan's ``model.parallelize``) with this package's
+  ``fully_shard`` over the fsdp mesh per torchtitan's units, gradient division off (the 2D
+  owner layout, tests/test_tensor_parallel_owner.py); rows and loss as ``"tp"``;
 * ``"owner2"``: this package's ``fully_shard`` over the tp mesh dim's groups, ranks {0, 1} and
   {2, 3}: two identical 1D owner layouts at W=2 (shard rank ``s`` takes rows ``[2s, 2s + 2)``,
   as dp coordinate ``s`` did), so the W=2 resume needs no second spawn of torchtitan;
@@ -65,6 +68,25 @@ def build(layout: str, mesh: Any, options: dict[str, Any]) -> Run:
         model = _titan.build(_titan.llama_config(fuse_qkv=False), par)
         dims = _titan.parallelize(model, parallelize_llama, par, dist.get_world_size())
         d = dims.get_mesh("fsdp").get_local_rank()
+        rows, global_tokens = slice(2 * d, 2 * d + 2), True
+    elif layout == "owner_tp":
+        from matrix_owner_optim import fully_shard
+        from matrix_owner_optim.sharding import OwnerShardedModule
+
+        par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
+        model = _titan.build(_titan.llama_config(fuse_qkv=False), par)
+        dims = _titan.parallel_dims(par, dist.get_world_size())
+        model.parallelize(dims)
+        dp_mesh = dims.get_mesh("fsdp")
+        fully_shard(model.tok_embeddings, mesh=dp_mesh)
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        for m in model.modules():
+            if isinstance(m, OwnerShardedModule):
+                m.set_gradient_divide_factor(1.0)
+        d = dp_mesh.get_local_rank()
         rows, global_tokens = slice(2 * d, 2 * d + 2), True
     elif layout in ("owner2", "owner4"):
         from matrix_owner_optim import fully_shard
@@ -154,22 +176,24 @@ def full_optimizer_state(run: Run) -> dict[str, torch.Tensor]:
     }
 
 
-def round_trips(mesh: Any, options: dict[str, Any], ckpt: str) -> dict[str, Any]:
-    """The (2, 2) run saved at step ``SAVE_AT`` and continued; the same checkpoint resumed on
-    ``owner2``, ``owner4`` and ``fsdp4`` and continued; ``owner4``'s own checkpoint at step
-    ``BACK_AT`` resumed on (2, 2) and continued. Every run's final full parameters, and the
-    parameters and full optimizer state each resume loaded (against the saved ones)."""
+def round_trips(mesh: Any, options: dict[str, Any], ckpt: str, source: str = "tp") -> dict[str, Any]:
+    """The (2, 2) run on layout ``source`` (``"tp"`` or ``"owner_tp"``) saved at step ``SAVE_AT``
+    and continued; the same checkpoint resumed on ``owner2``, ``owner4``, ``fsdp4`` (and, from
+    ``owner_tp``, on ``tp``) and continued; ``owner4``'s own checkpoint at step ``BACK_AT``
+    resumed on ``source`` and continued. Every run's final full parameters (under ``source``'s
+    name, each resume's layout, and ``"back"``), and the parameters and full optimizer state
+    each resume loaded (against the saved ones)."""
     clip = options["clip"]
     out: dict[str, Any] = {"params": {}, "loaded": {}, "loaded_state": {}}
-    tp = build("tp", mesh, options)
-    train(tp, range(SAVE_AT), clip)
-    save(tp, f"{ckpt}/tp")
-    out["saved"] = full_params(tp.model)
-    out["saved_state"] = full_optimizer_state(tp)
-    train(tp, range(SAVE_AT, STEPS), clip)
-    out["params"]["tp"] = full_params(tp.model)
-    for layout in ("owner2", "owner4", "fsdp4"):
-        run = resume(layout, mesh, options, f"{ckpt}/tp")
+    first = build(source, mesh, options)
+    train(first, range(SAVE_AT), clip)
+    save(first, f"{ckpt}/{source}")
+    out["saved"] = full_params(first.model)
+    out["saved_state"] = full_optimizer_state(first)
+    train(first, range(SAVE_AT, STEPS), clip)
+    out["params"][source] = full_params(first.model)
+    for layout in ("owner2", "owner4", "fsdp4", *(("tp",) if source != "tp" else ())):
+        run = resume(layout, mesh, options, f"{ckpt}/{source}")
         out["loaded"][layout] = full_params(run.model)
         out["loaded_state"][layout] = full_optimizer_state(run)
         train(run, range(SAVE_AT, BACK_AT), clip)
@@ -179,7 +203,7 @@ def round_trips(mesh: Any, options: dict[str, Any], ckpt: str) -> dict[str, Any]
             out["saved_owner4_state"] = full_optimizer_state(run)
         train(run, range(BACK_AT, STEPS), clip)
         out["params"][layout] = full_params(run.model)
-    back = resume("tp", mesh, options, f"{ckpt}/owner4")
+    back = resume(source, mesh, options, f"{ckpt}/owner4")
     out["loaded"]["back"] = full_params(back.model)
     out["loaded_state"]["back"] = full_optimizer_state(back)
     train(back, range(BACK_AT, STEPS), clip)

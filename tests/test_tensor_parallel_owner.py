@@ -23,7 +23,18 @@ reference are test_tensor_parallel.py's two TP blocks (hidden sizes 10 and 6). O
 * a steady step's collectives: one all-gather over tp per dtype on the owners, the bytes
   ``bytes_per_step()`` says;
 * what ``fully_shard`` still refuses at the call, naming the parameter: a TP block sharded over
-  its own tp mesh, and HSDP x TP.
+  its own tp mesh, and HSDP x TP;
+* torch's tools on the layout, against the same layout and one process: DCP of
+  ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (and the model's) resumes bitwise
+  and continues bitwise; ``full_state_dict=True`` model and optimizer state dicts load bitwise;
+  ``load_state_dict`` of full tensors and ``_foreach_copy_`` of full tensors set every piece;
+  torch's AdamW given the parameters directly, fused and foreach, equals one process;
+  ``GradScaler``'s ``unscale_`` gives the one-process clip norm, and an inf on one rank's piece
+  makes every rank skip the step and halve the scale;
+* torchtitan's Llama3 on this layout saves a DCP checkpoint at step 1 (``_titan_checkpoint``
+  with ``source="owner_tp"``) that loads bitwise on the 1D owner layout at W=2 and W=4, on stock
+  FSDP2 and on stock FSDP2 x TP, and back from the W=4 owner layout; every continued run equals
+  one process.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from typing import Any
 import pytest
 import torch
 
+import _titan_checkpoint
 from _ranks import spawn_ranks
 from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
@@ -42,6 +54,8 @@ from matrix_owner_optim.preconditioners import Muon
 from test_tensor_parallel import (
     ADAMW,
     CLIP,
+    LLAMA_CHECKPOINT,
+    LLAMA_LAYOUTS,
     LLAMA_MUON,
     MUON,
     STEPS,
@@ -247,15 +261,136 @@ def _refused(mesh: Any) -> dict[str, str]:
     return out
 
 
+def _train_steps(model: Net, opt: torch.optim.Optimizer, mesh: Any, steps: range) -> None:
+    for step in steps:
+        model(*_micro(step, mesh)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model: Net) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _full_optimizer_state(model: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {f"{k}.{key}": v.clone() for k, st in sd["state"].items() for key, v in st.items() if torch.is_tensor(v)}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
+
+
+def _state_dicts(mesh: Any, ckpt: str) -> dict[str, Any]:
+    """torch's state-dict tools on the layout: DCP of the sharded model and optimizer state dicts
+    (resumed into a fresh model and optimizer, continued one step), full state dicts, a plain
+    ``load_state_dict`` and ``_foreach_copy_`` of full tensors; each against the live run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def fresh() -> tuple[Net, OwnerRoutedOptimizer]:
+        model = _owner_tp(mesh)
+        return model, OwnerRoutedOptimizer(model, **CASES["muon_f32"])
+
+    model, opt = fresh()
+    _train_steps(model, opt, mesh, range(2))
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    saved, saved_state = _full(model), _full_optimizer_state(model, opt)
+    _train_steps(model, opt, mesh, range(2, 3))
+    final, final_state = _full(model), _full_optimizer_state(model, opt)
+    out: dict[str, Any] = {}
+    resumed, resumed_opt = fresh()
+    holder, holder_opt = fresh()  # DCP loads into another pair's state dicts (see _titan_checkpoint.resume)
+    state = {"model": get_model_state_dict(holder), "optim": get_optimizer_state_dict(holder, holder_opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    out["dcp_loaded"] = _equal(_full(resumed), saved) and _equal(
+        _full_optimizer_state(resumed, resumed_opt), saved_state
+    )
+    _train_steps(resumed, resumed_opt, mesh, range(2, 3))
+    out["dcp_continued"] = _equal(_full(resumed), final)
+    full = StateDictOptions(full_state_dict=True)
+    loaded, loaded_opt = fresh()
+    set_model_state_dict(loaded, get_model_state_dict(model, options=full), options=full)
+    set_optimizer_state_dict(loaded, loaded_opt, get_optimizer_state_dict(model, opt, options=full), options=full)
+    out["full_loaded"] = _equal(_full(loaded), final) and _equal(_full_optimizer_state(loaded, loaded_opt), final_state)
+    plain, _ = fresh()
+    plain.load_state_dict({n: p.full_tensor() for n, p in model.state_dict().items()})
+    out["load_state_dict_full"] = _equal(_full(plain), final)
+    copied, _ = fresh()
+    with torch.no_grad():
+        torch._foreach_copy_(list(copied.parameters()), [final[n] for n, _ in copied.named_parameters()])
+    out["foreach_copy_full"] = _equal(_full(copied), final)
+    return out
+
+
+def _torch_optimizers_and_scaler(mesh: Any, rank: int) -> dict[str, Any]:
+    """torch's AdamW given the parameters directly (fused and foreach, 2 steps), against one
+    process; GradScaler: unscale_ then torch's clip norm against one process's unscaled norm,
+    then an inf written into one rank's piece: found_inf, the skipped step and the scale on
+    every rank."""
+    from test_tensor_parallel import batches
+
+    out: dict[str, Any] = {"adamw": {}}
+    for kind in ("fused", "foreach"):
+        ref = build()
+        ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+        model = _owner_tp(mesh)
+        OwnerRoutedOptimizer(model, **CASES["muon_f32"])  # fixes the plan: the parameters are pieces
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW, **{kind: True})
+        _train_steps(model, opt, mesh, range(2))
+        for x, y in batches()[:2]:
+            ref(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        out["adamw"][kind] = max(_rel(p, dict(ref.named_parameters())[n].detach()) for n, p in _full(model).items())
+    model = _owner_tp(mesh)
+    OwnerRoutedOptimizer(model, **CASES["muon_f32"])
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(*_micro(0, mesh))).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    out["scaled_norm"] = float(norm.full_tensor())
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(model(*_micro(1, mesh))).backward()
+    if rank == 3:  # one rank's piece only
+        grad = next(p.grad._local_tensor for p in model.parameters() if p.grad._local_tensor.numel())  # type: ignore[union-attr]
+        grad.view(-1)[0] = float("inf")
+    scaler.unscale_(opt)
+    out["found_inf"] = float(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
+    before = _full(model)
+    scaler.step(opt)
+    scaler.update()
+    out["skipped"] = _equal(_full(model), before)
+    out["scale"] = float(scaler.get_scale())
+    return out
+
+
 def owner_tp_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {case: _train(mesh, case, ckpt) for case in CASES}
     out["refused"] = _refused(mesh)
+    out["state_dicts"] = _state_dicts(mesh, f"{ckpt}/state_dicts")
+    out["torch_optimizers"] = _torch_optimizers_and_scaler(mesh, rank)
     out["llama"] = _titan_owner(rank, W)
-    if rank == 0:  # the one-process torchtitan reference, where torchtitan is imported already
+    out["llama_checkpoint"] = _titan_checkpoint.round_trips(mesh, LLAMA_CHECKPOINT, f"{ckpt}/llama", source="owner_tp")
+    if rank == 0:  # the one-process torchtitan references, where torchtitan is imported already
         out["llama_reference"] = titan_reference()
+        out["llama_separate_qkv"] = titan_reference(fuse_qkv=False)
     return out
 
 
@@ -372,6 +507,54 @@ def test_torchtitan_llama_tp_on_the_owner_layout_equals_one_process() -> None:
     for i, b in enumerate(ref["losses"]):  # the loss is divided by the global token count: the dp sum
         a = res[0]["llama"]["losses"][i] + res[2]["llama"]["losses"][i]
         assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"step {i}: loss {a} vs {b}"
+
+
+def test_state_dicts_of_model_and_optimizer_round_trip_bitwise() -> None:
+    for rank, r in enumerate(results()):
+        assert r["state_dicts"] == {
+            "dcp_loaded": True,
+            "dcp_continued": True,
+            "full_loaded": True,
+            "load_state_dict_full": True,
+            "foreach_copy_full": True,
+        }, (rank, r["state_dicts"])
+
+
+def test_torch_adamw_fused_and_foreach_and_grad_scaler_on_the_layout() -> None:
+    ref = reference_run("torch_muon")  # its first clip norm: the unscaled gradient's, one process
+    for rank, r in enumerate(results()):
+        t = r["torch_optimizers"]
+        print(f"rank {rank}: AdamW on the parameters vs one process {t['adamw']}")
+        for kind, err in t["adamw"].items():
+            assert err <= TP_PARAM_RTOL, (rank, kind, err)
+        assert abs(t["scaled_norm"] - ref["norms"][0]) <= TP_NORM_RTOL * ref["norms"][0], (rank, t["scaled_norm"])
+        assert t["found_inf"] == 1.0 and t["skipped"] and t["scale"] == 512.0, (rank, t)
+
+
+def test_torchtitan_owner_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
+    """torchtitan's Llama3 on the 2D owner layout saves model and optimizer with DCP at step 1;
+    the checkpoint loads bitwise (parameters and torch's full optimizer state) on the 1D owner
+    layout at W=2 and W=4, on stock FSDP2 at W=4 and on stock FSDP2 x TP; the W=4 owner layout's
+    checkpoint loads back on the 2D owner layout. Every run continued to step 3 equals the
+    uninterrupted one-process run at the noise floor."""
+    ref = results()[0]["llama_separate_qkv"]["params"]
+    layouts = ("owner_tp", *(x for x in LLAMA_LAYOUTS if x != "tp"), "tp")
+    for rank, r in enumerate(results()):
+        got = r["llama_checkpoint"]
+        assert set(got["params"]) == set(layouts), got["params"].keys()
+        for layout in layouts[1:]:
+            back = layout == "back"
+            params = got["saved_owner4"] if back else got["saved"]
+            state = got["saved_owner4_state"] if back else got["saved_state"]
+            for n, p in params.items():
+                assert torch.equal(got["loaded"][layout][n], p), f"rank {rank} {layout}: {n} loaded differs"
+            assert got["loaded_state"][layout].keys() == state.keys(), (rank, layout)
+            for k, v in state.items():
+                assert torch.equal(got["loaded_state"][layout][k], v), f"rank {rank} {layout}: state {k} differs"
+        for layout in layouts:
+            worst = max(_rel(got["params"][layout][n], p) for n, p in ref.items())
+            print(f"rank {rank}: owner-TP Llama3 checkpoint, {layout}: worst parameter rel err {worst:.2e}")
+            assert worst <= TITAN_PARAM_RTOL, f"rank {rank} {layout}: rel err {worst:.2e}"
 
 
 def test_fully_shard_refuses_unsupported_tp_forms_at_the_call() -> None:

@@ -507,9 +507,12 @@ class DTensorLayout(UpdateLayout):
             return None
         return rp.owner, self._group_of[id(rp)]
 
-    def state_piece(self, rp: RoutedParam) -> tuple[Any, Any] | None:
-        experts = self._experts.get(id(rp))
-        return None if experts is None else (experts.mesh, experts.placement)
+    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
+        experts = self._experts.get(id(rp))  # an expert parallel stack: none of its rows here
+        if experts is None:
+            return None
+        empty = torch.empty((0, *shape[1:]), dtype=dtype, device=device)
+        return OwnerDTensor.make(empty, experts.mesh, experts.placement, shape)
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
         from .layouts import plain_local

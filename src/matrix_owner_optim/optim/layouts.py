@@ -134,10 +134,10 @@ class UpdateLayout(ABC):
         entries, as torch's state-dict utilities need); None where every rank holds its own."""
         return None
 
-    def state_piece(self, rp: RoutedParam) -> tuple[Any, Any] | None:
-        """(mesh, placement) of ``rp``'s state pieces where several ranks each hold a part of it
-        that this layout places itself (expert parallel stacks); ranks holding none list its
-        keys as empty pieces of that placement. None: the placement follows ``state_holder``."""
+    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
+        """The entry this rank lists for a state value of global ``shape`` that it holds none of,
+        where this layout places the pieces itself (expert parallel stacks, tensor-parallel
+        slices); None: an empty piece held by ``state_holder``'s owner."""
         return None
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:

@@ -23,6 +23,10 @@ A step on :class:`OwnerTPLayout`:
 Ranks at other dp coordinates hold empty pieces and do nothing: no collective there, and the
 per-TP-group collectives are symmetric within each group, so nothing waits on a rank that has
 nothing to step. Optimizer state exists only on the owners ``(o, *)``.
+
+State dicts: a whole-stepped matrix's state is the whole tensor held by its owner over the dp
+group (as on the 1D owner layout and the stock TP path, so DCP moves it between them); state of a
+local piece is a piece of the parameter's 2D layout (see ``state_entry``).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..owner_dtensor import is_owner_dtensor
+from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor.two_dim import is_2d, same_spec_2d, wrap_2d
 from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
 from ..tensors import local_tensor
 from .dtensor_sharding import TPSlice
-from .layouts import UpdateLayout
+from .layouts import UpdateLayout, plain_local
 from .routing import RoutedParam
 from .tp_gather import all_gather_slices, message_sizes
 
@@ -143,15 +149,80 @@ class OwnerTPLayout(UpdateLayout):
             if rp.proxy is not None:
                 rp.proxy.grad = None
 
+    # -- state dicts -----------------------------------------------------------------------------
+    # A matrix stepped whole keeps its state whole on each of its TP owners: its entry is that
+    # whole tensor held by the owner over the dp group (``OwnerDTensor.owned``), the form the
+    # 1D owner layout and the stock TP path give a matrix's state, so DCP moves it between
+    # them (the T owners write the same chunk; DCP keeps one). State stepped on the local piece
+    # (AdamW's moments of a TP slice) is a piece of the parameter's own 2D layout. Scalars
+    # (``step``) stay plain, as torch keeps them.
+    @staticmethod
+    def _steps_whole(rp: RoutedParam) -> bool:
+        """Whether ``rp`` is a matrix split by TP, assembled and stepped whole (see ``add``)."""
+        p = rp.param
+        return rp.role is Role.MATRIX and p.dim() == 2 and isinstance(p.placements[1], Shard)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _dp_mesh(rp: RoutedParam, device_type: str) -> Any:
+        return mesh_of_group(rp.param.device_mesh.get_group(0), device_type)  # type: ignore[attr-defined]
+
     def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        raise NotImplementedError(
-            f"optimizer state {key!r} of {rp.label!r}: state dicts of the owner layout on a (dp, tp) mesh "
-            "are not built yet (the model's state dict and DCP of its parameters are); checkpoint the "
-            "optimizer of a (dp, tp) run on stock FSDP2 x TP (torch.distributed.fsdp.fully_shard)"
-        )
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        p = rp.param
+        whole = self._steps_whole(rp)
+        want = tuple(p.shape) if whole else tuple(local_tensor(p).shape)
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; on the owner layout "
+                f"on a (dp, tp) mesh its state must be per element of the {'matrix' if whole else 'TP slice'} "
+                f"{want}, or a scalar"
+            )
+        if whole:
+            assert rp.owner is not None
+            return OwnerDTensor.owned(value, rp.owner, self._dp_mesh(rp, value.device.type), want)
+        return wrap_2d(OwnerDTensor, value, p)
+
+    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
+        """Only the owners ``(o, *)`` hold state; the other dp coordinates list it empty."""
+        assert rp.owner is not None
+        return rp.owner, rp.param.device_mesh.get_group(0)  # type: ignore[attr-defined]
+
+    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
+        if self._steps_whole(rp):
+            return None  # the owner's whole matrix: an empty piece held by it (the default)
+        p = rp.param
+        return wrap_2d(OwnerDTensor, torch.empty(tuple(local_tensor(p).shape), dtype=dtype, device=device), p)
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        return self.state_entry(rp, key, value)
+        """This owner's value of state ``key``: the whole matrix's (from its owned entry, a full
+        tensor, or a replicated DTensor), or the local TP slice's (from a piece of the
+        parameter's layout, or cut out of a full tensor)."""
+        what = f"optimizer state {key!r} of {rp.label!r}"
+        value = as_owner_dtensor(value)
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return plain_local(value, what) if isinstance(value, torch.Tensor) else value
+        p = rp.param
+        if is_owner_dtensor(value) and is_2d(value):
+            if not same_spec_2d(value, p):  # type: ignore[arg-type]
+                raise ValueError(
+                    f"{what}: a piece of layout {tuple(value.placements)} on mesh {tuple(value.device_mesh.shape)}, "
+                    f"the parameter's is {tuple(p.placements)} on {tuple(p.device_mesh.shape)}; load a full "  # type: ignore[attr-defined]
+                    "state dict or go through DCP"
+                )
+            return local_tensor(value)
+        if is_owner_dtensor(value) and value.holder is not None:
+            if not self._steps_whole(rp) or value.holder != rp.owner or not value.is_holder:
+                raise ValueError(
+                    f"{what}: held by rank {value.holder} of its group in the state dict, by dp rank "
+                    f"{rp.owner} here; load a full state dict or go through DCP"
+                )
+            return local_tensor(value)
+        full = plain_local(value, what)
+        if self._steps_whole(rp) or tuple(full.shape) == tuple(local_tensor(p).shape) != tuple(p.shape):
+            return full
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends plus receives in one step: per dtype, its message (header, its

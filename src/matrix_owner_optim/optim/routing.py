@@ -262,7 +262,7 @@ def resolve_roles(
             elif override is not None:
                 role = override
             elif rp.shard is not None:
-                role = rp.shard.role
+                role = rp.shard.routed_role
             elif id(rp.param) in type_roles:
                 role = type_roles[id(rp.param)]
             elif rp.name is not None:

@@ -106,11 +106,13 @@ def _list_held_elsewhere(
                     entry[k] = s[1]
                     continue
                 shape, dtype, device, holder = s
-                empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
-                piece = layout_of[id(ordered[idx])].state_piece(ordered[idx])
-                if piece is not None:  # the layout's own pieces (expert parallel): none here
-                    entry[k] = OwnerDTensor.make(empty, piece[0], piece[1], shape)
+                placed = layout_of[id(ordered[idx])].empty_state_entry(
+                    ordered[idx], shape, getattr(torch, dtype), device
+                )
+                if placed is not None:  # the layout's own pieces (expert parallel, TP slices): none here
+                    entry[k] = placed
                     continue
+                empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                 mesh = mesh_of_group(group, device)
                 if shape and not steps_here(ordered[idx].param):  # HSDP: another replica's global owner
                     entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ((0, 0),) * mesh.size()), shape)

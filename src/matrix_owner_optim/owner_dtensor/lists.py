@@ -17,6 +17,11 @@ max of an empty piece is an error, not an identity). ``_amp_foreach_non_finite_c
 (GradScaler's unscale) then takes the max of ``found_inf`` over each mesh, as DTensor's own handler
 does, and under HSDP over the replicate group too (a matrix's gradient lives on its global owner's
 replica only: ``replica_sync.py``), so every rank of the whole mesh skips the same step.
+
+Tensor-parallel slices held by their dp owner (2D owner-layout tensors, ``two_dim.py``) take the
+same local rule (a 2D piece keeps its spec; a norm is ``two_dim.norm_2d``'s partial value). The
+gathered rule has no 2D form: such an element is refused on every rank, naming the operator,
+except ``_foreach_copy_``, whose elements are ``copy_`` calls with a 2D rule of their own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..replica_sync import get_replica
 from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
 from .placement import same_placement
+from .two_dim import is_2d, norm_2d, refuse_2d, wrap_2d
 
 aten = torch.ops.aten
 
@@ -78,6 +84,8 @@ def _wrap_local(cls: OwnerDTensorType, t: torch.Tensor, ref: Any, norm: Any) -> 
     """A local element result in its element's layout (a partial norm for ``_foreach_norm``)."""
     if ref is None:
         return t
+    if isinstance(ref, cls) and is_2d(ref):
+        return norm_2d(t, ref, norm) if norm is not None else wrap_2d(cls, t, ref)
     if norm is not None:
         if isinstance(ref, cls) and isinstance(ref.placement, Replicate):
             return cls.make(t, ref.device_mesh, Replicate(), ())
@@ -116,6 +124,10 @@ def run_lists(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info:
             local_js.append(j)
         else:
             gathered_js.append(j)
+    if base != "_foreach_copy_":
+        for j in gathered_js:
+            if any(isinstance(args[i][j], cls) and is_2d(args[i][j]) for i in lists):
+                refuse_2d(func, f"list element {j} is not one 2D layout in every list (and plain 0-dim values)")
     results: list[Any] = [None] * n
     returns_list = False
     if local_js:

@@ -23,7 +23,7 @@ from .dispatch import dispatch, local_rank
 from .lists import run_lists
 from .ops import OpClass, operator_info
 from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
-from .two_dim import dispatch_2d, full_value_2d, run_lists_2d, spec_2d, tp_mesh_of
+from .two_dim import dispatch_2d, full_value_2d, spec_2d, tp_mesh_of
 
 aten = torch.ops.aten
 
@@ -350,12 +350,10 @@ class OwnerDTensor(DcpChunks, DTensor):
         """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
         (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
         info = operator_info(func)
-        if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
-            if info.cls is OpClass.LIST:
-                return run_lists_2d(cls, func, args, kwargs or {})
-            return dispatch_2d(cls, func, args, kwargs or {}, info)
-        if info.cls is OpClass.LIST:
+        if info.cls is OpClass.LIST:  # element by element, 2D elements included
             return run_lists(cls, func, args, kwargs or {}, info)
+        if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
+            return dispatch_2d(cls, func, args, kwargs or {}, info)
         out = dispatch(cls, func, args, kwargs or {}, info)
         if func in _ALIASES and isinstance(out, OwnerDTensor):
             keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too

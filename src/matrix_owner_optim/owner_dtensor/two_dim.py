@@ -24,8 +24,17 @@ one chosen from metadata only (the same on every rank), none issuing a collectiv
   mesh, ``_NormPartial`` on dp and on tp where TP splits the tensor (``Replicate()`` where it
   does not): exactly what stock DTensor gives for ``(Shard, Shard)``, so torch's ``stack`` of the
   norms and the total norm follow DTensor's own rules, and the result is the global norm.
-* **lists** (``_foreach_*``): each element of one spec across the lists runs on local pieces;
-  anything else refused.
+* **copy_** into a 2D tensor (the load path: ``load_state_dict`` of full tensors, DSD's
+  ``set_model_state_dict(full_state_dict=True)``, ``_foreach_copy_``): this rank's piece of the
+  source, cut where ``compute_local_shape_and_global_offset`` says (the TP slice on the owner,
+  nothing elsewhere). A source of the same spec copies piece to piece, a stock DTensor of the
+  same TP placement on the tp mesh (a TP-only model's state dict) gives the owner its local TP
+  slice, a plain tensor is read as the whole value (the same on every rank, as every load
+  assumes), any other DTensor is gathered first (``full_tensor()``: every rank takes part).
+* **lists** (``_foreach_*``, ``_fused_*``, ``_amp_*``: ``lists.py``): an element whose tensors
+  are one 2D spec (and plain 0-dim values: a fused optimizer's steps) runs on local pieces, a
+  ``_foreach_norm`` element is a partial norm as above, ``_foreach_copy_`` is the ``copy_``
+  rule; GradScaler's ``found_inf`` is agreed over both mesh dims. Other 2D elements refused.
 * everything else: refused on every rank, naming the operator (``full_tensor()`` first).
 
 ``full_tensor()`` / ``redistribute(Replicate())``: the TP slice broadcast over dp from the owner,
@@ -40,11 +49,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
 from .ops import ELEMENTWISE, NORMS, OperatorInfo, norm_partial
-from .placement import OwnerShard, as_bytes, contiguous_stride
+from .placement import as_bytes, contiguous_stride, same_placement
 
 OwnerDTensorType = Any
 
@@ -56,8 +66,11 @@ __all__ = [
     "full_value_2d",
     "is_2d",
     "local_shape_at",
-    "run_lists_2d",
+    "norm_2d",
+    "refuse_2d",
+    "same_spec_2d",
     "spec_2d",
+    "wrap_2d",
     "tp_mesh_of",
     "tp_placement_of",
 ]
@@ -88,15 +101,15 @@ def tp_placement_of(t: DTensor) -> Any:
     return t.placements[1]
 
 
-def _same_spec(a: DTensor, b: DTensor) -> bool:
+def same_spec_2d(a: DTensor, b: DTensor) -> bool:
+    """Whether two 2D tensors are pieces of one layout: mesh, shape, and placements of one type
+    each (an ``OwnerShard`` compares equal to a plain ``Shard`` of its dim, for DTensorSpec's
+    sake, but torch's ``distribute_tensor`` cuts a ``Shard`` in even chunks: another layout)."""
     return (
         a.device_mesh == b.device_mesh
         and tuple(a.shape) == tuple(b.shape)
-        and tuple(a.placements) == tuple(b.placements)
-        and all(
-            not isinstance(x, OwnerShard) or (isinstance(y, OwnerShard) and x.ranges == y.ranges)
-            for x, y in zip(a.placements, b.placements, strict=True)
-        )
+        and len(a.placements) == len(b.placements)
+        and all(same_placement(x, y) for x, y in zip(a.placements, b.placements, strict=True))
     )
 
 
@@ -107,7 +120,8 @@ def _replicated_scalar(a: Any) -> bool:
     return isinstance(a, torch.Tensor) and a.dim() == 0
 
 
-def _refuse(func: Any, why: str) -> Any:
+def refuse_2d(func: Any, why: str) -> Any:
+    """Raise, on every rank (the reasons are read off metadata), naming ``func`` and what runs."""
     raise NotImplementedError(
         f"{func} on an owner-layout tensor on a 2D (dp, tp) mesh (a tensor-parallel slice held by its "
         f"dp owner): {why}. This layout runs pointwise operators of one layout, whole-tensor norms and "
@@ -119,7 +133,8 @@ def _local(a: Any) -> Any:
     return a._local_tensor if isinstance(a, DTensor) else a
 
 
-def _wrap(cls: OwnerDTensorType, local: torch.Tensor, ref: Any) -> Any:
+def wrap_2d(cls: OwnerDTensorType, local: torch.Tensor, ref: Any) -> Any:
+    """``local`` as a piece of ``ref``'s 2D layout (its spec; a new one only for another dtype)."""
     spec = ref._spec
     if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
         spec = spec_2d(ref.device_mesh, tuple(ref.placements), ref.shape, local.dtype)
@@ -131,13 +146,19 @@ def _norm(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict) -> Any:
     dims = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     if dims not in (None, [], ()) or keepdim or func is not aten.linalg_vector_norm.default:
-        _refuse(func, "only the norm of the whole tensor (linalg.vector_norm, no dim) is a partial value here")
+        refuse_2d(func, "only the norm of the whole tensor (linalg.vector_norm, no dim) is a partial value here")
     partial = norm_partial(func, args, kwargs)
     if partial is None:
-        _refuse(func, "a norm of order 0 or -inf has no partial form")
+        refuse_2d(func, "a norm of order 0 or -inf has no partial form")
     local = _local(t)
-    value = func(local, *args[1:], **kwargs)
-    if local.numel() == 0:
+    return norm_2d(func(local, *args[1:], **kwargs), t, partial)
+
+
+def norm_2d(value: torch.Tensor, t: DTensor, partial: Any) -> DTensor:
+    """The norm ``value`` of ``t``'s local piece as the partial value it is: zero where the piece
+    is empty, ``partial`` on dp and on tp where TP splits ``t`` (``Replicate()`` where it does
+    not): what stock DTensor gives for a ``(Shard, Shard)`` tensor, so its own rules reduce it."""
+    if t._local_tensor.numel() == 0:
         value = torch.zeros_like(value)
     tp = Replicate() if isinstance(tp_placement_of(t), Replicate) else partial
     return DTensor.from_local(value, t.device_mesh, [partial, tp], run_check=False)
@@ -145,50 +166,54 @@ def _norm(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def dispatch_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """One call with a 2D owner-layout argument (see the module docstring for the rules)."""
+    if func is aten.copy_.default and isinstance(args[0], cls) and is_2d(args[0]):
+        return copy_into_2d(args[0], args[1])
     flat, _ = tree_flatten((args, kwargs))
     owners = [a for a in flat if isinstance(a, cls)]
     if func in NORMS:
         if len(owners) != 1 or args[0] is not owners[0]:
-            _refuse(func, "a norm of one owner-layout tensor")
+            refuse_2d(func, "a norm of one owner-layout tensor")
         return _norm(cls, func, args, kwargs)
     ref = owners[0]
-    if not all(is_2d(o) and _same_spec(o, ref) for o in owners):
-        _refuse(func, "its owner-layout arguments are not of one layout (mesh, placements and shape)")
+    if not all(is_2d(o) and same_spec_2d(o, ref) for o in owners):
+        refuse_2d(func, "its owner-layout arguments are not of one layout (mesh, placements and shape)")
     others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, cls)]
     if not (info.pointwise or func in ELEMENTWISE):
-        _refuse(func, "it is not pointwise")
+        refuse_2d(func, "it is not pointwise")
     if not all(_replicated_scalar(a) for a in others):
-        _refuse(func, "its other tensor arguments are not 0-dim values every rank holds whole")
+        refuse_2d(func, "its other tensor arguments are not 0-dim values every rank holds whole")
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
     out = func(*local_args, **local_kwargs)
     if info.inplace:
         return args[0]
-    return tree_map(lambda r: _wrap(cls, r, ref) if isinstance(r, torch.Tensor) else r, out)
+    return tree_map(lambda r: wrap_2d(cls, r, ref) if isinstance(r, torch.Tensor) else r, out)
 
 
-def run_lists_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict) -> Any:
-    """A ``_foreach_*`` call with 2D owner-layout elements: local pieces per element of one
-    layout; ``_fused_*`` / ``_amp_*`` (a ``found_inf`` to agree) and mixed elements refused."""
-    name = func._schema.name.split("::")[-1]
-    if not name.startswith("_foreach_") or name in ("_foreach_norm", "_foreach_max"):
-        _refuse(func, "of the list operators only elementwise _foreach_* run on local pieces")
-    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-    n = len(args[lists[0]])
-    refs: list[Any] = []
-    for j in range(n):
-        elem = [args[i][j] for i in lists]
-        ref = next((t for t in elem if isinstance(t, cls)), None)
-        if ref is None or not all(isinstance(t, cls) and is_2d(t) and _same_spec(t, ref) for t in elem):
-            _refuse(func, f"list element {j} is not one 2D owner layout in every list")
-        refs.append(ref)
-    for i, a in enumerate(args):
-        if i not in lists and isinstance(a, torch.Tensor) and not _replicated_scalar(a):
-            _refuse(func, "a non-list tensor argument that is not a 0-dim value every rank holds")
-    local_args = tuple([_local(t) for t in a] if i in lists else _local(a) for i, a in enumerate(args))
-    out = func(*local_args, **tree_map(_local, kwargs))
-    if out is None:
-        return None
-    return [_wrap(cls, t, refs[j]) for j, t in enumerate(out)]
+def copy_into_2d(dst: Any, src: Any) -> Any:
+    """``dst.copy_(src)`` for a 2D owner-layout ``dst``: this rank's piece of ``src`` (see the
+    module docstring's ``copy_`` rule). Collective only where ``src`` is a DTensor of another
+    layout, which every rank holds (its ``full_tensor()``)."""
+    local = dst._local_tensor
+    if isinstance(src, DTensor) and is_2d(src) and same_spec_2d(src, dst):
+        local.copy_(src._local_tensor)
+        return dst
+    if isinstance(src, DTensor) and src.device_mesh.ndim == 1 and tuple(src.shape) == tuple(dst.shape):
+        if src.device_mesh == tp_mesh_of(dst) and tuple(src.placements) == (tp_placement_of(dst),):
+            if local.numel():  # the owner: its TP slice is the source's local piece
+                local.copy_(src._local_tensor)
+            return dst
+    if isinstance(src, DTensor):
+        full = src._local_tensor if all(isinstance(p, Replicate) for p in src.placements) else src.full_tensor()
+    elif isinstance(src, torch.Tensor):
+        full = src
+    else:  # a Python number
+        local.fill_(src)
+        return dst
+    if tuple(full.shape) != tuple(dst.shape):
+        full = full.expand(dst.shape)  # broadcasting, as copy_ does (raises on shapes that do not)
+    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+    local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
+    return dst
 
 
 def full_value_2d(t: DTensor, holder: int) -> torch.Tensor:

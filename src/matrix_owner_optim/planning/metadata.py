@@ -94,6 +94,10 @@ class MatrixShard:
             state and steps it (its *global owner* is that replica's ``owner``); the other
             replicas' holders receive the updated matrix. None: every holder steps (1D meshes,
             tail and ``rows`` tensors, frozen matrices).
+        group_role: the role the model gives the tensor where the layout holds it as another
+            (a tensor-parallel ``rows`` tensor: its TP slice held whole by one dp owner, so
+            ``role`` is ``tail``); the optimizer groups it by this role, so its param groups,
+            and the state dicts they key, are the same on every layout. None: ``role``.
     """
 
     fqn: str
@@ -107,6 +111,12 @@ class MatrixShard:
     world_size: int = 1
     row_owners: tuple[tuple[int, int, int], ...] = ()  # a split stack: (start, stop, rank) per rank
     step_replica: int | None = None  # HSDP: the replica that steps it (see the docstring)
+    group_role: Role | None = None  # the model's role where the layout holds it as another
+
+    @property
+    def routed_role(self) -> Role:
+        """The role the optimizer groups it by (``group_role`` where set, else ``role``)."""
+        return self.group_role or self.role
 
     @property
     def is_split(self) -> bool:

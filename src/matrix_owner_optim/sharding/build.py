@@ -80,6 +80,7 @@ def build_context(
         for sp in specs_from_module(root, unit_prefixes=prefixes)
         if not is_ignored(by_name[sp.fqn])  # fully_shard(ignored_params=...): left as they are
     ]
+    rows_as_tail = {sp.fqn for sp in specs if _tp_rows_as_tail(sp, by_name[sp.fqn]) is not sp}
     specs = [_tp_rows_as_tail(sp, by_name[sp.fqn]) for sp in specs]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
@@ -104,7 +105,7 @@ def build_context(
         remedy="Every rank must build the plan from the same model, roles and world size "
         "(pass the same plan= / roles on all ranks).",
     )
-    shards = _normalize(plan, specs)
+    shards = _normalize(plan, specs, rows_as_tail)
     by_fqn = dict(root.named_parameters())
 
     handles_of: list[list[ParamHandle]] = [[] for _ in states]
@@ -255,11 +256,18 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int,
             raise ValueError(f"fully_shard: parameter {s.fqn!r} has no valid owner in the plan ({shard.owner!r})")
 
 
-def _normalize(plan: ShardingPlan, specs: list[TensorSpec]) -> dict[str, MatrixShard]:
-    """The plan's owners and roles with the units, names and flags of these fully_shard calls."""
+def _normalize(plan: ShardingPlan, specs: list[TensorSpec], rows_as_tail: set[str]) -> dict[str, MatrixShard]:
+    """The plan's owners and roles with the units, names and flags of these fully_shard calls;
+    the tensor-parallel ``rows`` tensors planned as ``tail`` (``rows_as_tail``) keep ``rows`` as
+    the role the optimizer groups them by."""
     return {
         s.fqn: dataclasses.replace(
-            plan[s.fqn], fqn=s.fqn, unit=s.unit, aliases=tuple(s.aliases), requires_grad=s.requires_grad
+            plan[s.fqn],
+            fqn=s.fqn,
+            unit=s.unit,
+            aliases=tuple(s.aliases),
+            requires_grad=s.requires_grad,
+            group_role=Role.ROWS if s.fqn in rows_as_tail else None,
         )
         for s in specs
     }
@@ -269,7 +277,9 @@ def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
     """A tensor-parallel ``rows`` tensor (a vocab-parallel embedding, a colwise head) is planned
     as a ``tail`` tensor: its TP slice held whole by one dp owner. Row blocks of a TP slice
     split dim 0 twice (torch's ``_StridedShard``), which the 2D layout does not build; the
-    optimizer is the tail's either way (``rows`` tensors get the tail optimizer)."""
+    optimizer is the tail's either way (``rows`` tensors get the tail optimizer), and the
+    optimizer still groups it as ``rows`` (``MatrixShard.group_role``: the same param groups,
+    and state-dict keys, as on the 1D layouts)."""
     if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, role=Role.TAIL)
     return spec
