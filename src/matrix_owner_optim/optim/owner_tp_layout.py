@@ -53,6 +53,25 @@ class _Assembled:
     full: torch.Tensor  # the proxy the matrix optimizer steps
 
 
+def _check_expert_slice(rp: RoutedParam, tp: Shard) -> None:
+    """A >2D matrix on a 2D mesh is stepped where it is only as an expert-parallel slice: a
+    3D stack (the ``"stack"`` view: ``[E, out, in]`` read as ``E`` matrices) split along its
+    stack dim (``Shard(0)`` on ep), whose slice is whole experts. Anything else would step
+    pieces of matrices (expert tensor parallel's ``Shard(1)``/``Shard(2)``, a conv kernel or
+    a >3D tensor cut on ep): refused, naming the parameter."""
+    p = rp.param
+    view = rp.view.kind if rp.view is not None else None
+    if tp.dim != 0 or p.dim() != 3 or view != "stack":
+        what = f"the {view!r} matrix view" if view is not None else "no matrix view"
+        raise ValueError(
+            f"matrix {rp.label!r} is a {p.dim()}D tensor {tuple(p.shape)} with placements "
+            f"{tuple(p.placements)} and {what}; the owner layout on a 2D mesh steps 2D matrices "  # type: ignore[attr-defined]
+            "(assembled over tp) and expert-parallel stacks: a 3D stack of experts ('stack' view) "
+            "split by Shard(0) on ep, each ep slice whole experts stepped by its owner. Route it "
+            f"to the tail optimizer (roles={{{rp.label!r}: 'tail'}}), or keep each expert whole"
+        )
+
+
 class OwnerTPLayout(UpdateLayout):
     """Owner-layout parameters on a 2D (dp, tp) mesh (see the module docstring)."""
 
@@ -79,13 +98,12 @@ class OwnerTPLayout(UpdateLayout):
                 rp.proxy = None
                 continue
             tp = p.placements[1]  # type: ignore[attr-defined]
-            if rp.role is Role.MATRIX and isinstance(tp, Shard):
-                if p.dim() != 2:
-                    raise ValueError(
-                        f"matrix {rp.label!r} is a {p.dim()}D tensor-parallel slice {tuple(p.placements)}; the "  # type: ignore[attr-defined]
-                        "owner layout on a (dp, tp) mesh steps 2D matrices; route it to the tail optimizer "
-                        f"(roles={{{rp.label!r}: 'tail'}})"
-                    )
+            if rp.role is Role.MATRIX and isinstance(tp, Shard) and p.dim() > 2:
+                _check_expert_slice(rp, tp)  # whole experts: stepped where they are, no collective
+                rp.step_shape = tuple(piece.shape)
+                rp.proxy = piece.detach()
+                self._local.append(rp)
+            elif rp.role is Role.MATRIX and isinstance(tp, Shard):
                 mesh = p.device_mesh  # type: ignore[attr-defined]
                 T = mesh.size(1)
                 sizes = tuple(chunk_row_sizes(int(p.shape[tp.dim]), T))
