@@ -119,6 +119,39 @@ def _layout(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def _refused(dims: Any) -> dict[str, str]:
+    """What is refused, naming it: a plain module sharded over efsdp inside a call over fsdp (its
+    gradient would be summed over half the ranks), and a stack cut inside each expert on ep
+    (expert tensor parallel's ``Shard(1)``), at the optimizer's construction on every rank."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from matrix_owner_optim import fully_shard
+
+    fsdp, efsdp, ep = dims.get_mesh("fsdp"), dims.get_mesh("efsdp"), dims.get_mesh("ep")
+    out = {}
+    block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(block[0], mesh=efsdp)
+    try:
+        fully_shard(block, mesh=fsdp)
+        out["plain_on_efsdp"] = "no error"
+    except ValueError as exc:
+        out["plain_on_efsdp"] = str(exc)
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(distribute_tensor(torch.ones(4, 8, 6), ep, [Shard(1)]))
+
+    experts = fully_shard(Experts(), mesh=efsdp)
+    try:
+        OwnerRoutedOptimizer(experts, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+        out["cut_experts"] = "no error"
+    except ValueError as exc:
+        out["cut_experts"] = str(exc)
+    return out
+
+
 def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
     model, dims = _owner_ep_model(W)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
@@ -149,6 +182,7 @@ def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
     )
     out["routes"] = {r["name"]: r["role"] for r in opt.routes()}
     out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    out["refused"] = _refused(dims)
     if rank == 0:  # the one-process references, where torchtitan is imported already
         out["reference"] = moe_reference()
         out["reference_norms"] = reference_norms()
@@ -234,3 +268,16 @@ def test_expert_state_only_on_owners_and_the_step_issues_no_collective() -> None
         assert experts == owned, (rank, experts, owned)
         for i, ops in enumerate(r["ops"]):
             assert not ops, f"rank {rank} step {i}: the optimizer step issued {ops}"
+
+
+def test_what_is_not_expert_parallel_is_refused_naming_it() -> None:
+    for rank, r in enumerate(results()):
+        msg = r["refused"]["plain_on_efsdp"]
+        assert msg.startswith(
+            "fully_shard(Sequential): its submodule '0' (OwnerShardedLinear) was passed to fully_shard with "
+            "another mesh (2 ranks) than this call (4 ranks)"
+        ), (rank, msg)
+        assert msg.endswith("here its parameter 'weight' is not an expert-parallel slice (a DTensor on an ep mesh)")
+        msg = r["refused"]["cut_experts"]
+        assert msg.startswith("matrix 'w' is a 3D tensor (4, 8, 6) with placements"), (rank, msg)
+        assert "Shard(dim=1)" in msg and "split by Shard(0) on ep" in msg, (rank, msg)

@@ -17,6 +17,12 @@ A step on :class:`OwnerTPLayout`:
   in all, as the stock TP path does) and keep their slice. The weights travel too, so the
   owners' full copies are never stale (a load, an outside edit) at the price of twice the
   gradient's bytes.
+* expert-parallel stacks (torchtitan's routed experts ``[E, out, in]``, ``Shard(0)`` on ep,
+  the package's ``fully_shard`` over efsdp: the 2D mesh is (efsdp, ep)): an ep slice is whole
+  experts, so its owner steps its local piece as a stack of matrices, expert by expert (the
+  ``"stack"`` view declared on the ``step_shape`` of the slice), with no collective over ep or
+  efsdp. A >2D matrix cut any other way on the 2D mesh (inside each expert, a conv kernel) is
+  refused on every rank, naming it.
 * everything else (biases, norms, matrices replicated on tp): the owner steps its local piece
   with its optimizer (AdamW is elementwise: exact on a slice).
 
@@ -87,6 +93,9 @@ class OwnerTPLayout(UpdateLayout):
         return is_owner_dtensor(param) and param.device_mesh.ndim == 2
 
     def add(self, entries: list[RoutedParam]) -> None:
+        """Route ``entries`` (module docstring): on their owners, TP-split 2D matrices to the
+        assembly over tp, expert-parallel stacks and everything else to local steps; elsewhere
+        no proxy."""
         for rp in entries:
             self.entries.append(rp)
             shard, p = rp.shard, rp.param
@@ -94,12 +103,14 @@ class OwnerTPLayout(UpdateLayout):
                 raise ValueError(f"{rp.label!r}: a tensor-parallel owner-layout parameter without its plan")
             rp.owner = shard.owner
             piece = local_tensor(p)
+            tp = p.placements[1]  # type: ignore[attr-defined]
+            experts = rp.role is Role.MATRIX and isinstance(tp, Shard) and p.dim() > 2
+            if experts:  # checked on every rank, owners or not: refused alike
+                _check_expert_slice(rp, tp)
             if get_shard_rank(p) != shard.owner:
                 rp.proxy = None
                 continue
-            tp = p.placements[1]  # type: ignore[attr-defined]
-            if rp.role is Role.MATRIX and isinstance(tp, Shard) and p.dim() > 2:
-                _check_expert_slice(rp, tp)  # whole experts: stepped where they are, no collective
+            if experts:  # this ep slice's whole experts: stepped where they are, no collective
                 rp.step_shape = tuple(piece.shape)
                 rp.proxy = piece.detach()
                 self._local.append(rp)

@@ -30,7 +30,7 @@ from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
 from .ignored import is_ignored, mark_ignored
 from .module import swap_class
-from .nested import nested_trees
+from .nested import nested_trees, why_not_nested
 from .replicated import as_owner_dtensors, check_plain_parameters
 from .state import OwnerShardState, PlanPhase, ShardTree, state_of, trees_inside
 
@@ -161,14 +161,15 @@ def _check_submodules(module: nn.Module, group: Any, replicate_group: Any, neste
         if sub_state is None or any(sub_state.tree is t for t in nested):
             continue
         if (sub_state.group, sub_state.replicate_group) != (group, replicate_group):
+            why = why_not_nested(sub_state.tree, group, replicate_group)
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its submodule {name!r} "
                 f"({type(sub).__name__}) was passed to fully_shard with another mesh "
                 f"({_mesh_words(sub_state.group, sub_state.replicate_group)}) than this call "
                 f"({_mesh_words(group, replicate_group)}); one model is planned over one mesh, "
-                "so pass the same mesh to every fully_shard call of the model (the one exception: "
-                "expert-parallel experts, DTensors on an ep mesh, sharded over the mesh beside it "
-                "that covers this call's ranks with it, e.g. torchtitan's efsdp)"
+                "so pass the same mesh to every fully_shard call of the model. The one exception: "
+                "expert-parallel experts (DTensors on an ep mesh) sharded over the mesh beside it, "
+                f"which covers this call's ranks with it (torchtitan's efsdp); here {why}"
             )
         if sub_state.tree.phase is not PlanPhase.PENDING:
             raise ValueError(

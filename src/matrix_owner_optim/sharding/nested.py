@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .state import OwnerShardState
     from .tree import ShardTree
 
-__all__ = ["foreign_modules", "foreign_parameters", "nested_trees", "state_of"]
+__all__ = ["foreign_modules", "foreign_parameters", "nested_trees", "state_of", "why_not_nested"]
 
 STATE_ATTR = "_moo_state"
 
@@ -51,34 +51,33 @@ def _ranks(group: Any) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _is_nested(tree: ShardTree, group: Any, replicate_group: Any) -> bool:
-    """Whether ``tree`` (over another mesh than ``group``) stays a tree nested in a call over
-    ``group``: no HSDP on either side, and every parameter of its calls an owner-layout tensor
-    on a 2D mesh whose ranks are exactly ``group``'s (module docstring)."""
+def why_not_nested(tree: ShardTree, group: Any, replicate_group: Any) -> str | None:
+    """None when ``tree`` (over another mesh than ``group``) stays a tree nested in a call over
+    ``group`` (no HSDP on either side, every parameter of its calls an owner-layout tensor on a
+    2D mesh whose ranks are exactly ``group``'s: module docstring); else why not, naming the
+    parameter."""
     if replicate_group is not None or any(st.replicate_group is not None for st in tree.states):
-        return False
+        return "HSDP (a 2D shard mesh) is not nested"
     if any(st.group is group for st in tree.states):
-        return False
+        return "it is sharded over this call's mesh"
     want = _ranks(group)
-    found = False
     for st in tree.states:
         for m in st.modules:
-            for p in m.parameters():
+            for name, p in m.named_parameters():
                 if is_ignored(p):
                     continue
                 if not (isinstance(p, OwnerDTensor) and p.device_mesh.ndim == 2):
-                    return False
+                    return f"its parameter {name!r} is not an expert-parallel slice (a DTensor on an ep mesh)"
                 if sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist()) != want:
-                    return False
-                found = True
-    return found
+                    return f"its parameter {name!r} lies on a mesh of other ranks than this call's"
+    return None
 
 
 def nested_trees(trees: Iterable[ShardTree], group: Any, replicate_group: Any) -> list[ShardTree]:
     """Of the ``trees`` inside a ``fully_shard`` call over ``group``, the ones over another
     mesh that stay trees of their own, nested in the call's (module docstring); the others are
     adopted (same mesh) or refused (``api._check_submodules``)."""
-    return [t for t in trees if _is_nested(t, group, replicate_group)]
+    return [t for t in trees if why_not_nested(t, group, replicate_group) is None]
 
 
 def foreign_modules(modules: Sequence[nn.Module], states: Sequence[Any]) -> set[int]:
