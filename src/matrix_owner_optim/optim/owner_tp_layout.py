@@ -17,6 +17,12 @@ A step on :class:`OwnerTPLayout`:
   in all, as the stock TP path does) and keep their slice. The weights travel too, so the
   owners' full copies are never stale (a load, an outside edit) at the price of twice the
   gradient's bytes.
+* expert-parallel stacks (torchtitan's routed experts ``[E, out, in]``, ``Shard(0)`` on ep,
+  the package's ``fully_shard`` over efsdp: the 2D mesh is (efsdp, ep)): an ep slice is whole
+  experts, so its owner steps its local piece as a stack of matrices, expert by expert (the
+  ``"stack"`` view declared on the ``step_shape`` of the slice), with no collective over ep or
+  efsdp. A >2D matrix cut any other way on the 2D mesh (inside each expert, a conv kernel) is
+  refused on every rank, naming it.
 * everything else (biases, norms, matrices replicated on tp): the owner steps its local piece
   with its optimizer (AdamW is elementwise: exact on a slice).
 
@@ -59,6 +65,25 @@ class _Assembled:
     full: torch.Tensor  # the proxy the matrix optimizer steps
 
 
+def _check_expert_slice(rp: RoutedParam, tp: Shard) -> None:
+    """A >2D matrix on a 2D mesh is stepped where it is only as an expert-parallel slice: a
+    3D stack (the ``"stack"`` view: ``[E, out, in]`` read as ``E`` matrices) split along its
+    stack dim (``Shard(0)`` on ep), whose slice is whole experts. Anything else would step
+    pieces of matrices (expert tensor parallel's ``Shard(1)``/``Shard(2)``, a conv kernel or
+    a >3D tensor cut on ep): refused, naming the parameter."""
+    p = rp.param
+    view = rp.view.kind if rp.view is not None else None
+    if tp.dim != 0 or p.dim() != 3 or view != "stack":
+        what = f"the {view!r} matrix view" if view is not None else "no matrix view"
+        raise ValueError(
+            f"matrix {rp.label!r} is a {p.dim()}D tensor {tuple(p.shape)} with placements "
+            f"{tuple(p.placements)} and {what}; the owner layout on a 2D mesh steps 2D matrices "  # type: ignore[attr-defined]
+            "(assembled over tp) and expert-parallel stacks: a 3D stack of experts ('stack' view) "
+            "split by Shard(0) on ep, each ep slice whole experts stepped by its owner. Route it "
+            f"to the tail optimizer (roles={{{rp.label!r}: 'tail'}}), or keep each expert whole"
+        )
+
+
 class OwnerTPLayout(UpdateLayout):
     """Owner-layout parameters on a 2D (dp, tp) mesh (see the module docstring)."""
 
@@ -74,6 +99,9 @@ class OwnerTPLayout(UpdateLayout):
         return is_owner_dtensor(param) and param.device_mesh.ndim == 2
 
     def add(self, entries: list[RoutedParam]) -> None:
+        """Route ``entries`` (module docstring): on their owners, TP-split 2D matrices to the
+        assembly over tp, expert-parallel stacks and everything else to local steps; elsewhere
+        no proxy."""
         for rp in entries:
             self.entries.append(rp)
             shard, p = rp.shard, rp.param
@@ -81,17 +109,18 @@ class OwnerTPLayout(UpdateLayout):
                 raise ValueError(f"{rp.label!r}: a tensor-parallel owner-layout parameter without its plan")
             rp.owner = shard.owner
             piece = local_tensor(p)
+            tp = p.placements[1]  # type: ignore[attr-defined]
+            experts = rp.role is Role.MATRIX and isinstance(tp, Shard) and p.dim() > 2
+            if experts:  # checked on every rank, owners or not: refused alike
+                _check_expert_slice(rp, tp)
             if get_shard_rank(p) != shard.owner:
                 rp.proxy = None
                 continue
-            tp = p.placements[1]  # type: ignore[attr-defined]
-            if rp.role is Role.MATRIX and isinstance(tp, Shard):
-                if p.dim() != 2:
-                    raise ValueError(
-                        f"matrix {rp.label!r} is a {p.dim()}D tensor-parallel slice {tuple(p.placements)}; the "  # type: ignore[attr-defined]
-                        "owner layout on a (dp, tp) mesh steps 2D matrices; route it to the tail optimizer "
-                        f"(roles={{{rp.label!r}: 'tail'}})"
-                    )
+            if experts:  # this ep slice's whole experts: stepped where they are, no collective
+                rp.step_shape = tuple(piece.shape)
+                rp.proxy = piece.detach()
+                self._local.append(rp)
+            elif rp.role is Role.MATRIX and isinstance(tp, Shard):
                 mesh = p.device_mesh  # type: ignore[attr-defined]
                 T = mesh.size(1)
                 sizes = tuple(chunk_row_sizes(int(p.shape[tp.dim]), T))

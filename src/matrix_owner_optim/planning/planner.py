@@ -262,8 +262,9 @@ def plan_tensors(
 
 
 def _splits_by_expert(s: TensorSpec) -> bool:
-    """A 3D stack of matrices (fused experts ``[E, out, in]``): its dim 0 indexes whole matrices."""
-    if len(s.shape) != 3 or int(s.shape[0]) < 2:
+    """A 3D stack of matrices (fused experts ``[E, out, in]``): its dim 0 indexes whole matrices
+    (not one to be placed whole: ``TensorSpec.whole``)."""
+    if s.whole or len(s.shape) != 3 or int(s.shape[0]) < 2:
         return False
     view = s.view if s.view is not None else default_matrix_view(s.shape, name=s.fqn)
     return view is not None and view.kind == "stack"
@@ -307,8 +308,9 @@ def _place(
 
 def _splits_by_band(s: TensorSpec, row_block: int) -> bool:
     """A trainable plain 2D matrix of more than one band of ``row_block`` rows (a fused
-    ``wqkv`` read as several matrices, a conv kernel or a stack is not cut into bands)."""
-    if not s.requires_grad or len(s.shape) != 2 or int(s.shape[0]) <= row_block:
+    ``wqkv`` read as several matrices, a conv kernel or a stack is not cut into bands; nor
+    one to be placed whole: ``TensorSpec.whole``)."""
+    if s.whole or not s.requires_grad or len(s.shape) != 2 or int(s.shape[0]) <= row_block:
         return False
     view = s.view if s.view is not None else default_matrix_view(s.shape, name=s.fqn)
     return view is not None and view.kind == "matrix" and view.resolve(s.shape, s.fqn).single

@@ -117,6 +117,9 @@ class TensorSpec:
     aliases: tuple[str, ...] = ()
     requires_grad: bool = True
     view: MatrixView | None = None  # how a matrix is read (None: the default of views.py)
+    # placed whole on one owner, never split by expert or band: a TP or EP slice on a 2D mesh,
+    # held whole by its dp owner (sharding/build.py: _whole_slices)
+    whole: bool = False
 
 
 class RoleOverrides(GlobOverrides[Role]):

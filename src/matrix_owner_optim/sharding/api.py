@@ -30,6 +30,7 @@ from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
 from .ignored import is_ignored, mark_ignored
 from .module import swap_class
+from .nested import nested_trees, why_not_nested
 from .replicated import as_owner_dtensors, check_plain_parameters
 from .state import OwnerShardState, PlanPhase, ShardTree, state_of, trees_inside
 
@@ -115,12 +116,18 @@ def fully_shard(
     rsf = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(group))
     if plan is not None:
         check_plan_world_size(plan, dist.get_world_size(group))
+    inside = trees_inside(modules)
+    nested = nested_trees(inside, group, replicate_group)  # expert parallel's experts: trees of their own
     for m in modules:
-        _check_submodules(m, group, replicate_group)
+        _check_submodules(m, group, replicate_group, nested)
     check_plain_parameters(modules, ignored_params, mesh)
     names = {id(sub): name for m in modules for name, sub in m.named_modules()}
     tree = ShardTree.join(  # refuses a call inside naming another plan or cost, before anything changes
-        trees_inside(modules), module=modules[0], plan=plan, cost=cost, name_of=lambda m: names.get(id(m), "?")
+        [t for t in inside if not any(t is n for n in nested)],
+        module=modules[0],
+        plan=plan,
+        cost=cost,
+        name_of=lambda m: names.get(id(m), "?"),
     )
     device = mesh_device(mesh, group)
     device_mesh = mesh_of_group(group, device.type)
@@ -146,19 +153,23 @@ def fully_shard(
     return module
 
 
-def _check_submodules(module: nn.Module, group: Any, replicate_group: Any) -> None:
-    """Refuse a submodule sharded over another mesh, or already planned."""
+def _check_submodules(module: nn.Module, group: Any, replicate_group: Any, nested: list[ShardTree]) -> None:
+    """Refuse a submodule sharded over another mesh (but a ``nested`` tree's: expert
+    parallel's experts, ``nested.py``), or already planned."""
     for name, sub in module.named_modules():
         sub_state = state_of(sub)
-        if sub_state is None:
+        if sub_state is None or any(sub_state.tree is t for t in nested):
             continue
         if (sub_state.group, sub_state.replicate_group) != (group, replicate_group):
+            why = why_not_nested(sub_state.tree, group, replicate_group)
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its submodule {name!r} "
                 f"({type(sub).__name__}) was passed to fully_shard with another mesh "
                 f"({_mesh_words(sub_state.group, sub_state.replicate_group)}) than this call "
                 f"({_mesh_words(group, replicate_group)}); one model is planned over one mesh, "
-                "so pass the same mesh to every fully_shard call of the model"
+                "so pass the same mesh to every fully_shard call of the model. The one exception: "
+                "expert-parallel experts (DTensors on an ep mesh) sharded over the mesh beside it, "
+                f"which covers this call's ranks with it (torchtitan's efsdp); here {why}"
             )
         if sub_state.tree.phase is not PlanPhase.PENDING:
             raise ValueError(

@@ -31,6 +31,7 @@ from ..tensors import local_tensor
 from .context import ShardingContext, TreeSettings
 from .handle import ParamHandle
 from .ignored import is_ignored
+from .nested import foreign_modules, foreign_parameters
 from .replicated import current_parameter
 from .unit import ShardedUnit, ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
 
@@ -73,18 +74,22 @@ def build_context(
     if not is_container:
         record_unit_prefixes(root, prefixes)  # so plan_model(root, W) agrees
     by_name = dict(root.named_parameters())
+    # a nested tree's parameters (expert parallel's experts, nested.py) are its own to plan
+    nested_modules = foreign_modules(modules, states)
+    nested_params = foreign_parameters(modules, states)
     specs = [
         dataclasses.replace(sp, unit=unit_index[sp.unit])
         if sp.unit < len(modules)
         else dataclasses.replace(sp, unit=len(states))
         for sp in specs_from_module(root, unit_prefixes=prefixes)
-        if not is_ignored(by_name[sp.fqn])  # fully_shard(ignored_params=...): left as they are
+        # fully_shard(ignored_params=...) and a nested tree's parameters: left as they are
+        if not is_ignored(by_name[sp.fqn]) and id(by_name[sp.fqn]) not in nested_params
     ]
     rows_as_tail = {sp.fqn for sp in specs if _tp_rows_as_tail(sp, by_name[sp.fqn]) is not sp}
-    specs = [_tp_rows_as_tail(sp, by_name[sp.fqn]) for sp in specs]
+    specs = [_whole_slices(_tp_rows_as_tail(sp, by_name[sp.fqn]), by_name[sp.fqn]) for sp in specs]
     fqn_of = {id(p): n for n, p in root.named_parameters()}
     unit_of_module = {k: unit_index[v] for k, v in _unit_of_modules(modules).items()}
-    locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of)
+    locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of, nested_modules)
     replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
     place = ReplicaPlace(replica_rank, replicate_size, replicate_group)  # one sync record per tree
@@ -161,7 +166,7 @@ def build_context(
         parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
         parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
         unit.parent = units[parent] if parent is not None else None
-    ctx = ShardingContext(groups, plan, units, settings)
+    ctx = ShardingContext(groups, plan, units, settings, nested_modules=nested_modules)
     for st in states:
         _check_prefetch_targets(st, ctx)
     return ctx
@@ -201,14 +206,21 @@ def _unit_of_modules(modules: list[nn.Module]) -> dict[int, int]:
 
 
 def _locations(
-    root: nn.Module, unit_of_module: dict[int, int], modules: list[nn.Module], fqn_of: dict[int, str]
+    root: nn.Module,
+    unit_of_module: dict[int, int],
+    modules: list[nn.Module],
+    fqn_of: dict[int, str],
+    nested_modules: set[int],
 ) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Parameter id -> every (module, name) it is registered under; refuses a parameter
-    registered in two units (each unit gathers its own parameters: a shared one has no home)."""
+    """Parameter id -> every (module, name) it is registered under (but on a nested tree's
+    modules: its own); refuses a parameter registered in two units (each unit gathers its own
+    parameters: a shared one has no home)."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
     unit_seen: dict[int, int] = {}
     seen: set[tuple[int, str]] = set()
     for _, mod in root.named_modules(remove_duplicate=False):
+        if id(mod) in nested_modules:
+            continue
         for name, p in mod._parameters.items():
             if p is None or (id(mod), name) in seen:
                 continue
@@ -282,6 +294,17 @@ def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
     and state-dict keys, as on the 1D layouts)."""
     if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, role=Role.TAIL)
+    return spec
+
+
+def _whole_slices(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
+    """A parameter on a 2D (dp, tp) or (efsdp, ep) mesh is planned whole: its TP or EP slice is
+    held whole by one dp owner (``OwnerShard(0, ranges)`` of one range over the global rows).
+    Split by expert or by band over dp, a slice would split dim 0 twice (the ranges over dp,
+    then TP's or EP's ``Shard(0)``), which the 2D layout does not build; an expert-parallel
+    slice is whole experts already, stepped expert by expert on its owner."""
+    if isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
+        return dataclasses.replace(spec, whole=True)
     return spec
 
 

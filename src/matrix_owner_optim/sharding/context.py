@@ -60,11 +60,21 @@ class ShardingContext:
     backward_active: bool  # a backward touched these units and its final callback has not run
     interrupted_backwards: int  # backwards that never finished (an exception), healed since
     method_depth: int  # inside a method registered with register_fsdp_forward_method
+    nested_modules: set[int]  # modules of a tree nested in this one (nested.py): not this tree's
 
     def __init__(
-        self, groups: ShardGroups, plan: ShardingPlan, units: list[ShardedUnit], settings: TreeSettings
+        self,
+        groups: ShardGroups,
+        plan: ShardingPlan,
+        units: list[ShardedUnit],
+        settings: TreeSettings,
+        *,
+        nested_modules: set[int] | None = None,
     ) -> None:
+        """``nested_modules``: ids of the modules inside the units that belong to a tree nested
+        in this one (``nested.py``): their parameters are that tree's to check."""
         self.groups = groups
+        self.nested_modules = nested_modules or set()
         self.plan = plan
         self.units = units
         self.settings = settings
@@ -101,6 +111,8 @@ class ShardingContext:
         gradient and every rank would train its own copy. Checked at the start of every forward
         pass of an outermost unit, on every rank alike (same model, same answer)."""
         for mod in (m for member in unit.members for m in member.modules()):  # no fqn strings unless wrong
+            if id(mod) in self.nested_modules:
+                continue
             for name, p in mod._parameters.items():
                 if p is None or is_ignored(p):
                     continue

@@ -33,18 +33,12 @@ from ..lazy_plan import link_lazy_plan
 from ..planning.cost import CostModel
 from ..planning.metadata import get_matrix_shard
 from .context import ShardingContext
+from .nested import STATE_ATTR, foreign_parameters, state_of
 from .outputs import grad_tensors
 from .tree import PlanPhase, ShardTree
 from .unit import ShardedUnit, UnitOptions, in_backward
 
 __all__ = ["OwnerShardState", "PlanPhase", "ShardTree", "state_of", "trees_inside"]
-
-_STATE_ATTR = "_moo_state"
-
-
-def state_of(module: nn.Module) -> OwnerShardState | None:
-    """The state of a module passed to ``fully_shard`` (None: not passed)."""
-    return module.__dict__.get(_STATE_ATTR)
 
 
 def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
@@ -107,17 +101,19 @@ class OwnerShardState:
         for st in self.tree.states:
             st.tree = self.tree
         for m in self.modules:
-            m.__dict__[_STATE_ATTR] = self
+            m.__dict__[STATE_ATTR] = self
             m.register_forward_pre_hook(self.pre_forward_hook, with_kwargs=True)
             m.register_forward_hook(self.post_forward_hook, with_kwargs=True)
         self.link_parameters()
 
     def link_parameters(self) -> None:
         """Link every parameter of the call's modules that waits for the plan to this state
-        (again after ``nn.Module._apply`` may have made new parameter objects)."""
+        (again after ``nn.Module._apply`` may have made new parameter objects); a nested tree's
+        (``nested.py``) keep their own."""
+        foreign = foreign_parameters(self.modules, self.tree.states)
         for m in self.modules:
             for p in m.parameters():
-                if get_matrix_shard(p) is None:
+                if get_matrix_shard(p) is None and id(p) not in foreign:
                     link_lazy_plan(p, self)
 
     def fix_plan(self, cost: CostModel | None = None) -> ShardingContext:
