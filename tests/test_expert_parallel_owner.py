@@ -15,7 +15,12 @@ slice ``t`` (whole experts) held whole by one efsdp owner, as a TP slice is. One
   test_tensor_parallel's ``_moe_step`` batches, against ``moe_reference`` (one process, whole
   batch; computed on rank 0 in the spawn): parameters and losses;
 * torch's ``clip_grad_norm_`` (``max_norm=inf``: the norm without changing the gradients) on
-  every rank against the one-process norm;
+  every rank against the one-process norm; then a real clip (to half the norm) of one more
+  backward's gradients: the norm after it is half on every rank (the coefficient, a 0-dim value
+  on the dense 1D mesh, scales the experts' 2D gradients too);
+* DCP of ``get_model_state_dict`` / ``get_optimizer_state_dict`` into a fresh model and
+  optimizer: parameters and torch's full optimizer state (the experts' momenta as pieces of the
+  stacks' 2D layout) load bitwise;
 * the experts' placements, local pieces and DCP offsets; each stack's matrix state only on its
   owners; the optimizer step issues no collective (``CommCounter``): each owner steps its
   experts as a stack of matrices, expert by expert, the dense tensors are whole on their owners.
@@ -24,6 +29,7 @@ slice ``t`` (whole experts) held whole by one efsdp owner, as a TP slice is. One
 from __future__ import annotations
 
 import functools
+import tempfile
 from typing import Any
 
 import pytest
@@ -152,7 +158,58 @@ def _refused(dims: Any) -> dict[str, str]:
     return out
 
 
-def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
+def _total_norm(model: torch.nn.Module) -> float:
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _clip_to_half(model: torch.nn.Module, rank: int) -> tuple[float, float]:
+    """One more backward; torch's clip_grad_norm_ to half its norm: (norm before, norm after)."""
+    _moe_step(model, rank, 0)
+    before = _total_norm(model)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), before / 2)
+    return before, _total_norm(model)
+
+
+def _state_dict_round_trip(model: torch.nn.Module, opt: Any, W: int, ckpt: str) -> dict[str, bool]:
+    """DCP of torch's sharded model and optimizer state dicts, loaded into a fresh pair through
+    another fresh pair's state dicts (see tests/_titan_checkpoint.py's resume): parameters and
+    torch's full optimizer state, bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def full_state(m: torch.nn.Module, o: Any) -> dict[str, torch.Tensor]:
+        sd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True))
+        return {f"{k}.{key}": v.clone() for k, st in sd["state"].items() for key, v in st.items() if torch.is_tensor(v)}
+
+    def fresh() -> tuple[torch.nn.Module, Any]:
+        m, _ = _owner_ep_model(W)
+        return m, OwnerRoutedOptimizer(m, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    state = full_state(model, opt)
+    resumed, resumed_opt = fresh()
+    holder, holder_opt = fresh()
+    loaded = {"model": get_model_state_dict(holder), "optim": get_optimizer_state_dict(holder, holder_opt)}
+    dcp.load(loaded, checkpoint_id=ckpt)
+    set_model_state_dict(resumed, loaded["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, loaded["optim"])
+    got = full_state(resumed, resumed_opt)
+    return {
+        "params": all(torch.equal(p.full_tensor(), params[n]) for n, p in resumed.named_parameters()),
+        "optimizer": got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items()),
+        "expert_state": any(_is_expert(k.rsplit(".", 1)[0]) for k in state),
+    }
+
+
+def owner_ep_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     model, dims = _owner_ep_model(W)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
     out: dict[str, Any] = {"losses": [], "norms": [], "ops": [], "layout": _layout(model)}
@@ -160,13 +217,8 @@ def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
     out["ep"] = dims.get_mesh("ep").get_local_rank()
     for step in range(MOE_STEPS):
         out["losses"].append(_moe_step(model, rank, step).item())
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # scales by 1.0
         out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        try:  # max_norm=inf scales by 1.0, so a scaling that ran changed nothing
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-            out["clip"] = "no error"
-        except NotImplementedError as exc:
-            out["clip"] = str(exc)
         with CommCounter() as cc:
             opt.step()
         out["ops"].append(cc.by_op("optimizer"))
@@ -182,6 +234,9 @@ def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
     )
     out["routes"] = {r["name"]: r["role"] for r in opt.routes()}
     out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    out["clipped"] = _clip_to_half(model, rank)
+    opt.zero_grad()
+    out["state_dicts"] = _state_dict_round_trip(model, opt, W, ckpt)
     out["refused"] = _refused(dims)
     if rank == 0:  # the one-process references, where torchtitan is imported already
         out["reference"] = moe_reference()
@@ -191,7 +246,8 @@ def owner_ep_job(rank: int, W: int) -> dict[str, Any]:
 
 @functools.cache
 def results() -> list[dict[str, Any]]:
-    return spawn_ranks(owner_ep_job, 4, threads_per_rank=1)
+    with tempfile.TemporaryDirectory(prefix="moo-owner-ep-") as ckpt:
+        return spawn_ranks(owner_ep_job, 4, ckpt, threads_per_rank=1)
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -220,14 +276,17 @@ def test_gradient_norm_on_every_rank_equals_one_process() -> None:
             assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: gradient norm {a} vs {b}"
 
 
-def test_clip_grad_norm_scaling_is_refused_on_every_rank_naming_the_operator() -> None:
-    """Not built yet: torch's ``clip_grad_norm_`` computes the norm (above), but its scaling
-    multiplies each expert gradient (2D mesh) by the total norm's coefficient, a 0-dim
-    owner-layout value on the dense 1D mesh, which the 2D operator rules
-    (``owner_dtensor/two_dim.py``) refuse as an argument of another layout, on every rank."""
+def test_clip_grad_norm_scales_every_gradient_on_every_rank() -> None:
+    """torch's clip_grad_norm_ to half the norm: the coefficient (a 0-dim value on the dense 1D
+    mesh) scales the dense 1D and the experts' 2D gradients alike, so the norm after is half."""
     for rank, r in enumerate(results()):
-        assert r["clip"].startswith("aten.mul_.Tensor on an owner-layout tensor on a 2D"), (rank, r["clip"])
-        assert "not of one layout" in r["clip"], (rank, r["clip"])
+        before, after = r["clipped"]
+        assert abs(after - before / 2) <= TP_NORM_RTOL * before, (rank, before, after)
+
+
+def test_model_and_optimizer_state_dicts_round_trip_bitwise_through_dcp() -> None:
+    for rank, r in enumerate(results()):
+        assert r["state_dicts"] == {"params": True, "optimizer": True, "expert_state": True}, (rank, r["state_dicts"])
 
 
 def test_expert_stacks_are_ep_slices_held_whole_by_their_efsdp_owner() -> None:

@@ -169,7 +169,9 @@ def dispatch_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, inf
     if func is aten.copy_.default and isinstance(args[0], cls) and is_2d(args[0]):
         return copy_into_2d(args[0], args[1])
     flat, _ = tree_flatten((args, kwargs))
-    owners = [a for a in flat if isinstance(a, cls)]
+    # a 0-dim value every rank holds (clip_grad_norm_'s coefficient, replicated on the dense 1D
+    # mesh of the tensors outside tensor/expert parallel) is a scalar, whatever its layout
+    owners = [a for a in flat if isinstance(a, cls) and (is_2d(a) or not _replicated_scalar(a))]
     if func in NORMS:
         if len(owners) != 1 or args[0] is not owners[0]:
             refuse_2d(func, "a norm of one owner-layout tensor")
@@ -177,11 +179,13 @@ def dispatch_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, inf
     ref = owners[0]
     if not all(is_2d(o) and same_spec_2d(o, ref) for o in owners):
         refuse_2d(func, "its owner-layout arguments are not of one layout (mesh, placements and shape)")
-    others = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, cls)]
+    others = [a for a in flat if isinstance(a, torch.Tensor) and not any(a is o for o in owners)]
     if not (info.pointwise or func in ELEMENTWISE):
         refuse_2d(func, "it is not pointwise")
     if not all(_replicated_scalar(a) for a in others):
         refuse_2d(func, "its other tensor arguments are not 0-dim values every rank holds whole")
+    if info.inplace and args[0] is not ref:
+        refuse_2d(func, "it writes a tensor that is not of the 2D layout")
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
     out = func(*local_args, **local_kwargs)
     if info.inplace:
