@@ -121,6 +121,28 @@ def test_big_gpt_balance_at_w8() -> None:
     assert all(x.owned_matrices > 0 for x in plan.loads)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_gets_an_even_share_of_each_shape(world_size: int) -> None:
+    """The bench's GPT 4x256 with a unit per block: its tall ``mlp.fc`` (1024x256) and wide
+    ``mlp.proj`` (256x1024) cost the same, and placed in model order every tall one landed on
+    one rank at W=2 (the slow rank of the optimizer step: planner._even_shapes). Each rank now
+    holds as many of each shape as any other, each block's matrices still spread over ranks,
+    and the loads (bytes, FLOPs per rank) are the ones the placement alone gives."""
+    model = GPT(GPTConfig(vocab_size=14, seq_len=32, n_layers=4, d_model=256, n_heads=4), device="meta")
+    plan = plan_model(model, world_size, unit_prefixes=model.unit_prefixes())
+    shapes = {tuple(s.shape) for s in plan if s.role is Role.MATRIX}
+    for shape in shapes:
+        per_rank = [
+            sum(1 for s in plan if s.role is Role.MATRIX and tuple(s.shape) == shape and s.owner == r)
+            for r in range(world_size)
+        ]
+        assert max(per_rank) - min(per_rank) <= 1, (shape, per_rank)
+    for i in range(4):  # a block's MLP pair on two ranks (its gather segments stay spread)
+        assert plan[f"layers.{i}.mlp.fc.weight"].owner != plan[f"layers.{i}.mlp.proj.weight"].owner
+    imb = plan.imbalance()
+    assert imb["bytes_max_over_mean"] <= 1.05 and imb["flops_max_over_mean"] <= 1.05, imb
+
+
 @pytest.mark.parametrize("preconditioner", ["muon", "shampoo", "soap", "adamw"])
 def test_balance_holds_for_every_preconditioner(preconditioner: str) -> None:
     model = GPT(GPTConfig(vocab_size=8192, seq_len=256, n_layers=16, d_model=512, n_heads=8), device="meta")
