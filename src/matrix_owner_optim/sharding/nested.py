@@ -19,13 +19,14 @@ plain parameter sharded over a sub-mesh would miss the other ranks' gradients an
 before, naming the mesh.
 
 Kept apart from ``state.py`` (which imports the tree and the runtime) so that fixing a plan
-(``build.py``) can ask which modules belong to a nested tree.
+(``build.py``) can ask which modules belong to a nested tree; it reads calls and trees through
+the two protocols below, so it imports neither (``state.py`` and ``tree.py`` import it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 from torch import nn
@@ -33,17 +34,38 @@ from torch import nn
 from ..owner_dtensor import OwnerDTensor
 from .ignored import is_ignored
 
-if TYPE_CHECKING:
-    from .state import OwnerShardState
-    from .tree import ShardTree
+__all__ = [
+    "STATE_ATTR",
+    "ShardCall",
+    "CallTree",
+    "foreign_modules",
+    "foreign_parameters",
+    "nested_trees",
+    "why_not_nested",
+]
 
-__all__ = ["foreign_modules", "foreign_parameters", "nested_trees", "state_of", "why_not_nested"]
-
-STATE_ATTR = "_moo_state"
+STATE_ATTR = "_moo_state"  # where a module passed to fully_shard keeps its call's state
 
 
-def state_of(module: nn.Module) -> OwnerShardState | None:
-    """The state of a module passed to ``fully_shard`` (None: not passed)."""
+class ShardCall(Protocol):
+    """What this module reads of one ``fully_shard`` call (``state.OwnerShardState``)."""
+
+    group: Any
+    replicate_group: Any
+    modules: list[nn.Module]
+
+
+class CallTree(Protocol):
+    """What this module reads of a tree of calls (``tree.ShardTree``)."""
+
+    @property
+    def states(self) -> Sequence[ShardCall]: ...
+
+
+TreeT = TypeVar("TreeT", bound=CallTree)
+
+
+def _call_of(module: nn.Module) -> ShardCall | None:
     return module.__dict__.get(STATE_ATTR)
 
 
@@ -51,7 +73,7 @@ def _ranks(group: Any) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def why_not_nested(tree: ShardTree, group: Any, replicate_group: Any) -> str | None:
+def why_not_nested(tree: CallTree, group: Any, replicate_group: Any) -> str | None:
     """None when ``tree`` (over another mesh than ``group``) stays a tree nested in a call over
     ``group`` (no HSDP on either side, every parameter of its calls an owner-layout tensor on a
     2D mesh whose ranks are exactly ``group``'s: module docstring); else why not, naming the
@@ -73,7 +95,7 @@ def why_not_nested(tree: ShardTree, group: Any, replicate_group: Any) -> str | N
     return None
 
 
-def nested_trees(trees: Iterable[ShardTree], group: Any, replicate_group: Any) -> list[ShardTree]:
+def nested_trees(trees: Iterable[TreeT], group: Any, replicate_group: Any) -> list[TreeT]:
     """Of the ``trees`` inside a ``fully_shard`` call over ``group``, the ones over another
     mesh that stay trees of their own, nested in the call's (module docstring); the others are
     adopted (same mesh) or refused (``api._check_submodules``)."""
@@ -88,7 +110,7 @@ def foreign_modules(modules: Sequence[nn.Module], states: Sequence[Any]) -> set[
     out: set[int] = set()
     for m in modules:
         for sub in m.modules():
-            st = state_of(sub)
+            st = _call_of(sub)
             if st is not None and id(st) not in mine and id(sub) not in out:
                 out.update(id(s) for s in sub.modules())
     return out

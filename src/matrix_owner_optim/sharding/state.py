@@ -33,12 +33,17 @@ from ..lazy_plan import link_lazy_plan
 from ..planning.cost import CostModel
 from ..planning.metadata import get_matrix_shard
 from .context import ShardingContext
-from .nested import STATE_ATTR, foreign_parameters, state_of
+from .nested import STATE_ATTR, foreign_parameters
 from .outputs import grad_tensors
 from .tree import PlanPhase, ShardTree
 from .unit import ShardedUnit, UnitOptions, in_backward
 
 __all__ = ["OwnerShardState", "PlanPhase", "ShardTree", "state_of", "trees_inside"]
+
+
+def state_of(module: nn.Module) -> OwnerShardState | None:
+    """The state of a module passed to ``fully_shard`` (None: not passed)."""
+    return module.__dict__.get(STATE_ATTR)
 
 
 def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
