@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor.placement import spec_piece
 from ..owner_dtensor.two_dim import is_2d, same_spec_2d, wrap_2d
 from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
 from ..tensors import local_tensor
@@ -250,8 +250,7 @@ class OwnerTPLayout(UpdateLayout):
         full = plain_local(value, what)
         if self._steps_whole(rp) or tuple(full.shape) == tuple(local_tensor(p).shape) != tuple(p.shape):
             return full
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        return spec_piece(full, p)
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends plus receives in one step: per dtype, its message (header, its

@@ -49,13 +49,12 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
-from .placement import OwnerShard, owned_ranges, placement_key, same_placement
+from .placement import OwnerShard, owned_ranges, placement_key, same_placement, spec_piece
 
 # The tensor class arrives as ``cls`` (OwnerDTensor's ``__torch_dispatch__`` passes itself), so
 # this module never imports tensor.py: tensor.py imports it.
@@ -196,8 +195,7 @@ def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:
                 "writing a Partial DTensor from an operator that also reads owner-layout tensors: "
                 "call .full_tensor() on it first"
             )
-        shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
-        piece = full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+        piece = spec_piece(full, dst)
         if dst._local_tensor.data_ptr() != piece.data_ptr() or dst._local_tensor.numel() == 0:
             dst._local_tensor.copy_(piece)
         return

@@ -26,6 +26,7 @@ __all__ = [
     "owned_ranges",
     "placement_key",
     "same_placement",
+    "spec_piece",
 ]
 
 
@@ -181,3 +182,13 @@ def gather_ranges(local: torch.Tensor, placement: OwnerShard, shape: tuple[int, 
         flat[a * row : b * row].copy_(recv[offset : offset + n])
         offset += n
     return full
+
+
+def spec_piece(full: torch.Tensor, t: Any) -> torch.Tensor:
+    """This rank's piece of ``full`` (the whole value of DTensor ``t``), cut where
+    ``compute_local_shape_and_global_offset`` cuts ``t`` (DCP's view: ranges of an
+    ``OwnerShard`` included, the TP slice of a 2D owner-layout tensor); a view, no copy."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

@@ -49,12 +49,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
 from .ops import ELEMENTWISE, NORMS, OperatorInfo, norm_partial
-from .placement import as_bytes, contiguous_stride, same_placement
+from .placement import as_bytes, contiguous_stride, same_placement, spec_piece
 
 OwnerDTensorType = Any
 
@@ -215,8 +214,7 @@ def copy_into_2d(dst: Any, src: Any) -> Any:
         return dst
     if tuple(full.shape) != tuple(dst.shape):
         full = full.expand(dst.shape)  # broadcasting, as copy_ does (raises on shapes that do not)
-    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
-    local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
+    local.copy_(spec_piece(full, dst))
     return dst
 
 
