@@ -234,6 +234,51 @@ def param_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def full_param_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (``full_tensor()``: collective on a sharded model), by fqn."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """torch's full optimizer state dict (``get_optimizer_state_dict(full_state_dict=True)``),
+    flattened to ``"{fqn}.{key}"``: every tensor state (momenta, moments, steps)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {
+        f"{fqn}.{key}": value.detach().clone()
+        for fqn, state in full["state"].items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's sharded model and optimizer state dicts, as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str, *, via: tuple[Any, Any]) -> None:
+    """Load the DCP checkpoint at ``path`` into ``model`` and ``opt`` through
+    ``set_model_state_dict`` / ``set_optimizer_state_dict``. DCP loads into the state dicts of
+    ``via``, another fresh (model, optimizer) of the same layout: into this optimizer's own it
+    would write the state in place and leave set_optimizer_state_dict nothing to do."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = sharded_state(*via)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    """The same names, and every tensor bitwise equal (``torch.equal``): for a rank to report."""
+    return got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+
+
 def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     """The same names, and every tensor bitwise equal (``torch.equal``)."""
     assert got.keys() == want.keys(), what

@@ -135,6 +135,32 @@ def parallelize(model: nn.Module, parallelize_fn: Any, par: Any, world_size: int
     return dims
 
 
+def owner_tp_llama(world_size: int, fuse_qkv: bool = True) -> tuple[nn.Module, Any]:
+    """The tiny Llama3 with the TP plan torchtitan's parallelize_llama applies
+    (``model.parallelize``: vocab-parallel embedding, colwise q/k/v (or fused wqkv), w1, w3 and
+    lm_head, rowwise wo and w2, SequenceParallel norms) on dp_shard=2, tp=2, and this package's
+    fully_shard over its fsdp mesh in place of torchtitan's apply_fsdp_to_decoder (the same units:
+    the embedding, each block, norm with lm_head, the root), gradient division off as
+    torchtitan's (its loss is divided by the global token count). The model and its dp mesh."""
+    from matrix_owner_optim import fully_shard
+    from matrix_owner_optim.sharding import OwnerShardedModule
+
+    par = parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
+    model = build(llama_config(fuse_qkv=fuse_qkv), par)
+    dims = parallel_dims(par, world_size)
+    model.parallelize(dims)
+    dp_mesh = dims.get_mesh("fsdp")
+    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for m in model.modules():
+        if isinstance(m, OwnerShardedModule):
+            m.set_gradient_divide_factor(1.0)
+    return model, dp_mesh
+
+
 def batches(steps: int, batch: int, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of ``batch`` token rows and their targets."""
     g = torch.Generator().manual_seed(seed)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from _ref import assert_bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, rel_err, sharded_state
 from matrix_owner_optim import OwnerRoutedOptimizer
 
 STEPS, BATCH = 3, 4
@@ -70,22 +71,7 @@ def build(layout: str, mesh: Any, options: dict[str, Any]) -> Run:
         d = dims.get_mesh("fsdp").get_local_rank()
         rows, global_tokens = slice(2 * d, 2 * d + 2), True
     elif layout == "owner_tp":
-        from matrix_owner_optim import fully_shard
-        from matrix_owner_optim.sharding import OwnerShardedModule
-
-        par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
-        model = _titan.build(_titan.llama_config(fuse_qkv=False), par)
-        dims = _titan.parallel_dims(par, dist.get_world_size())
-        model.parallelize(dims)
-        dp_mesh = dims.get_mesh("fsdp")
-        fully_shard(model.tok_embeddings, mesh=dp_mesh)
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
-        for m in model.modules():
-            if isinstance(m, OwnerShardedModule):
-                m.set_gradient_divide_factor(1.0)
+        model, dp_mesh = _titan.owner_tp_llama(dist.get_world_size(), fuse_qkv=False)
         d = dp_mesh.get_local_rank()
         rows, global_tokens = slice(2 * d, 2 * d + 2), True
     elif layout in ("owner2", "owner4"):
@@ -130,50 +116,19 @@ def train(run: Run, steps: range, clip: float) -> None:
         run.opt.zero_grad()
 
 
-def _state(run: Run) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(run.model), "optim": get_optimizer_state_dict(run.model, run.opt)}
-
-
 def save(run: Run, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(run), checkpoint_id=path)
+    dcp.save(sharded_state(run.model, run.opt), checkpoint_id=path)
 
 
 def resume(layout: str, mesh: Any, options: dict[str, Any], path: str) -> Run:
-    """A fresh model and optimizer on ``layout`` loading the DCP checkpoint at ``path`` through
-    ``set_model_state_dict`` / ``set_optimizer_state_dict``. DCP loads into another fresh pair's
-    state dicts (into this optimizer's own it would write the state in place and leave
-    set_optimizer_state_dict nothing to do)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
+    """A fresh model and optimizer on ``layout`` loading the DCP checkpoint at ``path``
+    (``_ref.dcp_load``, through another fresh pair's state dicts)."""
     run = build(layout, mesh, options)
-    state = _state(build(layout, mesh, options))
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(run.model, state["model"])
-    set_optimizer_state_dict(run.model, run.opt, state["optim"])
+    via = build(layout, mesh, options)
+    dcp_load(run.model, run.opt, path, via=(via.model, via.opt))
     return run
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-
-def full_optimizer_state(run: Run) -> dict[str, torch.Tensor]:
-    """torch's full optimizer state dict, flattened to ``"{fqn}.{key}"`` (every tensor state:
-    Muon's momenta, Adam's moments and steps)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(run.model, run.opt, options=StateDictOptions(full_state_dict=True))
-    return {
-        f"{fqn}.{key}": value.detach().clone()
-        for fqn, state in full["state"].items()
-        for key, value in state.items()
-        if isinstance(value, torch.Tensor)
-    }
 
 
 def round_trips(mesh: Any, options: dict[str, Any], ckpt: str, source: str = "tp") -> dict[str, Any]:
@@ -188,24 +143,44 @@ def round_trips(mesh: Any, options: dict[str, Any], ckpt: str, source: str = "tp
     first = build(source, mesh, options)
     train(first, range(SAVE_AT), clip)
     save(first, f"{ckpt}/{source}")
-    out["saved"] = full_params(first.model)
-    out["saved_state"] = full_optimizer_state(first)
+    out["saved"] = full_param_copies(first.model)
+    out["saved_state"] = full_optimizer_state(first.model, first.opt)
     train(first, range(SAVE_AT, STEPS), clip)
-    out["params"][source] = full_params(first.model)
+    out["params"][source] = full_param_copies(first.model)
     for layout in ("owner2", "owner4", "fsdp4", *(("tp",) if source != "tp" else ())):
         run = resume(layout, mesh, options, f"{ckpt}/{source}")
-        out["loaded"][layout] = full_params(run.model)
-        out["loaded_state"][layout] = full_optimizer_state(run)
+        out["loaded"][layout] = full_param_copies(run.model)
+        out["loaded_state"][layout] = full_optimizer_state(run.model, run.opt)
         train(run, range(SAVE_AT, BACK_AT), clip)
         if layout == "owner4":
             save(run, f"{ckpt}/owner4")
-            out["saved_owner4"] = full_params(run.model)
-            out["saved_owner4_state"] = full_optimizer_state(run)
+            out["saved_owner4"] = full_param_copies(run.model)
+            out["saved_owner4_state"] = full_optimizer_state(run.model, run.opt)
         train(run, range(BACK_AT, STEPS), clip)
-        out["params"][layout] = full_params(run.model)
+        out["params"][layout] = full_param_copies(run.model)
     back = resume(source, mesh, options, f"{ckpt}/owner4")
-    out["loaded"]["back"] = full_params(back.model)
-    out["loaded_state"]["back"] = full_optimizer_state(back)
+    out["loaded"]["back"] = full_param_copies(back.model)
+    out["loaded_state"]["back"] = full_optimizer_state(back.model, back.opt)
     train(back, range(BACK_AT, STEPS), clip)
-    out["params"]["back"] = full_params(back.model)
+    out["params"]["back"] = full_param_copies(back.model)
     return out
+
+
+def check_round_trips(results: list[dict[str, Any]], source: str, ref: dict[str, torch.Tensor], rtol: float) -> None:
+    """Assert on every rank's :func:`round_trips` result (``source`` its first layout): each
+    resume loaded the saved parameters and torch's full optimizer state bitwise (``"back"`` the
+    W=4 owner layout's), and every run continued to step 3 is within ``rtol`` of ``ref``, the
+    uninterrupted one-process run's parameters."""
+    layouts = (source, "owner2", "owner4", "fsdp4", *(("tp",) if source != "tp" else ()), "back")
+    for rank, got in enumerate(results):
+        assert set(got["params"]) == set(layouts), (rank, got["params"].keys())
+        for layout in layouts[1:]:
+            back = layout == "back"
+            params = got["saved_owner4"] if back else got["saved"]
+            state = got["saved_owner4_state"] if back else got["saved_state"]
+            assert_bitwise_equal(got["loaded"][layout], params, f"rank {rank} {layout}: loaded parameters")
+            assert_bitwise_equal(got["loaded_state"][layout], state, f"rank {rank} {layout}: loaded optimizer state")
+        for layout in layouts:
+            worst = max(rel_err(got["params"][layout][n], p) for n, p in ref.items())
+            print(f"rank {rank}: {source} Llama3 checkpoint, {layout}: worst parameter rel err {worst:.2e}")
+            assert worst <= rtol, f"rank {rank} {layout}: rel err {worst:.2e}"

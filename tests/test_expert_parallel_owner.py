@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from _ranks import spawn_ranks
+from _ref import bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, sharded_state
 from _tolerances import MOE_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
@@ -172,39 +173,21 @@ def _clip_to_half(model: torch.nn.Module, rank: int) -> tuple[float, float]:
 
 
 def _state_dict_round_trip(model: torch.nn.Module, opt: Any, W: int, ckpt: str) -> dict[str, bool]:
-    """DCP of torch's sharded model and optimizer state dicts, loaded into a fresh pair through
-    another fresh pair's state dicts (see tests/_titan_checkpoint.py's resume): parameters and
-    torch's full optimizer state, bitwise."""
+    """DCP of torch's sharded model and optimizer state dicts, loaded into a fresh pair
+    (``_ref.dcp_load``): parameters and torch's full optimizer state, bitwise."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    def full_state(m: torch.nn.Module, o: Any) -> dict[str, torch.Tensor]:
-        sd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True))
-        return {f"{k}.{key}": v.clone() for k, st in sd["state"].items() for key, v in st.items() if torch.is_tensor(v)}
 
     def fresh() -> tuple[torch.nn.Module, Any]:
         m, _ = _owner_ep_model(W)
         return m, OwnerRoutedOptimizer(m, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
 
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
-    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    state = full_state(model, opt)
+    dcp.save(sharded_state(model, opt), checkpoint_id=ckpt)
+    params, state = full_param_copies(model), full_optimizer_state(model, opt)
     resumed, resumed_opt = fresh()
-    holder, holder_opt = fresh()
-    loaded = {"model": get_model_state_dict(holder), "optim": get_optimizer_state_dict(holder, holder_opt)}
-    dcp.load(loaded, checkpoint_id=ckpt)
-    set_model_state_dict(resumed, loaded["model"])
-    set_optimizer_state_dict(resumed, resumed_opt, loaded["optim"])
-    got = full_state(resumed, resumed_opt)
+    dcp_load(resumed, resumed_opt, ckpt, via=fresh())
     return {
-        "params": all(torch.equal(p.full_tensor(), params[n]) for n, p in resumed.named_parameters()),
-        "optimizer": got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items()),
+        "params": bitwise_equal(full_param_copies(resumed), params),
+        "optimizer": bitwise_equal(full_optimizer_state(resumed, resumed_opt), state),
         "expert_state": any(_is_expert(k.rsplit(".", 1)[0]) for k in state),
     }
 
@@ -233,7 +216,7 @@ def owner_ep_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
         if rp.proxy is not None and rp.proxy in matrix.state
     )
     out["routes"] = {r["name"]: r["role"] for r in opt.routes()}
-    out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    out["params"] = full_param_copies(model)
     out["clipped"] = _clip_to_half(model, rank)
     opt.zero_grad()
     out["state_dicts"] = _state_dict_round_trip(model, opt, W, ckpt)

@@ -57,6 +57,7 @@ from torch import nn
 
 import _titan_checkpoint
 from _ranks import spawn_ranks
+from _ref import dcp_load, full_param_copies, sharded_state
 from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
@@ -164,12 +165,6 @@ def _model_and_optimizer(mesh: Any) -> tuple[Net, OwnerRoutedOptimizer]:
     )
 
 
-def _state(model: Net, opt: OwnerRoutedOptimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-
-
 def _micro(step: int, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = batches()[step]
     dp = mesh["dp"].get_local_rank()
@@ -179,24 +174,17 @@ def _micro(step: int, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _resume(mesh: Any, ckpt: str) -> dict[str, Any]:
     """A fresh model and optimizer load the step-2 DCP checkpoint through torch's
-    set_model_state_dict / set_optimizer_state_dict and train the remaining steps. DCP loads
-    into the state dicts of another fresh model and optimizer: loading into this optimizer's own
-    would write its state in place and leave set_optimizer_state_dict nothing to do."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
+    set_model_state_dict / set_optimizer_state_dict (``_ref.dcp_load``) and train the
+    remaining steps."""
     model, opt = _model_and_optimizer(mesh)
-    state = _state(*_model_and_optimizer(mesh))
-    dcp.load(state, checkpoint_id=ckpt)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    loaded = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    dcp_load(model, opt, ckpt, via=_model_and_optimizer(mesh))
+    loaded = full_param_copies(model)
     for step in range(SAVE_AT, STEPS):
         model(*_micro(step, mesh)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-    return {"loaded": loaded, "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+    return {"loaded": loaded, "params": full_param_copies(model)}
 
 
 def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
@@ -209,7 +197,7 @@ def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
         out["placements"][n] = str(tuple(p.placements))
     for step in range(STEPS):
         if step == SAVE_AT:
-            dcp.save(_state(model, opt), checkpoint_id=ckpt)
+            dcp.save(sharded_state(model, opt), checkpoint_id=ckpt)
             out["saved"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
         x, y = _micro(step, mesh)
         loss = model(x, y)
@@ -404,13 +392,7 @@ def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
     lockstep on the same gradients, and a DCP checkpoint of torch's get_model_state_dict /
     get_optimizer_state_dict at step 1 that a fresh model and optimizer resume from."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     import _titan
 
@@ -421,7 +403,7 @@ def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
     for step in range(MOE_STEPS):
         if step == MOE_SAVE_AT:
             dcp.save(
-                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                sharded_state(model, opt),
                 checkpoint_id=ckpt,
             )
         out["losses"].append(_moe_step(model, rank, step).item())
@@ -444,15 +426,10 @@ def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
     full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     out["momentum"] = full["state"][name]["momentum_buffer"].clone()
     out["lockstep_momentum"] = ref_opts[0].state[dict(ref.named_parameters())[name]]["momentum_buffer"].clone()
-    # resume from the checkpoint in a fresh model and optimizer, train the remaining steps. DCP
-    # loads into the state dicts of another fresh pair: into this optimizer's own it would write
-    # the state in place and leave set_optimizer_state_dict (the experts' pieces) nothing to do
+    # resume from the checkpoint in a fresh model and optimizer (through another fresh pair's
+    # state dicts, _ref.dcp_load: the experts' pieces), train the remaining steps
     resumed, resumed_opt = _titan_moe_model()
-    template, template_opt = _titan_moe_model()
-    state = {"model": get_model_state_dict(template), "optim": get_optimizer_state_dict(template, template_opt)}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_model_state_dict(resumed, state["model"])
-    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    dcp_load(resumed, resumed_opt, ckpt, via=_titan_moe_model())
     for step in range(MOE_SAVE_AT, MOE_STEPS):
         _moe_step(resumed, rank, step)
         resumed_opt.step()
@@ -579,8 +556,6 @@ def _owner_layout_resume(mesh: Any, ckpt: str) -> dict[str, torch.Tensor]:
     """The (dp=2, tp=2) checkpoint resumed on this package's 1D owner layout at W=2: each tp
     group ({0, 1} and {2, 3}) is one such layout (two identical runs, no second spawn); shard
     rank s takes the rows dp coordinate s took, and trains the remaining steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from matrix_owner_optim import fully_shard
 
@@ -594,10 +569,7 @@ def _owner_layout_resume(mesh: Any, ckpt: str) -> dict[str, torch.Tensor]:
         )
 
     model, opt = built()
-    state = _state(*built())
-    dcp.load(state, checkpoint_id=ckpt)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    dcp_load(model, opt, ckpt, via=built())
     s = mesh["tp"].get_local_rank()
     for step in range(SAVE_AT, STEPS):
         x, y = batches()[step]
@@ -769,9 +741,6 @@ def test_fsdp_x_tp_checkpoint_resumes_on_the_owner_layout_at_two_ranks() -> None
             assert _rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(got[n], p):.2e}"
 
 
-LLAMA_LAYOUTS = ("tp", "owner2", "owner4", "fsdp4", "back")
-
-
 def test_torchtitan_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
     """torchtitan's parallelize_llama on (dp=2, tp=2) saves model and optimizer with DCP at step
     1; the checkpoint loads bitwise (parameters and torch's full optimizer state) on this
@@ -779,23 +748,7 @@ def test_torchtitan_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
     checkpoint at step 2 loads back on (2, 2). Every run continued to step 3 equals the
     uninterrupted one-process run at the noise floor."""
     ref = results()[0]["references"]["llama_separate_qkv"]["params"]
-    for rank, r in enumerate(results()):
-        got = r["llama_checkpoint"]
-        for layout in LLAMA_LAYOUTS[1:]:
-            params, state = (
-                (got["saved_owner4"], got["saved_owner4_state"])
-                if layout == "back"
-                else (got["saved"], got["saved_state"])
-            )
-            for n, p in params.items():
-                assert torch.equal(got["loaded"][layout][n], p), f"rank {rank} {layout}: {n} loaded differs"
-            assert got["loaded_state"][layout].keys() == state.keys(), (rank, layout)
-            for k, v in state.items():
-                assert torch.equal(got["loaded_state"][layout][k], v), f"rank {rank} {layout}: state {k} differs"
-        for layout in LLAMA_LAYOUTS:
-            worst = max(_rel(got["params"][layout][n], p) for n, p in ref.items())
-            print(f"rank {rank}: torchtitan Llama3 checkpoint, {layout}: worst parameter rel err {worst:.2e}")
-            assert worst <= TITAN_PARAM_RTOL, f"rank {rank} {layout}: rel err {worst:.2e}"
+    _titan_checkpoint.check_round_trips([r["llama_checkpoint"] for r in results()], "tp", ref, TITAN_PARAM_RTOL)
 
 
 def test_owner_layout_fully_shard_refuses_tp_blocks_at_the_call() -> None:

@@ -48,6 +48,7 @@ import torch
 
 import _titan_checkpoint
 from _ranks import spawn_ranks
+from _ref import bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, sharded_state
 from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
@@ -55,7 +56,6 @@ from test_tensor_parallel import (
     ADAMW,
     CLIP,
     LLAMA_CHECKPOINT,
-    LLAMA_LAYOUTS,
     LLAMA_MUON,
     MUON,
     STEPS,
@@ -198,30 +198,12 @@ def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
 
 
 def _titan_owner(rank: int, W: int) -> dict[str, Any]:
-    """torchtitan's Llama3 (tests/_titan.py's tiny config and CPU adaptations) with the TP plan
-    its parallelize_llama applies (``model.parallelize``: vocab-parallel embedding, colwise fused
-    wqkv, w1, w3 and lm_head, rowwise wo and w2, SequenceParallel norms) on dp_shard=2, tp=2, and
-    the package's fully_shard over its fsdp mesh in place of torchtitan's apply_fsdp_to_decoder
-    (the same units: the embedding, each block, norm with lm_head, the root; gradient division
-    off, as torchtitan's: its loss is divided by the global token count). This package's Muon
-    (float32 Newton-Schulz) + AdamW, torch's clip_grad_norm_ every step."""
+    """torchtitan's Llama3 with its TP plan on the package's fully_shard over the fsdp mesh
+    (``_titan.owner_tp_llama``: fused wqkv). This package's Muon (float32 Newton-Schulz) +
+    AdamW, torch's clip_grad_norm_ every step."""
     import _titan
-    from matrix_owner_optim import fully_shard
-    from matrix_owner_optim.sharding import OwnerShardedModule
 
-    par = _titan.parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
-    model = _titan.build(_titan.llama_config(), par)
-    dims = _titan.parallel_dims(par, W)
-    model.parallelize(dims)
-    dp_mesh = dims.get_mesh("fsdp")
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    for m in model.modules():
-        if isinstance(m, OwnerShardedModule):
-            m.set_gradient_divide_factor(1.0)
+    model, dp_mesh = _titan.owner_tp_llama(W)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
     dp = dp_mesh.get_local_rank()
     norms, losses = [], []
@@ -268,21 +250,6 @@ def _train_steps(model: Net, opt: torch.optim.Optimizer, mesh: Any, steps: range
         opt.zero_grad()
 
 
-def _full(model: Net) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_optimizer_state(model: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {f"{k}.{key}": v.clone() for k, st in sd["state"].items() for key, v in st.items() if torch.is_tensor(v)}
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
-
-
 def _state_dicts(mesh: Any, ckpt: str) -> dict[str, Any]:
     """torch's state-dict tools on the layout: DCP of the sharded model and optimizer state dicts
     (resumed into a fresh model and optimizer, continued one step), full state dicts, a plain
@@ -302,34 +269,32 @@ def _state_dicts(mesh: Any, ckpt: str) -> dict[str, Any]:
 
     model, opt = fresh()
     _train_steps(model, opt, mesh, range(2))
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
-    saved, saved_state = _full(model), _full_optimizer_state(model, opt)
+    dcp.save(sharded_state(model, opt), checkpoint_id=ckpt)
+    saved, saved_state = full_param_copies(model), full_optimizer_state(model, opt)
     _train_steps(model, opt, mesh, range(2, 3))
-    final, final_state = _full(model), _full_optimizer_state(model, opt)
+    final, final_state = full_param_copies(model), full_optimizer_state(model, opt)
     out: dict[str, Any] = {}
     resumed, resumed_opt = fresh()
-    holder, holder_opt = fresh()  # DCP loads into another pair's state dicts (see _titan_checkpoint.resume)
-    state = {"model": get_model_state_dict(holder), "optim": get_optimizer_state_dict(holder, holder_opt)}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_model_state_dict(resumed, state["model"])
-    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
-    out["dcp_loaded"] = _equal(_full(resumed), saved) and _equal(
-        _full_optimizer_state(resumed, resumed_opt), saved_state
+    dcp_load(resumed, resumed_opt, ckpt, via=fresh())
+    out["dcp_loaded"] = bitwise_equal(full_param_copies(resumed), saved) and bitwise_equal(
+        full_optimizer_state(resumed, resumed_opt), saved_state
     )
     _train_steps(resumed, resumed_opt, mesh, range(2, 3))
-    out["dcp_continued"] = _equal(_full(resumed), final)
+    out["dcp_continued"] = bitwise_equal(full_param_copies(resumed), final)
     full = StateDictOptions(full_state_dict=True)
     loaded, loaded_opt = fresh()
     set_model_state_dict(loaded, get_model_state_dict(model, options=full), options=full)
     set_optimizer_state_dict(loaded, loaded_opt, get_optimizer_state_dict(model, opt, options=full), options=full)
-    out["full_loaded"] = _equal(_full(loaded), final) and _equal(_full_optimizer_state(loaded, loaded_opt), final_state)
+    out["full_loaded"] = bitwise_equal(full_param_copies(loaded), final) and bitwise_equal(
+        full_optimizer_state(loaded, loaded_opt), final_state
+    )
     plain, _ = fresh()
     plain.load_state_dict({n: p.full_tensor() for n, p in model.state_dict().items()})
-    out["load_state_dict_full"] = _equal(_full(plain), final)
+    out["load_state_dict_full"] = bitwise_equal(full_param_copies(plain), final)
     copied, _ = fresh()
     with torch.no_grad():
         torch._foreach_copy_(list(copied.parameters()), [final[n] for n, _ in copied.named_parameters()])
-    out["foreach_copy_full"] = _equal(_full(copied), final)
+    out["foreach_copy_full"] = bitwise_equal(full_param_copies(copied), final)
     return out
 
 
@@ -352,7 +317,9 @@ def _torch_optimizers_and_scaler(mesh: Any, rank: int) -> dict[str, Any]:
             ref(x, y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        out["adamw"][kind] = max(_rel(p, dict(ref.named_parameters())[n].detach()) for n, p in _full(model).items())
+        out["adamw"][kind] = max(
+            _rel(p, dict(ref.named_parameters())[n].detach()) for n, p in full_param_copies(model).items()
+        )
     model = _owner_tp(mesh)
     OwnerRoutedOptimizer(model, **CASES["muon_f32"])
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -370,10 +337,10 @@ def _torch_optimizers_and_scaler(mesh: Any, rank: int) -> dict[str, Any]:
         grad.view(-1)[0] = float("inf")
     scaler.unscale_(opt)
     out["found_inf"] = float(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
-    before = _full(model)
+    before = full_param_copies(model)
     scaler.step(opt)
     scaler.update()
-    out["skipped"] = _equal(_full(model), before)
+    out["skipped"] = bitwise_equal(full_param_copies(model), before)
     out["scale"] = float(scaler.get_scale())
     return out
 
@@ -538,23 +505,7 @@ def test_torchtitan_owner_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> No
     checkpoint loads back on the 2D owner layout. Every run continued to step 3 equals the
     uninterrupted one-process run at the noise floor."""
     ref = results()[0]["llama_separate_qkv"]["params"]
-    layouts = ("owner_tp", *(x for x in LLAMA_LAYOUTS if x != "tp"), "tp")
-    for rank, r in enumerate(results()):
-        got = r["llama_checkpoint"]
-        assert set(got["params"]) == set(layouts), got["params"].keys()
-        for layout in layouts[1:]:
-            back = layout == "back"
-            params = got["saved_owner4"] if back else got["saved"]
-            state = got["saved_owner4_state"] if back else got["saved_state"]
-            for n, p in params.items():
-                assert torch.equal(got["loaded"][layout][n], p), f"rank {rank} {layout}: {n} loaded differs"
-            assert got["loaded_state"][layout].keys() == state.keys(), (rank, layout)
-            for k, v in state.items():
-                assert torch.equal(got["loaded_state"][layout][k], v), f"rank {rank} {layout}: state {k} differs"
-        for layout in layouts:
-            worst = max(_rel(got["params"][layout][n], p) for n, p in ref.items())
-            print(f"rank {rank}: owner-TP Llama3 checkpoint, {layout}: worst parameter rel err {worst:.2e}")
-            assert worst <= TITAN_PARAM_RTOL, f"rank {rank} {layout}: rel err {worst:.2e}"
+    _titan_checkpoint.check_round_trips([r["llama_checkpoint"] for r in results()], "owner_tp", ref, TITAN_PARAM_RTOL)
 
 
 def test_fully_shard_refuses_unsupported_tp_forms_at_the_call() -> None:
