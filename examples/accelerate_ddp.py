@@ -67,6 +67,7 @@ def dataset(n: int) -> list[dict[str, torch.Tensor]]:
 
 def build(accelerator: Accelerator, seed: int, steps: int) -> tuple[Any, Any, Any, Any]:
     model = build_model(seed)
+    # --8<-- [start:optimizer]
     # stock: optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     optimizer = OwnerRoutedOptimizer(
         model,
@@ -75,6 +76,7 @@ def build(accelerator: Accelerator, seed: int, steps: int) -> tuple[Any, Any, An
         tail="adamw",
         tail_options={"lr": 3e-3},
     )
+    # --8<-- [end:optimizer]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.5 * s / steps)
     # the loader yields the global batch split over the ranks (BATCH_PER_RANK rows each)
     loader = DataLoader(dataset(steps * BATCH_PER_RANK * accelerator.num_processes), batch_size=BATCH_PER_RANK)
@@ -103,8 +105,10 @@ def train(
         losses.append(float(accelerator.reduce(loss.detach(), reduction="mean")))
         accelerator.print(f"  step {step}: loss {losses[-1]:.4f}  grad norm {float(norm):.3f}")
         if save is not None and step + 1 == save[0]:
+            # --8<-- [start:save]
             optimizer.optimizer.consolidate_state_dict(to=None)  # the matrices' state, from their owners
             accelerator.save_state(save[1])
+            # --8<-- [end:save]
             accelerator.print(f"  saved state after {step + 1} steps to {save[1]}")
     return losses
 

@@ -70,6 +70,7 @@ def run(out: Path, steps: int, save_every: int, seed: int, resume: str | None = 
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    # --8<-- [start:trainer]
     trainer = Trainer(
         model=model,
         args=args,
@@ -77,6 +78,7 @@ def run(out: Path, steps: int, save_every: int, seed: int, resume: str | None = 
         # stock: no optimizers argument (the Trainer builds AdamW)
         optimizers=(OwnerRoutedOptimizer(model, **OPTIMIZER), None),
     )  # <- the one line that changes
+    # --8<-- [end:trainer]
     trainer.train(resume_from_checkpoint=resume)
     # the log history comes back with a checkpoint: keep this run's steps
     first = 0 if resume is None else int(Path(resume).name.split("-")[-1])

@@ -49,6 +49,7 @@ WARMUP = 2
 
 def build_model(seed: int, layout: str, mesh: DeviceMesh) -> GPT:
     """A small GPT, sharded as torchtitan shards a decoder: every block, then the root."""
+    # --8<-- [start:shard]
     if layout == "owner":
         from matrix_owner_optim import fully_shard  # <- optional: the owner layout (0-byte optimizer step)
     else:
@@ -58,6 +59,7 @@ def build_model(seed: int, layout: str, mesh: DeviceMesh) -> GPT:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # --8<-- [end:shard]
     return model
 
 
@@ -81,6 +83,7 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def build_optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, Any]:
     groups = param_groups(model)
+    # --8<-- [start:optimizer]
     # stock: opt = torch.optim.AdamW(groups, lr=3e-3)
     opt = OwnerRoutedOptimizer(
         groups,
@@ -89,6 +92,7 @@ def build_optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Opt
         tail="adamw",
         tail_options={"lr": 3e-3},
     )
+    # --8<-- [end:optimizer]
     # torchtitan's schedule: linear warmup, then linear decay (each group scales its own lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / WARMUP, max(0.1, (steps - s) / max(1, steps - WARMUP)))
@@ -121,7 +125,9 @@ def train(
         loss = model(x, y)
         loss.backward()
         # the global norm over every rank's gradients (parameters are DTensors on both layouts)
+        # --8<-- [start:clip]
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        # --8<-- [end:clip]
         lr = opt.param_groups[0]["lr"]  # the matrix group's lr this step
         opt.step()
         opt.zero_grad()
@@ -135,6 +141,7 @@ def train(
                 flush=True,
             )
         if save is not None and step + 1 == save[0]:
+            # --8<-- [start:save]
             state = {
                 "model": get_model_state_dict(model),
                 "optimizer": get_optimizer_state_dict(model, opt),
@@ -142,6 +149,7 @@ def train(
                 "step": step + 1,
             }
             dcp.save(state, checkpoint_id=save[1])
+            # --8<-- [end:save]
             if dist.get_rank() == 0:
                 print(f"  saved checkpoint after {step + 1} steps to {save[1]}", flush=True)
     return losses
@@ -156,9 +164,11 @@ def resume(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, ckpt:
         "lr_scheduler": sched.state_dict(),
         "step": 0,
     }
+    # --8<-- [start:load]
     dcp.load(state, checkpoint_id=ckpt)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])
+    # --8<-- [end:load]
     sched.load_state_dict(state["lr_scheduler"])
     return int(state["step"])
 

@@ -122,6 +122,7 @@ def parallelize(model: nn.Module, parallelize_fn: Any, par: Any, world_size: int
     from torchtitan.config import CompileConfig, TrainingConfig
 
     dims = parallel_dims(par, world_size)
+    # --8<-- [start:parallelize]
     parallelize_fn(
         model,
         parallel_dims=dims,
@@ -131,6 +132,7 @@ def parallelize(model: nn.Module, parallelize_fn: Any, par: Any, world_size: int
         ac_config=None,
         dump_folder="",
     )
+    # --8<-- [end:parallelize]
     sum_reductions(model)
     return dims
 
@@ -145,6 +147,7 @@ def owner_tp_llama(world_size: int, fuse_qkv: bool = True) -> tuple[nn.Module, A
     from matrix_owner_optim import fully_shard
     from matrix_owner_optim.sharding import OwnerShardedModule
 
+    # --8<-- [start:owner_tp]
     par = parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
     model = build(llama_config(fuse_qkv=fuse_qkv), par)
     dims = parallel_dims(par, world_size)
@@ -155,6 +158,7 @@ def owner_tp_llama(world_size: int, fuse_qkv: bool = True) -> tuple[nn.Module, A
         fully_shard(layer, mesh=dp_mesh)
     fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    # --8<-- [end:owner_tp]
     for m in model.modules():
         if isinstance(m, OwnerShardedModule):
             m.set_gradient_divide_factor(1.0)

@@ -96,7 +96,9 @@ def recipe_model(full_sd: dict[str, torch.Tensor], rank: int) -> torch.nn.Module
     from torchtune import training
     from torchtune.modules import TransformerSelfAttentionLayer
 
+    # --8<-- [start:shard_name]
     tt_dist.fully_shard = fully_shard  # the one line: torchtune's shard_model calls this name
+    # --8<-- [end:shard_name]
     with torch.device("meta"):
         model = build("meta")
     training.shard_model(
@@ -119,7 +121,9 @@ def job(rank: int, world: int, full_sd: dict[str, torch.Tensor]) -> dict[str, An
 
     model = recipe_model(full_sd, rank)
     sharded = sorted({type(p).__name__ for p in model.parameters()})
+    # --8<-- [start:optimizer]
     opt = OwnerRoutedOptimizer(model.parameters(), **copy.deepcopy(OPTIM))
+    # --8<-- [end:optimizer]
     losses = train(model, opt, range(SAVE_AT), rank, world)
     saved = [
         training.gather_cpu_state_dict(model, rank == 0),
@@ -130,8 +134,10 @@ def job(rank: int, world: int, full_sd: dict[str, torch.Tensor]) -> dict[str, An
     step_types = sorted({type(v["step"]).__name__ for v in saved_opt["state"].values() if "step" in v})
 
     resumed = recipe_model(saved_model, rank)
+    # --8<-- [start:resume]
     opt2 = OwnerRoutedOptimizer(resumed.parameters(), **copy.deepcopy(OPTIM))
     training.load_from_full_optimizer_state_dict(resumed, opt2, saved_opt, torch.device("cpu"))
+    # --8<-- [end:resume]
     losses += train(resumed, opt2, range(SAVE_AT, STEPS), rank, world)
     mean = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean)

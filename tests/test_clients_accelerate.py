@@ -49,10 +49,12 @@ def accelerate_job(rank: int, W: int) -> dict[str, Any]:
     from matrix_owner_optim import fully_shard
 
     model = build_hf("llama")
+    # --8<-- [start:owner]
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     opt = accelerator.prepare(OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM)))
+    # --8<-- [end:owner]
     for step in range(3):
         accelerator.backward(hf_loss(model, batch(step)))
         opt.step()

@@ -87,6 +87,7 @@ def _job(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             self.model = _gpt()
             self.losses: list[float] = []
 
+        # --8<-- [start:lightning]
         def configure_model(self) -> None:
             mesh = self.device_mesh["data_parallel"]
             for block in self.model.layers:
@@ -95,6 +96,8 @@ def _job(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return OwnerRoutedOptimizer(self.model, **copy.deepcopy(OPTIM))
+
+        # --8<-- [end:lightning]
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = self.model(*_micro_batch(self.trainer.global_step, rank))

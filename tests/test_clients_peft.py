@@ -72,11 +72,13 @@ def _reference() -> dict[str, Any]:
 
 
 def _job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    # --8<-- [start:peft]
     model = _lora_model()
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
+    # --8<-- [end:peft]
     routes = {r["name"]: r["role"] for r in opt.routes()}
     losses = _train(model, opt, lambda s: local_tokens(s, rank, world))
     mean = torch.tensor(losses, dtype=torch.float64)
@@ -98,9 +100,11 @@ def save_pretrained(model: Any, out_dir: str, rank: int) -> None:
     would see the non-owners' empty pieces as one storage."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    # --8<-- [start:save_pretrained]
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         model.save_pretrained(out_dir, state_dict=sd)
+    # --8<-- [end:save_pretrained]
     torch.distributed.barrier()
 
 

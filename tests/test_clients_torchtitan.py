@@ -29,6 +29,7 @@ def container(model: torch.nn.Module) -> Any:
     """torchtitan's OptimizersContainer with one more optimizer name, as a torchtitan user adds one."""
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
+    # --8<-- [start:container]
     class OwnerRoutedContainer(OptimizersContainer):
         @staticmethod
         def _resolve_optimizer_factory(name: str) -> Any:
@@ -40,6 +41,7 @@ def container(model: torch.nn.Module) -> Any:
         param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="OwnerRouted")], implementation="for-loop"
     )
     return OwnerRoutedContainer(cfg, model_parts=[model])
+    # --8<-- [end:container]
 
 
 def titan_job(rank: int, W: int, ckpt: str, phase: str) -> dict[str, Any]:

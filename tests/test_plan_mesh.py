@@ -317,15 +317,21 @@ STEPS = 3
 # Tolerances: test_sharding_parity's (same model, same (2, 2) mesh as its HSDP check).
 def _advised_run(rank: int, W: int) -> dict:
     model, ref = make_models(seed=3)
+    # --8<-- [start:advise]
     advice = moo.plan_mesh(GPT(CFG, device="meta"), W, unit_prefixes=model.unit_prefixes())
+    # --8<-- [end:advise]
     assert advice.mesh_shape == (2, 2), advice.mesh_shape  # 4 ranks would leave the tiny GPT unbalanced
     with pytest.raises(ValueError, match="advice is for 8 ranks but the process group has 4"):
         moo.plan_mesh(GPT(CFG, device="meta"), 8).init_device_mesh("cpu")
+    # --8<-- [start:mesh]
     mesh = advice.init_device_mesh("cpu")
+    # --8<-- [end:mesh]
     assert tuple(mesh.shape) == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
+    # --8<-- [start:shard]
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # --8<-- [end:shard]
     assert model.fix_plan().digest() == advice.plan.digest()  # the runtime plans what was advised
     roles = roles_by_fqn(model)
     opts, ref_opts = owner_optimizers(model, "muon"), reference_optimizers(ref, roles, "muon")

@@ -6,7 +6,7 @@
 written for FSDP2 (PyTorch's own tests, torchtitan, torchtune, Lightning) call them, so every one
 is either implemented here with FSDP2's meaning (or the nearest faithful one, documented), or
 refused with an error that names the call and what to use instead; none is silently ignored.
-The README's table is this module's two tables.
+The documentation's FSDP2 parity page is generated from this module's two tables (docs/_hooks/generate.py).
 
 Argument handling of ``fully_shard`` (:func:`resolve_reshard_after_forward`,
 :func:`check_unsupported_arguments`; ``ignored_params`` in ``ignored.py``) and the methods a sharded module
@@ -31,7 +31,7 @@ __all__ = [
     "resolve_reshard_after_forward",
 ]
 
-# What the package does with each ``fully_shard`` argument of torch 2.13 (the README's table).
+# What the package does with each ``fully_shard`` argument of torch 2.13 (the docs' parity table).
 FULLY_SHARD_ARGUMENTS: dict[str, str] = {
     "module": "a module or a list of modules (one unit), as FSDP2",
     "mesh": "None, a ProcessGroup, a 1D DeviceMesh, or a 2D (replicate, shard) DeviceMesh for HSDP",
@@ -58,7 +58,7 @@ FULLY_SHARD_ARGUMENTS: dict[str, str] = {
     "dp_mesh_dims": "None only; an SPMD mesh with data-parallel dims is refused: pass the data-parallel mesh",
 }
 
-# What the package does with each ``FSDPModule`` method of torch 2.13 (the README's table).
+# What the package does with each ``FSDPModule`` method of torch 2.13 (the docs' parity table).
 FSDP_MODULE_METHODS: dict[str, str] = {
     "unshard": "implemented (async_op too): every rank holds the full tensors until reshard()",
     "reshard": "implemented: back to the owner layout",
