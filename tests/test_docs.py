@@ -1,6 +1,7 @@
 """The documentation site keeps its word: it builds with warnings as errors, its API reference has
-every public name, its generated pages have every row of what they are generated from, and every
-code block of its pages is included from a file the suite runs (or is a shell command or output).
+every public name, its generated pages have every row of what they are generated from, every
+code block of its pages is included from a file the suite runs (or is a shell command or output),
+and the errors its Troubleshooting page quotes are the library's own text.
 
 The build is one ``mkdocs build --strict`` into a temporary directory (about 15-25 s on 2 busy
 cores), shared by the tests that read the built site. The README's example is the Quickstart's
@@ -10,6 +11,7 @@ torchrun as a user runs it.
 
 from __future__ import annotations
 
+import ast
 import html
 import importlib.util
 import json
@@ -198,3 +200,29 @@ def test_quickstart_example_runs_as_written() -> None:
     assert m is not None, out
     assert float(m.group(2)) < float(m.group(1)), out  # it learned
     assert "optimizer step bytes: 0" in out, out
+
+
+def _message_parts() -> list[str]:
+    """Every string literal of the library, f-strings with a NUL byte where a value goes."""
+    parts: list[str] = []
+    for path in (ROOT / "src" / "matrix_owner_optim").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                parts.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                parts.append(node.value)
+    return parts
+
+
+def test_troubleshooting_quotes_the_messages_the_library_raises() -> None:
+    """Each quoted error on the Troubleshooting page is the library's text: its pieces between
+    placeholders (``<name>``, ``...``) all appear in one of the library's string literals."""
+    parts = "\1".join(_message_parts())
+    quoted = re.findall(r"^\*\*`(.+?)`", (DOCS / "troubleshooting.md").read_text(), re.MULTILINE)
+    assert len(quoted) >= 15, quoted
+    for message in quoted:
+        pieces = [p.strip() for p in re.split(r"'?<[^>]*>'?|\(\.\.\.\)|\.\.\.", message)]
+        pieces = [p for p in pieces if len(p) >= 12]
+        assert pieces, message
+        for piece in pieces:
+            assert piece in parts, f"troubleshooting.md quotes {piece!r} ({message!r}), which no message says"
