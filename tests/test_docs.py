@@ -93,6 +93,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("docs_site")  # one build per run: the tests reading the site share a worker
 def test_api_reference_has_every_public_name(site: Path) -> None:
     page = (site / "api" / "index.html").read_text()
     ids = set(re.findall(r'id="([^"]+)"', page))
@@ -109,6 +110,7 @@ def test_api_reference_has_every_public_name(site: Path) -> None:
         assert summary and summary in text, f"{name}'s docstring summary is not on the API page: {summary!r}"
 
 
+@pytest.mark.xdist_group("docs_site")
 def test_generated_pages_have_every_row(site: Path) -> None:
     parity = html.unescape((site / "fsdp2-parity" / "index.html").read_text())
     for name in (*FULLY_SHARD_ARGUMENTS, *FSDP_MODULE_METHODS):
@@ -117,9 +119,11 @@ def test_generated_pages_have_every_row(site: Path) -> None:
     for path in sorted((ROOT / "benchmarks" / "results").rglob("*.json")):
         rel = path.relative_to(ROOT).as_posix()
         assert f"<code>{rel}</code>" in performance, f"the Performance page renders nothing of {rel}"
-    for png in sorted((ROOT / "benchmarks" / "results").rglob("*.png")):
-        assert (site / "performance" / png.name).is_file(), f"{png.name} not served"
-        assert f'src="{png.name}"' in performance, f"the Performance page does not show {png.name}"
+    results = ROOT / "benchmarks" / "results"
+    for png in sorted(results.rglob("*.png")):
+        rel = png.relative_to(results).as_posix()
+        assert (site / "performance" / rel).is_file(), f"{rel} not served"
+        assert f'src="{rel}"' in performance, f"the Performance page does not show {rel}"
     for page in site.rglob("*.html"):
         assert "--8<--" not in page.read_text(), f"{page}: a snippet include was not expanded"
 

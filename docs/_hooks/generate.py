@@ -296,7 +296,7 @@ def benchmark_section() -> str:
     parts.append("### Plots")
     for png in plot_files():
         rel = png.relative_to(RESULTS).as_posix()
-        parts.append(f"![{rel}]({PLOTS_DIR}/{png.name})\n\n`benchmarks/results/{rel}`")
+        parts.append(f"![{rel}]({PLOTS_DIR}/{rel})\n\n`benchmarks/results/{rel}`")
     return "\n\n".join(parts)
 
 
@@ -327,7 +327,8 @@ def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     for png in plot_files():
-        files.append(File.generated(config, f"{PLOTS_DIR}/{png.name}", abs_src_path=str(png)))
+        rel = png.relative_to(RESULTS).as_posix()  # subfolders kept: two plots may share a name
+        files.append(File.generated(config, f"{PLOTS_DIR}/{rel}", abs_src_path=str(png)))
     return files
 
 
