@@ -212,7 +212,7 @@ def _message_parts() -> list[str]:
     for path in (ROOT / "src" / "matrix_owner_optim").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.JoinedStr):
-                parts.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+                parts.append("".join(str(v.value) if isinstance(v, ast.Constant) else "\0" for v in node.values))
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 parts.append(node.value)
     return parts
