@@ -61,32 +61,28 @@ MEMBER = re.compile(r"(?<![\w.])(_?[A-Z]\w*[a-z]\w*)\.([A-Za-z_]\w*)")
 
 # -- the package's strings ----------------------------------------------------------------------
 @cache
-def _strings() -> list[tuple[str, int, str]]:
-    """(module, line, text) for every string literal of the package."""
-    out = []
+def _read() -> tuple[list[tuple[str, int, str]], frozenset[str]]:
+    """(module, line, text) for every string literal of the package, and the string values its
+    code uses (the literals that are not docstrings); one walk of every module."""
+    strings, docs, values = [], set(), []
     for mod, tree in package_index().modules.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                out.append((mod, node.lineno, node.value))
-    return out
-
-
-@cache
-def _values() -> frozenset[str]:
-    """The string values the package's code uses (literals that are not docstrings)."""
-    docs = set()
-    for tree in package_index().modules.values():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = node.body[0] if node.body else None
                 if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
                     docs.add(id(doc.value))
-    return frozenset(
-        node.value
-        for tree in package_index().modules.values()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
-    )
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append((mod, node.lineno, node.value))
+                values.append(node)
+    return strings, frozenset(n.value for n in values if id(n) not in docs)
+
+
+def _strings() -> list[tuple[str, int, str]]:
+    return _read()[0]
+
+
+def _values() -> frozenset[str]:
+    return _read()[1]
 
 
 @cache
