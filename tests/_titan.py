@@ -142,7 +142,7 @@ def owner_tp_llama(world_size: int, fuse_qkv: bool = True) -> tuple[nn.Module, A
     fully_shard over its fsdp mesh in place of torchtitan's apply_fsdp_to_decoder (the same units:
     the embedding, each block, norm with lm_head, the root), gradient division off as
     torchtitan's (its loss is divided by the global token count). The model and its dp mesh."""
-    from matrix_owner_optim import fully_shard
+    from _ref import fully_shard_model
     from matrix_owner_optim.sharding import OwnerShardedModule
 
     par = parallelism(data_parallel_shard_degree=2, tensor_parallel_degree=2)
@@ -150,11 +150,8 @@ def owner_tp_llama(world_size: int, fuse_qkv: bool = True) -> tuple[nn.Module, A
     dims = parallel_dims(par, world_size)
     model.parallelize(dims)
     dp_mesh = dims.get_mesh("fsdp")
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard([model.norm, model.lm_head], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+    blocks = [model.tok_embeddings, *model.layers.values(), [model.norm, model.lm_head]]
+    fully_shard_model(model, blocks=blocks, mesh=dp_mesh)
     for m in model.modules():
         if isinstance(m, OwnerShardedModule):
             m.set_gradient_divide_factor(1.0)

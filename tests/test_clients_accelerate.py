@@ -18,6 +18,7 @@ import pytest
 
 from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 
@@ -46,12 +47,8 @@ def accelerate_job(rank: int, W: int) -> dict[str, Any]:
         opt.zero_grad()
     out["ddp"] = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
 
-    from matrix_owner_optim import fully_shard
-
     model = build_hf("llama")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    fully_shard_model(model, blocks=model.model.layers)
     opt = accelerator.prepare(OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM)))
     for step in range(3):
         accelerator.backward(hf_loss(model, batch(step)))

@@ -23,6 +23,7 @@ from _ref import (
     CFG,
     assert_close,
     full_grad_rows,
+    fully_shard_model,
     global_batch,
     local_batch,
     make_models,
@@ -41,7 +42,6 @@ from matrix_owner_optim.planning.mesh_advice import divisors_descending
 from matrix_owner_optim.planning.registry import DEFAULT_COST
 from matrix_owner_optim.planning.replicas import assign_step_replicas
 from matrix_owner_optim.replica_sync import steps_here
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli.main import main as cli_main
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -323,9 +323,7 @@ def _advised_run(rank: int, W: int) -> dict:
         moo.plan_mesh(GPT(CFG, device="meta"), 8).init_device_mesh("cpu")
     mesh = advice.init_device_mesh("cpu")
     assert tuple(mesh.shape) == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_model(model, mesh=mesh)
     assert model.fix_plan().digest() == advice.plan.digest()  # the runtime plans what was advised
     roles = roles_by_fqn(model)
     opts, ref_opts = owner_optimizers(model, "muon"), reference_optimizers(ref, roles, "muon")
