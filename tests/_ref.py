@@ -1,5 +1,6 @@
-"""Shared test helpers: tiny GPT, data, reference optimizers, and the error measures every
-test compares with (one definition each; tolerances are in tests/_tolerances.py).
+"""Shared test helpers: tiny GPT, data, sharding a model (:func:`fully_shard_model`, the one
+blocks-then-root loop), reference optimizers, and the error measures every test compares with
+(one definition each; tolerances are in tests/_tolerances.py).
 
 The reference is the same optimizer on the unsharded model over the global batch (the
 concatenation of every rank's micro-batch), so DDP-averaged gradients equal its gradients.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 T = TypeVar("T")
+M = TypeVar("M", bound=torch.nn.Module)
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
 CFG4 = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=4)  # CFG with 4 heads of 8
@@ -40,6 +42,48 @@ SHAMPOO_OPTS = {"lr": 1e-2, "eps": 1e-4}
 # the lockstep (rank-order) reference: bitwise.
 SHAMPOO_SMALL_EPS = {"lr": 1e-2, "eps": 1e-6}
 SOAP_OPTS = {"lr": 1e-2, "precondition_frequency": 2}
+
+
+def fully_shard_model(
+    model: M,
+    *,
+    blocks: Iterable[Any] | None = None,
+    stock: bool = False,
+    root: bool = True,
+    block_options: Mapping[str, Any] | None = None,
+    root_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> M:
+    """``model`` sharded as FSDP2 is applied: ``fully_shard`` on each block, then on the root.
+
+    The one home of the blocks-then-root loop every test shards with.
+
+    * ``blocks``: what is sharded before the root, in order: modules, or lists of modules
+      sharded as one unit (``fully_shard([norm, head])``). Default ``model.layers`` (the
+      toolbox GPT's blocks, and torchtitan's ModuleDict, whose values are taken); ``()`` for none.
+    * ``stock``: torch's own ``fully_shard`` (stock FSDP2) instead of this package's; a
+      ProcessGroup given as ``mesh`` becomes its ``DeviceMesh`` (the package takes either).
+    * ``options``: keyword arguments of every call (``mesh``, ``mp_policy``,
+      ``reshard_after_forward``, ...); ``block_options`` / ``root_options`` are added to the
+      block calls / the root call only (e.g. ``plan=`` or ``ignored_params=`` on the root).
+    * ``root``: False shards the blocks only (a tree whose root is never sharded).
+    """
+    if stock:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if isinstance(options.get("mesh"), dist.ProcessGroup):
+            options["mesh"] = DeviceMesh.from_group(options["mesh"], "cpu")
+    else:
+        from matrix_owner_optim import fully_shard
+    if blocks is None:
+        layers = model.layers  # type: ignore[attr-defined]
+        blocks = layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers
+    for block in blocks:
+        fully_shard(block, **options, **(block_options or {}))
+    if root:
+        fully_shard(model, **options, **(root_options or {}))
+    return model
 
 
 def make_models(seed: int = 0, cfg: GPTConfig = CFG) -> tuple[GPT, GPT]:

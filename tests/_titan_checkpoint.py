@@ -29,7 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from _ref import assert_bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, rel_err, sharded_state
+from _ref import (
+    assert_bitwise_equal,
+    dcp_load,
+    full_optimizer_state,
+    full_param_copies,
+    fully_shard_model,
+    rel_err,
+    sharded_state,
+)
 from matrix_owner_optim import OwnerRoutedOptimizer
 
 STEPS, BATCH = 3, 4
@@ -75,24 +83,13 @@ def build(layout: str, mesh: Any, options: dict[str, Any]) -> Run:
         d = dp_mesh.get_local_rank()
         rows, global_tokens = slice(2 * d, 2 * d + 2), True
     elif layout in ("owner2", "owner4"):
-        from matrix_owner_optim import fully_shard
-
-        model = _model()
-        group = mesh["tp"] if layout == "owner2" else None
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=group)
-        fully_shard(model, mesh=group)
+        model = fully_shard_model(_model(), mesh=mesh["tp"] if layout == "owner2" else None)
         s = mesh["tp"].get_local_rank()
         rows, global_tokens = (slice(2 * s, 2 * s + 2) if layout == "owner2" else slice(rank, rank + 1)), False
     elif layout == "fsdp4":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as stock_fully_shard
 
-        model = _model()
-        world = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.layers.values():
-            stock_fully_shard(layer, mesh=world)
-        stock_fully_shard(model, mesh=world)
+        model = fully_shard_model(_model(), stock=True, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
         rows, global_tokens = slice(rank, rank + 1), False
     else:
         raise ValueError(f"unknown layout {layout!r}")

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, plan_model
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.comm import CommCounter
@@ -320,13 +321,6 @@ def test_a_save_interrupted_between_its_renames_loads_the_previous_one(tmp_path)
 
 
 # -- W=2: everything that needs a process group (one spawn) ----------------------------------
-def _shard(model: GPT, **kw) -> GPT:
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
 def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     seen: dict[str, str] = {}
 
@@ -350,9 +344,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     )
     # 17. units of one model on two meshes (the blocks on the world, the root on a sub-mesh)
     solo = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank joins each new_group
-    model = _model()
-    for block in model.layers:
-        fully_shard(block)
+    model = fully_shard_model(_model(), root=False)
     refused(
         "two_meshes",
         ValueError,
@@ -365,7 +357,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     assert {get_matrix_shard(p).world_size for p in model.parameters()} == {W}
     # 18. ranks with different models: refused before any data moves, naming the parameter
     cfg = CFG if rank == 0 else GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2, mlp_ratio=2)
-    model = _shard(_model(cfg=cfg))
+    model = fully_shard_model(_model(cfg=cfg))
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     refused(
         "different_models",
@@ -382,7 +374,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: model.sharding_plan,
     )
     # 19. fully_shard twice on a module; and on a parent of an already-sharded block
-    model = _shard(_model())
+    model = fully_shard_model(_model())
     refused(
         "twice",
         ValueError,
@@ -400,7 +392,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     # 20. a parameter shared by two units
     model = _model()
     model.layers[1].mlp.fc.weight = model.layers[0].mlp.fc.weight
-    model = _shard(model)
+    model = fully_shard_model(model)
     refused(
         "shared",
         ValueError,
@@ -409,7 +401,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: model(*_batch(0, rank)),
     )
     # 21. parameters added after the plan was fixed: forward refuses (on every rank alike) ...
-    model = _shard(_model())
+    model = fully_shard_model(_model())
     opt = OwnerRoutedOptimizer(model, **OPTS)
     model(*_batch(0, rank)).backward()
     opt.step()
@@ -431,7 +423,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: model(*_batch(1, rank)),
     )
     # ... and so does an optimizer over them (nothing would average their gradients)
-    model = _shard(_model())
+    model = fully_shard_model(_model())
     model(*_batch(0, rank))
     model.head2 = nn.Linear(16, 4)
     refused(
@@ -444,7 +436,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     # 22. an optimizer over the parameters of two models: two sharded ones (their fqns collide
     # in state dicts), a sharded one and its unsharded reference (nothing averages the latter)
     del model.head2
-    other = _shard(_model(1))
+    other = fully_shard_model(_model(1))
     other.fix_plan()  # planned on its own
     refused(
         "two_sharded_models",
@@ -462,9 +454,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
         lambda: OwnerRoutedOptimizer(list(model.parameters()) + list(ref.parameters()), **OPTS),
     )
     # 23. only the blocks sharded, an optimizer over the whole model
-    model = _model()
-    for block in model.layers:
-        fully_shard(block)
+    model = fully_shard_model(_model(), root=False)
     refused(
         "blocks_only",
         ValueError,
@@ -475,7 +465,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     # 24. a unit whose parameters have two dtypes and no param_dtype to unify them
     model = _model()
     model.layers[0].mlp.to(torch.bfloat16)
-    model = _shard(model)
+    model = fully_shard_model(model)
     refused(
         "mixed_dtypes",
         NotImplementedError,
@@ -497,7 +487,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
 
 def _nonfinite_check(rank: int, W: int) -> dict[str, int]:
     """Only the rank owning one matrix sees a NaN (then another an inf); both skip."""
-    model = _shard(_model())
+    model = fully_shard_model(_model())
     opt = OwnerRoutedOptimizer(model, skip_nonfinite_grads=True, **OPTS)
     model(*_batch(0, rank)).backward()
     opt.step()
@@ -533,7 +523,7 @@ def _nonfinite_check(rank: int, W: int) -> dict[str, int]:
 
 def _checkpoint_cases(rank: int, W: int, root: str) -> dict[str, str]:
     path = os.path.join(root, "ckpt")
-    model = _shard(_model())
+    model = fully_shard_model(_model())
     opt = OwnerRoutedOptimizer(model, **OPTS)
     model(*_batch(0, rank)).backward()
     opt.step()
@@ -561,7 +551,7 @@ def _checkpoint_cases(rank: int, W: int, root: str) -> dict[str, str]:
         signal.signal(signal.SIGXFSZ, previous_handler)
     dist.barrier()
     assert not os.path.exists(path + ckpt.SAVING_SUFFIX)  # the half-written directory is gone
-    fresh = _shard(_model(seed=5))
+    fresh = fully_shard_model(_model(seed=5))
     fresh_opt = OwnerRoutedOptimizer(fresh, **OPTS)
     assert ckpt.load(path, fresh, fresh_opt) == []
     assert _same({n: p.detach() for n, p in fresh.named_parameters()}, good)
@@ -570,7 +560,7 @@ def _checkpoint_cases(rank: int, W: int, root: str) -> dict[str, str]:
     assert ckpt.load(path, fresh, fresh_opt) == []
     assert _same({n: p.detach() for n, p in fresh.named_parameters()}, _params(model))
     # 27. a checkpoint whose shapes do not match: every rank raises the same error, no hang
-    wide = _shard(_model(cfg=GPTConfig(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2)))
+    wide = fully_shard_model(_model(cfg=GPTConfig(vocab_size=48, seq_len=8, n_layers=2, d_model=16, n_heads=2)))
     with pytest.raises(
         ckpt.CheckpointError,
         match=r"'wte\.weight' has shape \(32, 16\) in the "

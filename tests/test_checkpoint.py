@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from _ranks import spawn_ranks
-from _ref import ADAMW_OPTS, CFG4, MUON_OPTS, assert_bitwise_equal, param_copies, rank_batch, run_steps
+from _ref import (
+    ADAMW_OPTS,
+    CFG4,
+    MUON_OPTS,
+    assert_bitwise_equal,
+    fully_shard_model,
+    param_copies,
+    rank_batch,
+    run_steps,
+)
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
@@ -154,12 +163,7 @@ HSDP_BATCH = 8  # sequences per step: 2 per rank at W=4, 4 at W=2
 
 
 def _sharded_gpt(mesh, seed: int, group=None):
-    from matrix_owner_optim import fully_shard
-
-    model = _model(seed)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fully_shard_model(_model(seed), mesh=mesh)
     return model, OwnerRoutedOptimizer(model, process_group=group, **OPTS)
 
 

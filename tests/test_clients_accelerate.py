@@ -19,7 +19,7 @@ import pytest
 from _clients import OPTIM, build_hf, changed, full_params, hf_loss, local_tokens, max_abs_diff, reference_params
 from _ranks import spawn_ranks
 from _tolerances import CLIENT_ATOL as TOL
-from matrix_owner_optim import OwnerRoutedOptimizer
+from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
 
 
 def _launcher_env(rank: int, W: int) -> None:
@@ -45,8 +45,6 @@ def accelerate_job(rank: int, W: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     out["ddp"] = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
-
-    from matrix_owner_optim import fully_shard
 
     model = build_hf("llama")
     # --8<-- [start:owner]

@@ -25,9 +25,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from _ranks import spawn_ranks
-from _ref import ADAMW_OPTS, CFG, MUON_OPTS
+from _ref import ADAMW_OPTS, CFG, MUON_OPTS, fully_shard_model
 from _tolerances import CLIENT_ATOL
-from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
+from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank
@@ -89,10 +89,7 @@ def _job(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 
         # --8<-- [start:lightning]
         def configure_model(self) -> None:
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+            fully_shard_model(self.model, mesh=self.device_mesh["data_parallel"])
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return OwnerRoutedOptimizer(self.model, **copy.deepcopy(OPTIM))

@@ -23,8 +23,9 @@ import torch
 
 from _clients import OPTIM, build_hf, full_params, global_tokens, hf_loss, local_tokens
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from _tolerances import CLIENT_ATOL
-from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
+from matrix_owner_optim import OwnerRoutedOptimizer
 
 pytestmark = pytest.mark.multirank
 
@@ -74,9 +75,7 @@ def _reference() -> dict[str, Any]:
 def _job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     # --8<-- [start:peft]
     model = _lora_model()
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    fully_shard_model(model, blocks=model.base_model.model.model.layers)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     # --8<-- [end:peft]
     routes = {r["name"]: r["role"] for r in opt.routes()}

@@ -21,8 +21,9 @@ import torch
 
 from _clients import OPTIM, build_hf, full_params, local_tokens, max_abs_diff, reference_params, train
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from _tolerances import CLIENT_ATOL as TOL
-from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
+from matrix_owner_optim import OwnerRoutedOptimizer
 
 
 def container(model: torch.nn.Module) -> Any:
@@ -49,9 +50,7 @@ def titan_job(rank: int, W: int, ckpt: str, phase: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     model = build_hf("llama")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    fully_shard_model(model, blocks=model.model.layers)
     opts = container(model)
     batch = functools.partial(local_tokens, rank=rank, world_size=W)
     out: dict[str, Any] = {"param_names": [g.get("param_names") for g in opts.optimizers[0].param_groups]}

@@ -42,20 +42,11 @@ from _clients import (
     train,
 )
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from _tolerances import CLIENT_ATOL as TOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 
 pytestmark = pytest.mark.xdist_group("clients_transformers")
-
-
-def _shard(model: torch.nn.Module, layout: str, mesh: Any) -> None:
-    if layout == "owner":
-        from matrix_owner_optim import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def _piece_local(value: Any) -> Any:
@@ -130,7 +121,7 @@ def transformers_job(rank: int, W: int) -> dict[str, Any]:
     for kind in HF_KINDS:
         for layout in ("owner", "fsdp2"):
             model = build_hf(kind)
-            _shard(model, layout, mesh)
+            fully_shard_model(model, blocks=model.model.layers, stock=layout == "fsdp2", mesh=mesh)
             opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
             train(model, opt, batch)
             out[f"{kind}/{layout}"] = full_params(model)
@@ -140,7 +131,7 @@ def transformers_job(rank: int, W: int) -> dict[str, Any]:
     model = build_hf("llama")
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     name_of = {id(p): n for n, p in model.named_parameters()}
-    _shard(model, "fsdp2", mesh)
+    fully_shard_model(model, blocks=model.model.layers, stock=True, mesh=mesh)
     sharded = dict(model.named_parameters())
     for group in opt.param_groups:
         group["params"] = [sharded[name_of[id(p)]] for p in group["params"]]
@@ -204,7 +195,7 @@ def test_optimizer_state_dict_options_round_trip_on_both_layouts(W: int) -> None
 
 def owner_full_job(rank: int, W: int) -> dict[str, Any]:
     model = build_hf("llama")
-    _shard(model, "owner", None)
+    fully_shard_model(model, blocks=model.model.layers)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     train(model, opt, functools.partial(local_tokens, rank=rank, world_size=W), steps=1)
     return dsd_roundtrips(model, opt, ("full", "full_cpu_offload"))

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from _ranks import spawn_ranks
+from _ref import fully_shard_model
 from matrix_owner_optim import comm
 from matrix_owner_optim.comm import CommCounter, comm_phase, current_phase
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
 N = 1000  # float32 elements per test all-reduce
@@ -66,10 +66,7 @@ def _raw_collectives(rank: int, W: int) -> dict[str, Any]:
 def _backward_on_thread(rank: int, W: int) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=16, seq_len=8, n_layers=2, d_model=16, n_heads=2)
-    model = GPT(cfg)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = fully_shard_model(GPT(cfg))
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)

@@ -48,11 +48,10 @@ import torch.distributed as dist
 
 from _owner_contract import agreed
 from _ranks import spawn_ranks
-from _ref import ADAMW_OPTS, CFG, global_batch, local_batch, rel_err_native
+from _ref import ADAMW_OPTS, CFG, fully_shard_model, global_batch, local_batch, rel_err_native
 from _tolerances import OPTIONS_FP16_RTOL as FP16_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import MixedPrecisionPolicy, OwnerRoutedOptimizer
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank
@@ -72,22 +71,6 @@ def _models(seed: int = 0) -> tuple[GPT, GPT]:
     torch.manual_seed(seed)
     model = GPT(CFG)
     return model, copy.deepcopy(model)
-
-
-def _shard(model: GPT, **kw: Any) -> GPT:
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-def _stock_shard(model: GPT) -> GPT:
-    from torch.distributed.fsdp import fully_shard as stock_fully_shard
-
-    for block in model.layers:
-        stock_fully_shard(block)
-    stock_fully_shard(model)
-    return model
 
 
 def _step_both(
@@ -150,15 +133,12 @@ def _grad_scaler(rank: int, W: int) -> dict[str, Any]:
     measure) and against stock FSDP2 with the same policy and scaler (the parameters: both
     compute in float16, so float16 round-off is common to both)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as StockPolicy
-    from torch.distributed.fsdp import fully_shard as stock_fully_shard
 
     model, ref = _models()
-    _shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    fully_shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     out = _scaled_run(model, ref, rank, W)
     stock, _ = _models()
-    for block in stock.layers:
-        stock_fully_shard(block, mp_policy=StockPolicy(param_dtype=torch.float16))
-    stock_fully_shard(stock, mp_policy=StockPolicy(param_dtype=torch.float16))
+    fully_shard_model(stock, stock=True, mp_policy=StockPolicy(param_dtype=torch.float16))
     stock_out = _scaled_run(stock, None, rank, W)
     out["param_err_vs_fp32"] = _param_err(model, ref)
     out["param_err_vs_stock"] = max(
@@ -181,7 +161,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 def _torch_optimizer(make: Callable[[Any], torch.optim.Optimizer]) -> Callable[[int, int], float]:
     def run(rank: int, W: int) -> float:
         model, ref = _models()
-        _shard(model)
+        fully_shard_model(model)
         opt, ref_opt = make(model.parameters()), make(ref.parameters())
         for step in range(STEPS):
             _step_both(model, ref, opt, ref_opt, rank, W, step)
@@ -192,7 +172,7 @@ def _torch_optimizer(make: Callable[[Any], torch.optim.Optimizer]) -> Callable[[
 
 def _routed_fused_tail(rank: int, W: int) -> float:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     opts = {"matrix": "adamw", "matrix_options": ADAMW_OPTS, "tail": "adamw"}
     opt = OwnerRoutedOptimizer(model.parameters(), **opts, tail_options={**ADAMW_OPTS, "fused": True})
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW_OPTS)
@@ -204,7 +184,7 @@ def _routed_fused_tail(rank: int, W: int) -> float:
 # -- _foreach_copy_ of full tensors, full_tensor() copies ----------------------------------------------
 def _foreach_copy(rank: int, W: int) -> dict[str, Any]:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     idx, tgt = local_batch(0, rank, W)
     model(idx, tgt).backward()  # the first forward fixes the plan
     torch.manual_seed(5)
@@ -216,7 +196,7 @@ def _foreach_copy(rank: int, W: int) -> dict[str, Any]:
 
 def _full_tensor_copies(rank: int, W: int) -> dict[str, Any]:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTS)
     before = {n: p.full_tensor() for n, p in model.named_parameters()}
     kept = {n: t.clone() for n, t in before.items()}
@@ -233,7 +213,7 @@ def _full_tensor_copies(rank: int, W: int) -> dict[str, Any]:
 # -- manual norms, per-parameter logging ------------------------------------------------------------------
 def _after_backward(stock: bool, rank: int, W: int) -> tuple[GPT, GPT]:
     model, ref = _models()
-    _stock_shard(model) if stock else _shard(model)
+    fully_shard_model(model, stock=stock)
     idx, tgt = local_batch(0, rank, W)
     model(idx, tgt).backward()
     gidx, gtgt = global_batch(0, W)
@@ -291,10 +271,8 @@ def _init(stock: bool, name: str) -> Callable[[int, int], list[str]]:
 
     def run(rank: int, W: int) -> list[str]:
         model, ref = _models()
-        if stock:
-            _stock_shard(model)
-        else:
-            _shard(model)
+        fully_shard_model(model, stock=stock)
+        if not stock:
             model.fix_plan()
         torch.manual_seed(1234)
         with torch.no_grad():

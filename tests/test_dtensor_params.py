@@ -38,6 +38,7 @@ from _ref import (
     ADAMW_OPTS,
     CFG,
     MUON_OPTS,
+    fully_shard_model,
     global_batch,
     local_batch,
     max_param_rel_err_native,
@@ -48,7 +49,6 @@ from _tolerances import DTENSOR_NORM_RTOL as NORM_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -64,14 +64,6 @@ def _models(seed: int = 0) -> tuple[GPT, GPT]:
     torch.manual_seed(seed)
     model = GPT(CFG)
     return model, copy.deepcopy(model)
-
-
-def _shard(model: GPT, group_embedding: bool = False) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    if group_embedding:
-        fully_shard([model.wpe, model.ln_f])
-    fully_shard(model)
 
 
 def _backward(model: torch.nn.Module, step: int, rank: int, W: int) -> float:
@@ -90,7 +82,7 @@ def _ref_backward(ref: torch.nn.Module, step: int, W: int) -> float:
 
 def _clip_norms(rank: int, W: int) -> dict:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     _backward(model, 0, rank, W)
     _ref_backward(ref, 0, W)
     out: dict = {"isinstance": all(isinstance(p, DTensor) for p in model.parameters())}
@@ -124,7 +116,7 @@ def _clip_norms(rank: int, W: int) -> dict:
 
 def _clipped_run(rank: int, W: int) -> dict:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     loss_err, step_ops = 0.0, []
@@ -154,7 +146,7 @@ def _torch_optimizers(rank: int, W: int) -> dict:
         ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     ):
         model, ref = _models()
-        _shard(model)
+        fully_shard_model(model)
         opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
         ops = []
         for step in range(STEPS):
@@ -172,7 +164,7 @@ def _torch_optimizers(rank: int, W: int) -> dict:
 
 def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
     model, ref = _models()
-    _shard(model)
+    fully_shard_model(model)
     OwnerRoutedOptimizer(model, matrix="muon", tail="adamw")  # fixes the plan
     out: dict = {}
     p = model.layers[0].attn.qkv.weight
@@ -211,7 +203,7 @@ def _state_dicts(rank: int, W: int, ckpt: str) -> dict:
 
 def _list_unit(rank: int, W: int) -> dict:
     model, ref = _models()
-    _shard(model, group_embedding=True)
+    fully_shard_model(model, blocks=[*model.layers, [model.wpe, model.ln_f]])
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     units = model._moo_units()  # the optimizer fixed the plan
     grouped = [u for u in units if len(u.members) == 2]

@@ -12,7 +12,7 @@ owner-layout tensor on the 2D (efsdp, ep) mesh, ``(OwnerShard(0, ranges), Shard(
 slice ``t`` (whole experts) held whole by one efsdp owner, as a TP slice is. One spawned job:
 
 * ``OwnerRoutedOptimizer`` (this package's Muon, float32 Newton-Schulz, + AdamW), 3 steps of
-  test_tensor_parallel's ``_moe_step`` batches, against ``moe_reference`` (one process, whole
+  tests/_tp.py's ``moe_step`` batches, against ``moe_reference`` (one process, whole
   batch; computed on rank 0 in the spawn): parameters and losses;
 * torch's ``clip_grad_norm_`` (``max_norm=inf``: the norm without changing the gradients) on
   every rank against the one-process norm; then a real clip (to half the norm) of one more
@@ -38,18 +38,18 @@ import torch
 from _ranks import spawn_ranks
 from _ref import bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, sharded_state
 from _tolerances import MOE_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL
-from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
-from matrix_owner_optim.preconditioners import Muon
-from test_tensor_parallel import (
+from _tp import (
     ADAMW,
     LLAMA_MUON,
     MOE_BATCH,
     MOE_STEPS,
-    _moe_step,
-    _rel,
     moe_reference,
+    moe_step,
+    rel,
     titan_optimizers,
 )
+from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.preconditioners import Muon
 
 pytestmark = pytest.mark.multirank
 
@@ -166,7 +166,7 @@ def _total_norm(model: torch.nn.Module) -> float:
 
 def _clip_to_half(model: torch.nn.Module, rank: int) -> tuple[float, float]:
     """One more backward; torch's clip_grad_norm_ to half its norm: (norm before, norm after)."""
-    _moe_step(model, rank, 0)
+    moe_step(model, rank, 0)
     before = _total_norm(model)
     torch.nn.utils.clip_grad_norm_(model.parameters(), before / 2)
     return before, _total_norm(model)
@@ -199,7 +199,7 @@ def owner_ep_job(rank: int, W: int, ckpt: str) -> dict[str, Any]:
     out["efsdp"] = dims.get_mesh("efsdp").get_local_rank()
     out["ep"] = dims.get_mesh("ep").get_local_rank()
     for step in range(MOE_STEPS):
-        out["losses"].append(_moe_step(model, rank, step).item())
+        out["losses"].append(moe_step(model, rank, step).item())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # scales by 1.0
         out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         with CommCounter() as cc:
@@ -238,10 +238,10 @@ def test_expert_parallel_on_the_owner_layout_equals_one_process() -> None:
     res = results()
     ref = res[0]["reference"]
     for rank, r in enumerate(res):
-        worst = max(_rel(r["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(r["params"][n], p) for n, p in ref["params"].items())
         print(f"rank {rank}: Qwen3-MoE EP=2 on the owner layout, worst parameter rel err {worst:.2e}")
         for n, p in ref["params"].items():
-            assert _rel(r["params"][n], p) <= MOE_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(r['params'][n], p):.2e}"
+            assert rel(r["params"][n], p) <= MOE_PARAM_RTOL, f"rank {rank}: {n} rel err {rel(r['params'][n], p):.2e}"
         assert r["routes"]["layers.0.moe.router.gate.weight"] == "tail"
         assert all(role == "matrix" for n, role in r["routes"].items() if _is_expert(n))
     for i, b in enumerate(ref["losses"]):  # each rank's loss is its share of the global mean

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import ADAMW_OPTS, CFG, MUON_OPTS, global_batch, local_batch
+from _ref import ADAMW_OPTS, CFG, MUON_OPTS, fully_shard_model, global_batch, local_batch
 from _tolerances import TRAJECTORY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer, fully_shard
@@ -124,13 +124,6 @@ def _gpt(seed: int = 0, cfg: Any = CFG) -> GPT:
     return GPT(cfg)
 
 
-def _shard_gpt(model: GPT, **kwargs: Any) -> GPT:
-    for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 # -- measures --------------------------------------------------------------------------------------
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
@@ -181,9 +174,7 @@ def _dataclass_outputs(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(3)
     model = DataclassNet()
     ref, ref_losses = _reference(model)
-    for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+    fully_shard_model(model, blocks=model.blocks)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     losses = _mean_losses(_train(model, opt, rank, world, range(STEPS)))
     return {"loss": _loss_err(losses, ref_losses), "param": _param_err(model, ref)}
@@ -194,7 +185,7 @@ def _reset_after_failed_backward(rank: int, world: int) -> dict[str, Any]:
     for block in model.layers:
         block.mlp = FailingMLP(block.mlp)
     ref, ref_losses = _reference(model)
-    _shard_gpt(model)
+    fully_shard_model(model)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     losses = _mean_losses(_train(model, opt, rank, world, range(1)))
     idx, tgt = local_batch(1, rank, world)
@@ -221,7 +212,7 @@ def _reset_after_failed_backward(rank: int, world: int) -> dict[str, Any]:
 def _int_reshard(rank: int, world: int, value: int) -> dict[str, Any]:
     model = _gpt(5)
     ref, ref_losses = _reference(model)
-    _shard_gpt(model, reshard_after_forward=value)
+    fully_shard_model(model, reshard_after_forward=value)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     with CommCounter() as cc:
         losses = _mean_losses(_train(model, opt, rank, world, range(STEPS)))
@@ -237,9 +228,7 @@ def _ignored(rank: int, world: int) -> dict[str, Any]:
         torch.optim.SGD([ref.ln_f.weight], lr=0.1),
     ]
     ignored = {model.ln_f.weight}
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model, ignored_params=ignored)
+    fully_shard_model(model, root_options={"ignored_params": ignored})
     kept_plain = type(model.ln_f.weight) is nn.Parameter
     opts = [
         OwnerRoutedOptimizer(
@@ -274,14 +263,14 @@ def _assign_loads(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # torchtune's recipe: meta init, fully_shard, set_model_state_dict(full, broadcast from rank 0)
     meta = GPT(UNTIED, device="meta")
-    _shard_gpt(meta)
+    fully_shard_model(meta)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(meta, full() if rank == 0 else {}, options=opts)
     opt = OwnerRoutedOptimizer(meta, **copy.deepcopy(OPTIM))
     losses = _mean_losses(_train(meta, opt, rank, world, range(STEPS)))
     out["dsd"] = (_loss_err(losses, ref_losses), _param_err(meta, ref))
     # load_state_dict(assign=True) of full tensors before the plan, then again after it
-    model = _shard_gpt(_gpt(8, UNTIED))
+    model = fully_shard_model(_gpt(8, UNTIED))
     model.load_state_dict(full(), assign=True)
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     held = [id(p) for p in model.parameters()]
@@ -299,7 +288,7 @@ def _plain_step(rank: int, world: int) -> dict[str, Any]:
         set_optimizer_state_dict,
     )
 
-    model = _shard_gpt(_gpt(9))
+    model = fully_shard_model(_gpt(9))
     opt = OwnerRoutedOptimizer(model, **copy.deepcopy(OPTIM))
     _train(model, opt, rank, world, range(2))
     sd = opt.state_dict()
@@ -328,7 +317,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     with pytest.raises(NotImplementedError, match=r"shard_placement_fn=.*roles= or plan=") as e:
         fully_shard(_gpt(), shard_placement_fn=lambda p: None)
     out["placement"] = str(e.value)
-    model = _shard_gpt(_gpt())
+    model = fully_shard_model(_gpt())
     with pytest.raises(NotImplementedError, match=r"set_post_optim_event\(\) is not supported .*drop the call"):
         model.set_post_optim_event(None)  # type: ignore[operator]
     with pytest.raises(NotImplementedError, match=r"set_unshard_in_backward\(False\)"):

@@ -37,6 +37,7 @@ from _ranks import spawn_ranks
 from _ref import (
     CFG,
     full_grad_rows,
+    fully_shard_model,
     global_batch,
     local_batch,
     max_param_rel_err_native,
@@ -46,29 +47,12 @@ from _ref import (
 from _tolerances import PARITY_GRAD_RTOL as GRAD_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank
 
 STEPS = 3
-
-
-def _shard(model: GPT, stock: bool, group: Any) -> None:
-    """Blocks, then the root, over ``group`` (None: every rank)."""
-    if stock:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard as stock_fully_shard
-
-        mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
-        for block in model.layers:
-            stock_fully_shard(block, mesh=mesh)
-        stock_fully_shard(model, mesh=mesh)
-        return
-    for block in model.layers:
-        fully_shard(block, mesh=group)
-    fully_shard(model, mesh=group)
 
 
 class Recorder:
@@ -100,7 +84,7 @@ def _counts(rank: int, W: int, group: Any, stock: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CFG)
     ref = copy.deepcopy(model)
-    _shard(model, stock, group)
+    fully_shard_model(model, stock=stock, mesh=group)
     rec = Recorder(model)
     out: dict[str, Any] = {"calls": []}
     grad_errs: list[float] = []
@@ -147,8 +131,8 @@ def _trained(rank: int, W: int, group: Any) -> dict[str, float]:
     torch.manual_seed(0)
     model = GPT(CFG)
     ref, stock, init = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
-    _shard(model, False, group)
-    _shard(stock, True, group)
+    fully_shard_model(model, mesh=group)
+    fully_shard_model(stock, stock=True, mesh=group)
     keep = [optimizer_in_backward(m) for m in (model, ref, stock)]
     for step in range(STEPS):
         model(*local_batch(step, rank, W)).backward()

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from _ranks import spawn_ranks
-from _ref import ADAMW_OPTS, assert_close, global_batch, local_batch, no_gradient_here
+from _ref import ADAMW_OPTS, assert_close, fully_shard_model, global_batch, local_batch, no_gradient_here
 from _tolerances import LIFECYCLE_RTOL as RTOL
 from matrix_owner_optim import register_fsdp_forward_method
 from matrix_owner_optim.comm import CommCounter
@@ -101,13 +101,6 @@ def _pair(seed: int = 0, cls: type[GPT] = GPT, block_cls: type[Block] | None = N
     return model, copy.deepcopy(model)
 
 
-def _shard(model: nn.Module, blocks: bool = True, **kw: Any) -> None:
-    if blocks:
-        for b in model.layers:
-            fully_shard(b, **kw)
-    fully_shard(model, **kw)
-
-
 def _opts(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **ADAMW_OPTS)
 
@@ -169,7 +162,7 @@ def _parent_held(rank: int, W: int) -> None:
     for blocks in (False, True):
         model, ref = _pair(seed=1)
         holder = Holder(model)
-        _shard(holder.student, blocks=blocks)
+        fully_shard_model(model, blocks=model.layers if blocks else ())
         _train(rank, W, model, ref)
         assert all(get_matrix_shard(p) is not None for p in model.parameters())
         assert get_matrix_shard(holder.scale) is None  # the parent's own parameter: untouched
@@ -184,7 +177,7 @@ def _exception_in_backward(rank: int, W: int) -> None:
         out.register_hook(trap.backward_hook)  # between the two blocks' backward
 
     model.layers[0].register_forward_hook(arm)
-    _shard(model)
+    fully_shard_model(model)
     _train(rank, W, model, ref, steps=5, fail=lambda s: "backward" if s == 1 else "", trap=trap)
     ctx = model._moo_context()
     assert ctx.interrupted_backwards == 1
@@ -196,7 +189,7 @@ def _exception_in_forward(rank: int, W: int) -> None:
     trap = Trap()
     # raised after block 0 issued its prefetch of block 1, which nobody consumes then
     model.layers[0].register_forward_hook(trap.forward_hook)
-    _shard(model)
+    fully_shard_model(model)
     issued = []
     model.layers[1].register_forward_pre_hook(
         lambda m, a: issued.append(list(model._moo_context().prefetch_log)), prepend=True
@@ -211,7 +204,7 @@ def _exception_in_forward(rank: int, W: int) -> None:
 def _forward_without_backward(rank: int, W: int) -> None:
     for reshard in (True, False):
         model, ref = _pair(seed=4)
-        _shard(model, reshard_after_forward=reshard)
+        fully_shard_model(model, reshard_after_forward=reshard)
 
         def metric(step: int, m: nn.Module) -> None:
             m(*local_batch(step + 100, rank, W))  # grad enabled, no backward
@@ -236,7 +229,7 @@ def _meta_init(rank: int, W: int) -> dict:
     init(ref)
     with torch.device("meta"):
         model = GPT(CFG)
-    _shard(model)
+    fully_shard_model(model)
     model.to_empty(device="cpu")  # fixes the plan first: each rank allocates only its pieces
     model.lm_head.weight = model.wte.weight  # a no-op here (to_empty keeps the tie), needed unsharded
     init(model)  # on the owner layout: every rank draws each whole tensor, keeps its piece
@@ -258,7 +251,7 @@ def _meta_init(rank: int, W: int) -> dict:
 def _checkpointed_and_detached(rank: int, W: int) -> None:
     for block_cls in (ReentrantBlock, DetachedBlock):
         model, ref = _pair(seed=5, block_cls=block_cls)
-        _shard(model)
+        fully_shard_model(model)
         _train(rank, W, model, ref)
         _compare_params(model, ref, block_cls.__name__)
 
@@ -266,7 +259,7 @@ def _checkpointed_and_detached(rank: int, W: int) -> None:
 def _bf16_accumulation(rank: int, W: int) -> None:
     model, ref = _pair(seed=6)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _shard(model, mp_policy=mp)
+    fully_shard_model(model, mp_policy=mp)
     ref_bf16 = copy.deepcopy(ref).to(torch.bfloat16)
     micro = 4
     model.set_requires_gradient_sync(False)
@@ -300,7 +293,7 @@ def _bf16_accumulation(rank: int, W: int) -> None:
 
 def _reshard_after_backward(rank: int, W: int) -> dict:
     model, ref = _pair(seed=7)
-    _shard(model)
+    fully_shard_model(model)
     opt, ref_opt = _opts(model.parameters()), _opts(ref.parameters())
     gathers = []
     for step in range(2):
@@ -322,7 +315,7 @@ def _reshard_after_backward(rank: int, W: int) -> dict:
 
 def _unshard_async_and_methods(rank: int, W: int) -> None:
     model, ref = _pair(seed=8)
-    _shard(model)
+    fully_shard_model(model)
     handle = model.unshard(async_op=True)
     assert handle is not None
     assert any(u.state is ShardedState.GATHERING for u in model._moo_units())
@@ -340,7 +333,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
             return idx
 
     model, ref = _pair(seed=9, cls=Gen)
-    _shard(model)
+    fully_shard_model(model)
     register_fsdp_forward_method(model, "generate")
     idx = local_batch(0, rank, W)[0][:, :4]
     with torch.no_grad():
@@ -362,7 +355,7 @@ def _refusals(rank: int, W: int) -> dict:
     out = {}
     model, _ = _pair(seed=10)
     model.layers[1].mlp.fc.weight = model.layers[0].mlp.fc.weight  # shared by two units
-    _shard(model)
+    fully_shard_model(model)
     with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.fc\.weight' is registered in two fully_shard units") as e:
         model(*local_batch(0, rank, W))
     out["shared"] = str(e.value)
@@ -379,7 +372,7 @@ def _reduce_overlaps_backward(rank: int, W: int) -> dict:
     # is round-off (softmax ignores a per-row constant), ends 1.07e-5 off at W=3, which is the
     # summation order's floor, not this scenario's subject
     model, ref = _pair(seed=1)
-    _shard(model)
+    fully_shard_model(model)
     model.fix_plan()
     ctx = model._moo_context()
     seen: list[bool] = []
@@ -434,13 +427,13 @@ def test_lifecycle_off_the_happy_path(world_size: int) -> None:
 def _one_rank(rank: int, W: int) -> dict:
     """W=1: the layout is the plain model; no collective and the same trajectory, bitwise."""
     model, ref = _pair(seed=12)
-    _shard(model)
+    fully_shard_model(model)
     opt = _opts(model.parameters())
     with CommCounter() as cc:
         _train(rank, W, model, ref, opt=opt)
     _compare_params(model, ref, "one rank", rtol=0.0)
     mp_model, mp_ref = _pair(seed=12)
-    _shard(mp_model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard_model(mp_model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     mp_ref = mp_ref.to(torch.bfloat16)
     x, y = local_batch(0, rank, W)
     mp_model(x, y).backward()

@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import CFG, max_param_rel_err_native, train_adamw_beside
+from _ref import CFG, fully_shard_model, max_param_rel_err_native, train_adamw_beside
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
 from matrix_owner_optim.planning.registry import get_cost_model
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
@@ -64,19 +63,6 @@ def init_weights(model: GPT) -> None:
                 nn.init.ones_(p)
 
 
-def _shard(model: GPT, stock: bool, preconditioner: Any = None) -> None:
-    if stock:
-        from torch.distributed.fsdp import fully_shard as stock_fully_shard
-
-        for block in model.layers:
-            stock_fully_shard(block)
-        stock_fully_shard(model)
-        return
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model, preconditioner=preconditioner)
-
-
 def _held(model: nn.Module) -> int:
     """Elements this rank holds (its pieces; a tied parameter once)."""
     return sum(local_tensor(p).numel() for p in model.parameters())
@@ -92,13 +78,13 @@ def _job(rank: int, W: int) -> dict[str, Any]:
     out["total"] = sum(p.numel() for p in ref.parameters())
 
     stock = GPT(CFG, device="meta")
-    _shard(stock, stock=True)
+    fully_shard_model(stock, stock=True)
     stock.to_empty(device="cpu")
     out["stock_held"] = _held(stock)
     out["stock_still_tied"] = stock.lm_head.weight is stock.wte.weight
 
     model = GPT(CFG, device="meta")
-    _shard(model, stock=False)
+    fully_shard_model(model)
     model.to_empty(device="cpu")
     out["still_tied"] = model.lm_head.weight is model.wte.weight  # swapped in place, as stock FSDP2
     out["held"] = _held(model)
@@ -122,7 +108,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
     out["trained_err"] = max_param_rel_err_native(model, ref, floor=1e-30, gather=True)
 
     shampoo = GPT(CFG, device="meta")
-    _shard(shampoo, stock=False, preconditioner="shampoo")
+    fully_shard_model(shampoo, root_options={"preconditioner": "shampoo"})
     shampoo.to_empty(device="cpu")
     out["priced_by_named"] = shampoo.sharding_plan.preconditioner
     return out

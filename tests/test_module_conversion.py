@@ -24,27 +24,13 @@ import torch
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import CFG, local_batch, max_param_rel_err_native, train_adamw_beside
+from _ref import CFG, fully_shard_model, local_batch, max_param_rel_err_native, train_adamw_beside
 from _tolerances import FLOAT64_PARAM_RTOL as RTOL64
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
 pytestmark = pytest.mark.multirank
 
 STEPS = 2
-
-
-def _shard(model: GPT, stock: bool) -> None:
-    if stock:
-        from torch.distributed.fsdp import fully_shard as stock_fully_shard
-
-        for block in model.layers:
-            stock_fully_shard(block)
-        stock_fully_shard(model)
-        return
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def _deepcopy_refusal(obj: nn.Module) -> tuple[str, str] | None:
@@ -60,7 +46,7 @@ def _deepcopies() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for stock in (False, True):
         model = GPT(CFG)
-        _shard(model, stock)
+        fully_shard_model(model, stock=stock)
         holder = nn.ModuleDict({"model": model})
         kind = "stock" if stock else "ours"
         out[f"{kind}/pending"] = [_deepcopy_refusal(m) for m in (model, model.layers[0], holder)]
@@ -83,7 +69,7 @@ def _converted(rank: int, W: int, swap: bool, planned: bool, stock: bool) -> dic
     model = GPT(CFG)
     ref = copy.deepcopy(model)
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]  # held across fully_shard
-    _shard(model, stock)
+    fully_shard_model(model, stock=stock)
     if planned:
         model(*local_batch(0, rank, W))  # lazy init, as FSDP2's; no backward
     before = list(model.parameters())
@@ -104,7 +90,7 @@ def _reshaping_refused() -> str:
     """``nn.Module._apply`` with a function that changes a tensor's shape (no owner-layout
     meaning): the error it raises after the plan."""
     model = GPT(CFG)
-    _shard(model, stock=False)
+    fully_shard_model(model)
     model.fix_plan()
     try:
         model._apply(lambda t: t.t() if t.dim() == 2 else t)

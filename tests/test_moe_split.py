@@ -24,11 +24,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from _moe import TinyMoE
 from _ranks import spawn_ranks
-from _ref import rel_err_native
+from _ref import fully_shard_model, rel_err_native
 from _tolerances import TRAJECTORY_PARAM_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import get_matrix_shard
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
@@ -55,17 +54,17 @@ def _loss(model: TinyMoE, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(model(idx), tgt)
 
 
-def _shard(model: TinyMoE) -> None:
-    for layer in model.layers:
-        fully_shard(layer["mlp"])  # the block that runs a forward (a ModuleDict has none)
-    fully_shard(model)
+def _mlps(model: TinyMoE) -> list[torch.nn.Module]:
+    """The blocks to shard before the root: each layer's mlp, which runs a forward (a
+    ModuleDict has none)."""
+    return [layer["mlp"] for layer in model.layers]
 
 
 def _job(rank: int, W: int, ckpt: str) -> dict:
     torch.set_num_threads(1)
     model = _model()
     ref = copy.deepcopy(model)
-    _shard(model)
+    fully_shard_model(model, blocks=_mlps(model))
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
     split = {
@@ -97,7 +96,7 @@ def _job(rank: int, W: int, ckpt: str) -> dict:
     param_err = max(errs.values())
     dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
     fresh = TinyMoE(layers=2, experts=EXPERTS, hidden=HIDDEN, inter=INTER, vocab=VOCAB)
-    _shard(fresh)
+    fully_shard_model(fresh, blocks=_mlps(fresh))
     OwnerRoutedOptimizer(fresh, matrix="muon", tail="adamw")  # fixes the (same) plan
     sd = get_model_state_dict(fresh)
     dcp.load(sd, checkpoint_id=ckpt)
@@ -146,7 +145,7 @@ def _full_state_job(rank: int, W: int) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyMoE(layers=1, experts=2, hidden=HIDDEN, inter=128, vocab=VOCAB)
-    _shard(model)
+    fully_shard_model(model, blocks=_mlps(model))
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW)
     holders = {
         n: [r for r in range(W) if get_matrix_shard(p).row_range(r)[1] > get_matrix_shard(p).row_range(r)[0]]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import CFG
+from _ref import CFG, fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer, register_optimizer, register_preconditioner
 from matrix_owner_optim.optim import registry as optim_registry
 from matrix_owner_optim.optim.routing import OptimizerKind
@@ -126,11 +126,7 @@ def test_registry_aliases_and_both_entry_point_groups(tmp_path: Path, monkeypatc
 
 # -- the tree, its price, and the optimizer's step that fixes it (2 ranks) -----------------------------
 def _sharded(**root_kw: object) -> GPT:
-    model = _gpt()
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model, **root_kw)
-    return model
+    return fully_shard_model(_gpt(), root_options=root_kw)
 
 
 def _job(rank: int, world_size: int) -> dict:
@@ -162,9 +158,7 @@ def _job(rank: int, world_size: int) -> dict:
     out["answers"] = answers
     out["logged"] = list(records)
     # one tree object: adoption re-points every state, never copies a fact
-    model = _gpt()
-    for block in model.layers:
-        fully_shard(block)
+    model = fully_shard_model(_gpt(), root=False)
     block_trees = [state_of(b).tree for b in model.layers]
     fully_shard(model)
     tree = state_of(model).tree

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from _ranks import spawn_ranks
-from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
+from _ref import fully_shard_model
+from matrix_owner_optim.sharding import MixedPrecisionPolicy
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
@@ -28,18 +29,10 @@ pytestmark = pytest.mark.multirank
 CFG = GPTConfig(vocab_size=14, n_layers=2, d_model=32, n_heads=4, seq_len=8)
 
 
-def _sharded(model: GPT, mp: Any = None) -> GPT:
-    kw = {} if mp is None else {"mp_policy": mp}
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
 def _job(rank: int, W: int) -> dict[str, Any]:
     torch.manual_seed(0)
     plain = GPT(CFG)
-    owner = _sharded(copy.deepcopy(plain))
+    owner = fully_shard_model(copy.deepcopy(plain))
     calls: Counter[str] = Counter()
     for n, p in owner.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, n=n: calls.update([n]))
@@ -62,7 +55,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
             o.step()
             o.zero_grad()
     ctx = owner._moo_context()
-    mixed = _sharded(GPT(CFG), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    mixed = fully_shard_model(GPT(CFG), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     mixed(x, x).backward()
     return {
         "local_only": [u.local_only for u in ctx.units],

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import rel_err
+from _ref import fully_shard_model, rel_err
 from _tolerances import PP_LOSS_RTOL, PP_PARAM_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 
@@ -130,14 +130,10 @@ def pipeline_job(rank: int, W: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-    from matrix_owner_optim import fully_shard
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     stage_module = build()[s]
-    for block in stage_module.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(stage_module, mesh=mesh["dp"])
+    fully_shard_model(stage_module, blocks=stage_module.blocks, mesh=mesh["dp"])
     opt = _stage_optimizer(stage_module)
     stage = PipelineStage(stage_module, s, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=True)

@@ -41,7 +41,6 @@ from matrix_owner_optim.planning.mesh_advice import divisors_descending
 from matrix_owner_optim.planning.registry import DEFAULT_COST
 from matrix_owner_optim.planning.replicas import assign_step_replicas
 from matrix_owner_optim.replica_sync import steps_here
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli.main import main as cli_main
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -329,8 +328,8 @@ def _advised_run(rank: int, W: int) -> dict:
     assert tuple(mesh.shape) == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
     # --8<-- [start:shard]
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        moo.fully_shard(block, mesh=mesh)
+    moo.fully_shard(model, mesh=mesh)
     # --8<-- [end:shard]
     assert model.fix_plan().digest() == advice.plan.digest()  # the runtime plans what was advised
     roles = roles_by_fqn(model)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _ranks import spawn_ranks
-from _ref import CFG
+from _ref import CFG, fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import plan_model
 from matrix_owner_optim.sharding import fully_shard
@@ -25,11 +25,7 @@ pytestmark = pytest.mark.multirank
 
 def _sharded(**kw) -> GPT:
     torch.manual_seed(0)
-    model = GPT(CFG)
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
+    return fully_shard_model(GPT(CFG), **kw)
 
 
 def _owners(plan) -> dict[str, int | None]:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from _ranks import spawn_ranks
-from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard
+from _ref import fully_shard_model
+from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
 from matrix_owner_optim.sharding.state import state_of as _state
 from matrix_owner_optim.tensors import local_tensor
@@ -47,11 +48,7 @@ SLACK_S = 4.0
 
 def _model(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(CFG)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+    return fully_shard_model(GPT(CFG))
 
 
 def _batch(step: int, rank: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:

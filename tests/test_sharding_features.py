@@ -25,6 +25,7 @@ from _ranks import spawn_ranks
 from _ref import (
     assert_close,
     full_grad_rows,
+    fully_shard_model,
     global_batch,
     local_batch,
     make_models,
@@ -47,13 +48,6 @@ from matrix_owner_optim.sharding import (
 )
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops
-
-
-def _shard_gpt(model, **kw):
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
 
 
 def _compare_grads(model, ref, rank: int, rtol: float, what: str) -> float:
@@ -103,7 +97,7 @@ def _bf16_grads(model, step: int, W: int) -> list[dict[str, torch.Tensor]]:
 def _mixed_precision(rank: int, W: int) -> dict:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, ref = make_models(seed=3)
-    _shard_gpt(model, mp_policy=mp)
+    fully_shard_model(model, mp_policy=mp)
     opts = owner_optimizers(model, "muon")
     roles = roles_by_fqn(model)
     ref_opts = reference_optimizers(ref, roles, "muon")
@@ -190,7 +184,7 @@ def _bf16_sum(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def _accumulation_and_clip(rank: int, W: int) -> dict:
     mesh = init_device_mesh("cpu", (W,))
     model, ref = make_models(seed=5)
-    _shard_gpt(model, mesh=mesh)
+    fully_shard_model(model, mesh=mesh)
     n_units = len(model.layers) + 1
     errs = {}
     for k in range(4):
@@ -245,9 +239,7 @@ def _plan_errors(rank: int, W: int) -> dict:
     roles = {"wte.weight": "tail"} if rank == 1 else None  # wte is the first parameter
     plan = plan_model(fresh, W, roles=roles)
     model, _ = make_models()
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model, plan=plan)  # sharding is lazy: the plan is checked when it is fixed
+    fully_shard_model(model, root_options={"plan": plan})  # sharding is lazy: the plan is checked when it is fixed
     want = r"disagree.*parameter 'wte\.weight' differs \(role: 'rows' vs 'tail'"
     with pytest.raises(ValueError, match=want) as info:
         model(*local_batch(0, rank, W))  # before any data moves
@@ -261,7 +253,7 @@ def _plan_errors(rank: int, W: int) -> dict:
         model.fix_plan()
     # the same valid plan on every rank is accepted (units follow the fully_shard calls)
     model, ref = make_models()
-    _shard_gpt(model, plan=plan_model(fresh, W))
+    fully_shard_model(model, plan=plan_model(fresh, W))
     assert {s.unit for s in model.fix_plan()} == {0}  # the given plan, kept as given...
     units = {get_matrix_shard(p).unit for p in model.parameters()}
     assert units == set(range(len(model.layers) + 1))  # ...attached with this model's units
@@ -297,8 +289,7 @@ def _layouts(rank: int, W: int) -> dict:
     # blocks without a root call: pending until the first forward; each block is its own
     # tree (FSDP2: a module with no enclosing fully_shard is a root), planned on its own
     model, _ = make_models(seed=7)
-    for block in model.layers:
-        fully_shard(block)
+    fully_shard_model(model, root=False)
     assert all(get_matrix_shard(p) is None for p in model.parameters())
     model(*local_batch(0, rank, W)).backward()
     for block in model.layers:
@@ -310,9 +301,7 @@ def _layouts(rank: int, W: int) -> dict:
     assert get_matrix_shard(model.wte.weight) is None  # outside every unit: untouched
     # a root call adopts the blocks called before it: one tree, one plan over both blocks
     model, _ = make_models(seed=7)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    fully_shard_model(model)
     model.layers[0].fix_plan()  # any module of the tree fixes the whole tree
     assert all(get_matrix_shard(p) is not None for p in model.parameters())
     assert model.layers[1].sharding_plan is model.sharding_plan

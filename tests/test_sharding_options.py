@@ -43,6 +43,7 @@ from _ref import (
     MUON_OPTS,
     assert_close,
     full_grad_rows,
+    fully_shard_model,
     global_batch,
     local_batch,
     make_models,
@@ -71,7 +72,6 @@ from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.sharding import (
     MixedPrecisionPolicy,
     clip_grad_norm_,
-    fully_shard,
 )
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
@@ -136,9 +136,7 @@ def _reshard_and_roles(rank: int, W: int, errs: dict[str, float]) -> None:
     model, ref = make_models(seed=11)
     fresh, _ = make_models(seed=11)
     plan = plan_model(fresh, W, roles=ROLES)
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, plan=plan)
+    fully_shard_model(model, block_options={"reshard_after_forward": False}, root_options={"plan": plan})
     roles = roles_by_fqn(model)
     assert roles["layers.0.attn.qkv.weight"] is Role.TAIL and roles["wpe.weight"] is Role.MATRIX
     assert all(roles[f"layers.{i}.mlp.fc.weight"] is Role.ROWS for i in range(len(model.layers)))
@@ -223,9 +221,7 @@ def _mixed_precision_options(rank: int, W: int, errs: dict[str, float]) -> None:
         torch.manual_seed(21)
         model = FloatNet()
         ref = copy.deepcopy(model)
-        for block in model.layers:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        fully_shard_model(model, mp_policy=policy)
         outs: list[torch.dtype] = []
         for block in model.layers:  # after fully_shard's hook: sees what the unit returns
             block.register_forward_hook(lambda m, a, out, outs=outs: outs.append(out.dtype))
@@ -307,9 +303,7 @@ def _gradient_division(rank: int, W: int, errs: dict[str, float]) -> None:
                 bound = max(bound, float(g[n].abs().max()), float(partial.abs().max()) / pre)
         scale = 0.95 * fp16_max / bound if half else 1.0
         grads = rank_grads(scale)
-        for block in model.layers:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        fully_shard_model(model, mp_policy=policy)
         if factor is not None:
             for m in [*model.layers, model]:
                 m.set_gradient_divide_factor(factor)
@@ -366,19 +360,13 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
     model, ref = make_models(seed=13)
     if layout == "owner":
         group = dist.new_group(list(range(W)))  # a ProcessGroup as the mesh
-        for block in model.layers:
-            fully_shard(block, mesh=group)
-        fully_shard(model, mesh=group)
+        fully_shard_model(model, mesh=group)
         model.fix_plan()
         assert model._moo_context().groups.group is group and model.sharding_plan.world_size == W
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        mesh = init_device_mesh("cpu", (W,))
-        for block in model.layers:
-            torch_fully_shard(block, mesh=mesh)
-        torch_fully_shard(model, mesh=mesh)
+        fully_shard_model(model, stock=True, mesh=init_device_mesh("cpu", (W,)))
     a, b = _groups(list(model.named_parameters()))
     opt = OwnerRoutedOptimizer(a, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     n_groups = len(opt.param_groups)  # a plain list is split into one group per tensor role

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from _ranks import spawn_ranks
-from _ref import CFG4
+from _ref import CFG4, fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, get_matrix_shard
 from matrix_owner_optim.toolbox.models import GPT
 
@@ -16,9 +16,7 @@ CFG = CFG4
 
 
 def _job(rank: int, world_size: int) -> dict:
-    model = GPT(CFG)
-    for block in model.layers:
-        fully_shard(block)
+    model = fully_shard_model(GPT(CFG), root=False)
     OwnerRoutedOptimizer(model.layers)  # reads the blocks' metadata: their plan is fixed now
     try:
         fully_shard(model)
@@ -26,10 +24,7 @@ def _job(rank: int, world_size: int) -> dict:
     except ValueError as exc:
         late = str(exc)
 
-    model = GPT(CFG)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = fully_shard_model(GPT(CFG))
     opt = OwnerRoutedOptimizer(model)  # after every call: the whole model in one plan
     return {
         "late": late,

@@ -44,6 +44,7 @@ from _ref import (
     MUON_OPTS,
     assert_close,
     full_grad_rows,
+    fully_shard_model,
     global_batch,
     local_batch,
     mean_over_ranks,
@@ -65,7 +66,7 @@ from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank, plan_model
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import steps_here
-from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -110,13 +111,6 @@ def _models(seed: int = 0, cls=GPT):
     ref = cls(CFG)
     ref.load_state_dict(model.state_dict())
     return model, ref
-
-
-def _shard(model, **kw):
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
 
 
 def _profiled_step(opts: list[torch.optim.Optimizer]) -> list[str]:
@@ -252,7 +246,7 @@ def _frozen(rank: int, W: int) -> dict:
         for n, p in m.named_parameters():
             if n in frozen_before:
                 p.requires_grad_(False)
-    _shard(model)
+    fully_shard_model(model)
     params = dict(model.named_parameters())
     for n in frozen_after:  # frozen after fully_shard, on the sharded parameters
         params[n].requires_grad_(False)
@@ -291,7 +285,7 @@ def _frozen(rank: int, W: int) -> dict:
 
 def _unused(rank: int, W: int) -> dict:
     model, ref = _models(seed=2, cls=BranchGPT)
-    _shard(model)
+    fully_shard_model(model)
     unused = {n for n, _ in model.named_parameters() if n.startswith("unused.")}
 
     def before(step, m, r):
@@ -309,18 +303,18 @@ def _unused(rank: int, W: int) -> dict:
 def _checkpointing(rank: int, W: int) -> dict:
     out = {}
     model, ref = _models(seed=3)
-    _shard(model)
+    fully_shard_model(model)
     out["plain"] = _train(rank, model, ref, steps=2)
 
     model, ref = _models(seed=3)
     for block in model.layers:
         block.__class__ = CkptBlock
-    _shard(model)
+    fully_shard_model(model)
     out["ckpt_fn"] = _train(rank, model, ref, steps=2)
 
     model, ref = _models(seed=3)
     model.layers = nn.ModuleList(checkpoint_wrapper(b) for b in model.layers)
-    _shard(model)
+    fully_shard_model(model)
     out["ckpt_wrapper"] = _train(rank, model, ref, steps=2)
     for k in ("ckpt_fn", "ckpt_wrapper"):  # same collectives and bytes as without checkpointing
         for a, b in zip(out[k]["steps"], out["plain"]["steps"], strict=True):
@@ -338,7 +332,7 @@ def _prefetch(rank: int, W: int) -> dict:
         if ckpt:
             for block in model.layers:
                 block.__class__ = CkptBlock
-        _shard(model)
+        fully_shard_model(model)
         setup(model)
         model.fix_plan()
         ctx = model._moo_context()
@@ -391,7 +385,7 @@ def _job2(rank: int, W: int) -> dict:
 def _hsdp(rank: int, W: int) -> dict:
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=5)
-    _shard(model, mesh=mesh)
+    fully_shard_model(model, mesh=mesh)
     plan = model.fix_plan()
     assert plan.world_size == W // 2 and plan.replicate_size == 2
     # every rank of both replicas checks its own gradients (a matrix's on its global owner only),
@@ -467,9 +461,7 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, e
     mesh = init_device_mesh("cpu", (W // shard, shard), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=7)
     plan = plan_model(model, shard, unit_prefixes=model.unit_prefixes()) if every_replica else None
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh, plan=plan)
+    fully_shard_model(model, mesh=mesh, root_options={"plan": plan})
     opt = OwnerRoutedOptimizer(
         model, matrix=_CountingMuon, matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS
     )
@@ -533,7 +525,7 @@ def _deferred_broadcast(rank: int, W: int) -> dict:
     models, opts = {}, {}
     for placement in ("step", "forward"):
         model, _ = _models(seed=11)
-        _shard(model, mesh=mesh)
+        fully_shard_model(model, mesh=mesh)
         models[placement] = model
         opts[placement] = OwnerRoutedOptimizer(
             model, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS, replica_broadcast=placement
@@ -597,7 +589,7 @@ def _grad_scaler(rank: int, W: int) -> dict:
     changes no parameter (bitwise); the replicas hold bitwise equal parameters at the end."""
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=13)
-    _shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    fully_shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS)
     # one process: the same one optimizer (GradScaler skips per optimizer: one for both roles)
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON_OPTS, tail_options=ADAMW_OPTS)
@@ -650,7 +642,7 @@ def _optimizer_in_backward(rank: int, W: int) -> dict:
     one process running the same hooks after every step."""
     mesh = init_device_mesh("cpu", (2, W // 2), mesh_dim_names=("replicate", "shard"))
     model, ref = _models(seed=17)
-    _shard(model, mesh=mesh)
+    fully_shard_model(model, mesh=mesh)
     model.fix_plan()
     for m in (model, ref):
         optimizer_in_backward(m)  # each hook holds its optimizer

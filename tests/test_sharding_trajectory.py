@@ -27,6 +27,7 @@ from _ref import (
     SHAMPOO_SMALL_EPS,
     assert_close,
     computed_once,
+    fully_shard_model,
     global_batch,
     local_batch,
     make_models,
@@ -45,7 +46,6 @@ from _tolerances import TRAJECTORY_SHAMPOO_PARAM_RTOL as SHAMPOO_PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
-from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
@@ -54,13 +54,6 @@ pytestmark = pytest.mark.multirank
 STEPS = 20
 F32 = 4
 CPU = [torch.profiler.ProfilerActivity.CPU]
-
-
-def _shard_gpt(model):
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def _expected_bytes(model, rank: int, W: int) -> dict[str, int]:
@@ -142,7 +135,7 @@ def _train(
     matrix_options: dict | None = None,
 ) -> dict:
     model, ref = make_models(seed=0)
-    _shard_gpt(model)
+    fully_shard_model(model)
     opts, ref_opts = _optimizers(model, ref, kind, routed, matrix_options)
     expected = _expected_bytes(model, rank, W)
     losses, measured = [], {}
@@ -266,7 +259,7 @@ def _check_full_params(model, ref_params: dict[str, torch.Tensor], rank: int, rt
 def _job(rank: int, W: int) -> dict:
     # the planner sees the blocks as units and balances the whole model
     model, _ = make_models()
-    _shard_gpt(model)
+    fully_shard_model(model)
     fresh, _ = make_models()
     want = plan_model(fresh, W, unit_prefixes=fresh.unit_prefixes())
     assert model.fix_plan().digest() == want.digest()

@@ -46,6 +46,7 @@ from _ref import (
     CFG4,
     SHAMPOO_SMALL_EPS,
     assert_bitwise_equal,
+    fully_shard_model,
     param_copies,
     rank_batch,
     rel_err,
@@ -78,26 +79,15 @@ def _model(seed: int) -> GPT:
 
 
 def _owner(seed: int) -> GPT:
-    from matrix_owner_optim.sharding import fully_shard
-
-    model = _model(seed)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = fully_shard_model(_model(seed))
     model.fix_plan()  # fix the lazy plan (the optimizer or a forward would too)
     return model
 
 
 def _fsdp2(seed: int, W: int) -> GPT:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (W,))
-    model = _model(seed)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fully_shard_model(_model(seed), stock=True, mesh=init_device_mesh("cpu", (W,)))
 
 
 def _full(model) -> dict[str, torch.Tensor]:

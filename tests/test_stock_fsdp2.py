@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _ranks import spawn_ranks
-from _ref import rel_err_native, roundtrip
+from _ref import fully_shard_model, rel_err_native, roundtrip
 from _tolerances import STOCK_FSDP2_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -133,14 +133,6 @@ def reference(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 # -- the spawned job ----------------------------------------------------------------------------
-def _shard(kind: str, model: nn.Module, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def _micro(batch, rank: int, W: int):
     lo, hi = rank * BATCH // W, (rank + 1) * BATCH // W
     return tuple(t[lo:hi] for t in batch)
@@ -185,7 +177,7 @@ def _run(rank: int, W: int, run: str, mesh, measure: bool) -> dict:
     kind, opts, sched, ref_kind = ALL_RUNS[run]
     model = build(kind)
     lockstep = _Lockstep(model, opts) if ref_kind == "lockstep" else None
-    _shard(kind, model, mesh)
+    fully_shard_model(model, stock=True, mesh=mesh)
     opt, scheduler = make_optimizer(model, opts, sched)
     data = batches(kind)
     out: dict = {"losses": [], "empty_local_matrices": 0}
@@ -301,7 +293,7 @@ def _torch_muon(rank: int, W: int, mesh) -> dict:
     from torch.profiler import profile
 
     model = build("gpt")
-    _shard("gpt", model, mesh)
+    fully_shard_model(model, stock=True, mesh=mesh)
     ref_opt = OwnerRoutedOptimizer(model, **MUON)
     names = {r["name"] for r in ref_opt.routes() if r["role"] == "matrix"}
     mats = [p for n, p in model.named_parameters() if n in names]

@@ -52,59 +52,42 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import _titan_checkpoint
 from _ranks import spawn_ranks
-from _ref import dcp_load, full_param_copies, sharded_state
+from _ref import dcp_load, full_param_copies, fully_shard_model, sharded_state
 from _tolerances import MOE_PARAM_RTOL, TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
+from _tp import (
+    ADAMW,
+    BATCH,
+    CLIP,
+    LLAMA_CHECKPOINT,
+    LLAMA_MUON,
+    MOE_STEPS,
+    MUON,
+    STEPS,
+    TITAN_BATCH,
+    TITAN_STEPS,
+    Block,
+    D,
+    Net,
+    batches,
+    build,
+    clipped_run,
+    micro,
+    moe_reference,
+    moe_step,
+    parallelize_block,
+    rel,
+    titan_optimizers,
+    titan_reference,
+    tp_sharded,
+)
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 
 pytestmark = pytest.mark.multirank
-
-STEPS = 4
-BATCH = 8  # global batch; dp rank d takes rows [4d, 4d + 4), both TP ranks of it the same
-D = 6
-MUON = {"lr": 0.02, "weight_decay": 0.01}
-ADAMW = {"lr": 3e-3, "weight_decay": 0.05}
-CLIP = 0.5  # below the gradient norms here, so clipping scales every step
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(D, hidden)
-        self.w2 = nn.Linear(hidden, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(torch.tanh(self.w1(x)))
-
-
-class Net(nn.Module):
-    """Two TP blocks. Every parameter is then on the 2D mesh (w1's bias split over tp, w2's
-    replicated there), as torch's ``clip_grad_norm_`` needs: it stacks the per-tensor norms, and
-    DTensors on different meshes (a tensor outside TP lives on the dp mesh alone) do not stack."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block(10), Block(6)])
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return F.mse_loss(x, y)
-
-
-def build() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 3, D, generator=g), torch.randn(BATCH, 3, D, generator=g)) for _ in range(STEPS)]
 
 
 def _reference_optimizers(model: Net) -> list[torch.optim.Optimizer]:
@@ -118,24 +101,7 @@ def reference(order: str = "forward") -> dict[str, Any]:
     loss, another summation order: the noise floor)."""
     model = build()
     opts = _reference_optimizers(model)
-    return _clipped_run(model, opts, batches(), model, order)
-
-
-def _clipped_run(model: nn.Module, opts: list, pairs: Any, loss_of: Any, order: str) -> dict[str, Any]:
-    """Train one process on ``pairs`` (``order="reversed"``: each batch's rows reversed) with
-    torch's clip_grad_norm_ every step; the losses, clip norms and final parameters."""
-    losses, norms = [], []
-    for x, y in pairs:
-        if order == "reversed":
-            x, y = x.flip(0), y.flip(0)
-        loss = loss_of(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return clipped_run(model, opts, batches(), model, order)
 
 
 @functools.cache
@@ -144,32 +110,14 @@ def reference_run() -> dict[str, Any]:
 
 
 # -- the spawned job ----------------------------------------------------------------------------
-def _tp_fsdp(model: Net, mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    for block in model.layers:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-
-
 SAVE_AT = 2  # the checkpoint holds the state after this many steps
 
 
 def _model_and_optimizer(mesh: Any) -> tuple[Net, OwnerRoutedOptimizer]:
-    model = build()
-    _tp_fsdp(model, mesh)
+    model = tp_sharded(mesh, stock=True)
     return model, OwnerRoutedOptimizer(
         model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
     )
-
-
-def _micro(step: int, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batches()[step]
-    dp = mesh["dp"].get_local_rank()
-    lo, hi = dp * BATCH // 2, (dp + 1) * BATCH // 2
-    return x[lo:hi], y[lo:hi]
 
 
 def _resume(mesh: Any, ckpt: str) -> dict[str, Any]:
@@ -180,7 +128,7 @@ def _resume(mesh: Any, ckpt: str) -> dict[str, Any]:
     dcp_load(model, opt, ckpt, via=_model_and_optimizer(mesh))
     loaded = full_param_copies(model)
     for step in range(SAVE_AT, STEPS):
-        model(*_micro(step, mesh)).backward()
+        model(*micro(step, mesh)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
@@ -199,7 +147,7 @@ def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
         if step == SAVE_AT:
             dcp.save(sharded_state(model, opt), checkpoint_id=ckpt)
             out["saved"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-        x, y = _micro(step, mesh)
+        x, y = micro(step, mesh)
         loss = model(x, y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -226,56 +174,6 @@ def _train(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
 # with data_parallel_shard_degree=2 and tensor_parallel_degree=2 (its TP plan: vocab-parallel
 # embedding, SequenceParallel norms, colwise fused wqkv, w1, w3 and lm_head, rowwise wo and w2;
 # then FSDP2 over its fsdp mesh). CPU adaptations: tests/_titan.py.
-TITAN_STEPS, TITAN_BATCH = 3, 4  # dp coordinate d takes rows [2d, 2d + 2)
-# Against the whole-batch one-process run, Newton-Schulz in float32 (this package's Muon,
-# ns_dtype=float32; torch.optim.Muon always runs it in bfloat16): TP's split matmuls and
-# sequence-parallel norms change the gradients' round-off, which bfloat16 Newton-Schulz turns
-# into bfloat16 ulps of the update. torch.optim.Muon itself is checked in lockstep: fed the same
-# gradients it agrees bitwise, so that difference is the model's round-off, not the step.
-LLAMA_MUON = {**MUON, "ns_dtype": torch.float32}
-# The checkpoint runs between (2, 2) and the 1D layouts (tests/_titan_checkpoint.py)
-LLAMA_CHECKPOINT = {
-    "clip": CLIP,
-    "optimizer": {"matrix": "muon", "matrix_options": LLAMA_MUON, "tail": "adamw", "tail_options": ADAMW},
-}
-
-
-def titan_matrix_names(model: nn.Module) -> set[str]:
-    from matrix_owner_optim.planning import Role
-    from matrix_owner_optim.planning.roles import module_roles
-
-    roles = module_roles(model)
-    return {n for n, p in model.named_parameters() if roles[id(p)] is Role.MATRIX}
-
-
-def titan_optimizers(
-    model: nn.Module, matrix: type[torch.optim.Optimizer], options: dict
-) -> list[torch.optim.Optimizer]:
-    """One process: the matrix optimizer on the matrices, AdamW on the rest."""
-    mats = titan_matrix_names(model)
-    return [
-        matrix([p for n, p in model.named_parameters() if n in mats], **options),
-        torch.optim.AdamW([p for n, p in model.named_parameters() if n not in mats], **ADAMW),
-    ]
-
-
-def titan_reference(order: str = "forward", fuse_qkv: bool = True) -> dict[str, Any]:
-    """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor),
-    Muon with float32 Newton-Schulz, torch's clip_grad_norm_ every step; ``fuse_qkv=False``:
-    the checkpoint runs' model, separate q/k/v."""
-    import _titan
-
-    model = _titan.build(_titan.llama_config(fuse_qkv=fuse_qkv), _titan.parallelism())
-    opts = titan_optimizers(model, Muon, LLAMA_MUON)
-    return _clipped_run(
-        model,
-        opts,
-        _titan.batches(TITAN_STEPS, TITAN_BATCH),
-        lambda tokens, targets: _titan.loss(model, tokens, targets, tokens.numel()),
-        order,
-    )
-
-
 def titan_reference_run() -> dict[str, Any]:
     return results()[0]["references"]["llama"]
 
@@ -333,30 +231,6 @@ def _titan_llama(lockstep: bool) -> dict[str, Any]:
 # fsdp mesh (4), the routed experts w1/w2/w3 [E, ., .] on its (efsdp=2, ep=2) mesh as
 # (_StridedShard(0, sf=2), Shard(0)): ep coordinate t holds experts [2t, 2t + 2), FSDP splits
 # them over efsdp. Rank r takes row r of each global batch.
-MOE_STEPS, MOE_BATCH = 3, 4
-
-
-def moe_reference(order: str = "forward") -> dict[str, Any]:
-    """One process, the whole batch (``order="reversed"``: its rows reversed, the noise floor):
-    this package's Muon (float32 Newton-Schulz) on the matrices, each expert of a stack its own
-    matrix, AdamW on the rest."""
-    import _titan
-
-    model = _titan.build(_titan.qwen3_moe_config(), _titan.parallelism())
-    opts = titan_optimizers(model, Muon, LLAMA_MUON)
-    losses = []
-    for tokens, targets in _titan.batches(MOE_STEPS, MOE_BATCH, seed=3):
-        if order == "reversed":
-            tokens, targets = tokens.flip(0), targets.flip(0)
-        loss = _titan.loss(model, tokens, targets, tokens.numel())
-        loss.backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
 def moe_reference_run() -> dict[str, Any]:
     return results()[0]["references"]["moe"]
 
@@ -375,15 +249,6 @@ def _titan_moe_model() -> tuple[nn.Module, OwnerRoutedOptimizer]:
     _titan.parallelize(model, parallelize_qwen3, par, dist.get_world_size())
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=LLAMA_MUON, tail="adamw", tail_options=ADAMW)
     return model, opt
-
-
-def _moe_step(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    import _titan
-
-    tokens, targets = _titan.batches(MOE_STEPS, MOE_BATCH, seed=3)[step]
-    loss = _titan.loss(model, tokens[rank : rank + 1], targets[rank : rank + 1], tokens.numel())
-    loss.backward()
-    return loss
 
 
 def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
@@ -406,7 +271,7 @@ def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
                 sharded_state(model, opt),
                 checkpoint_id=ckpt,
             )
-        out["losses"].append(_moe_step(model, rank, step).item())
+        out["losses"].append(moe_step(model, rank, step).item())
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         for n, p in ref.named_parameters():
             p.grad = grads[n]
@@ -431,7 +296,7 @@ def _titan_moe(rank: int, ckpt: str) -> dict[str, Any]:
     resumed, resumed_opt = _titan_moe_model()
     dcp_load(resumed, resumed_opt, ckpt, via=_titan_moe_model())
     for step in range(MOE_SAVE_AT, MOE_STEPS):
-        _moe_step(resumed, rank, step)
+        moe_step(resumed, rank, step)
         resumed_opt.step()
         resumed_opt.zero_grad()
     out.update(
@@ -514,12 +379,10 @@ def _owner_layout_on_tp(mesh: Any) -> str:
     """The package's own fully_shard on a TP block over its own tp mesh (not the dp dim beside
     it: tests/test_tensor_parallel_owner.py runs that form): refused at the call, naming the
     parameter."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     from matrix_owner_optim import fully_shard
 
     block = Block(10)
-    parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    parallelize_block(block, mesh["tp"])
     try:
         fully_shard(block, mesh=mesh["tp"])
     except ValueError as exc:
@@ -557,13 +420,8 @@ def _owner_layout_resume(mesh: Any, ckpt: str) -> dict[str, torch.Tensor]:
     group ({0, 1} and {2, 3}) is one such layout (two identical runs, no second spawn); shard
     rank s takes the rows dp coordinate s took, and trains the remaining steps."""
 
-    from matrix_owner_optim import fully_shard
-
     def built() -> tuple[Net, OwnerRoutedOptimizer]:
-        model = build()
-        for block in model.layers:
-            fully_shard(block, mesh=mesh["tp"])
-        fully_shard(model, mesh=mesh["tp"])
+        model = fully_shard_model(build(), mesh=mesh["tp"])
         return model, OwnerRoutedOptimizer(
             model, matrix="torch_muon", matrix_options=MUON, tail="adamw", tail_options=ADAMW
         )
@@ -588,10 +446,6 @@ def results() -> list[dict[str, Any]]:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_fsdp_x_tp_equals_one_process_torch_muon_adamw() -> None:
     ref = reference_run()
     for rank, r in enumerate(results()):
@@ -600,10 +454,10 @@ def test_fsdp_x_tp_equals_one_process_torch_muon_adamw() -> None:
         assert t["placements"]["layers.1.w2.weight"] == "(Shard(dim=0), Shard(dim=1))", t["placements"]
         for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
             assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
-        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(t["params"][n], p) for n, p in ref["params"].items())
         print(f"rank {rank}: worst parameter rel err {worst:.2e}")
         for n, p in ref["params"].items():
-            assert _rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(t['params'][n], p):.2e}"
+            assert rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {rel(t['params'][n], p):.2e}"
     # losses: each dp coordinate's micro-batch mean; the two average to the whole batch's
     res = results()
     for i, b in enumerate(ref["losses"]):
@@ -632,11 +486,11 @@ def test_torchtitan_parallelize_llama_equals_one_process() -> None:
         # torch's clip_grad_norm_ over dp and tp: the one-process norm, on every rank
         for i, (a, b) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
             assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
-        worst = max(_rel(got["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(got["params"][n], p) for n, p in ref["params"].items())
         print(f"rank {rank}: torchtitan parallelize_llama, worst parameter rel err {worst:.2e}")
         for n, p in ref["params"].items():
-            assert _rel(got["params"][n], p) <= TITAN_PARAM_RTOL, (
-                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            assert rel(got["params"][n], p) <= TITAN_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {rel(got['params'][n], p):.2e}"
             )
     res = results()  # each dp coordinate's loss is its share of the global mean: they sum to it
     for i, b in enumerate(ref["losses"]):
@@ -667,11 +521,11 @@ def test_torchtitan_expert_parallel_equals_one_process() -> None:
         experts = {n: route for n, route in got["routes"].items() if n.endswith(EXPERTS)}
         assert len(experts) == 6 and all(route["role"] == "matrix" for route in experts.values()), experts
         assert got["routes"]["layers.0.moe.router.gate.weight"]["role"] == "tail"
-        worst = max(_rel(got["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(got["params"][n], p) for n, p in ref["params"].items())
         print(f"rank {rank}: torchtitan Qwen3-MoE EP=2, worst parameter rel err {worst:.2e}")
         for n, p in ref["params"].items():
-            assert _rel(got["params"][n], p) <= MOE_PARAM_RTOL, (
-                f"rank {rank}: {n} rel err {_rel(got['params'][n], p):.2e}"
+            assert rel(got["params"][n], p) <= MOE_PARAM_RTOL, (
+                f"rank {rank}: {n} rel err {rel(got['params'][n], p):.2e}"
             )
     for i, b in enumerate(ref["losses"]):  # each rank's loss is its share of the global mean
         a = sum(r["moe"]["losses"][i] for r in res)
@@ -716,7 +570,7 @@ def test_a_tp_group_owning_nothing_skips_the_tp_stage() -> None:
     for rank, r in enumerate(res):
         got = r["one_matrix"]
         assert got["owner"] == owner, (rank, got["owner"], owner)
-        assert _rel(got["weight"], want) <= TP_PARAM_RTOL, f"rank {rank}: rel err {_rel(got['weight'], want):.2e}"
+        assert rel(got["weight"], want) <= TP_PARAM_RTOL, f"rank {rank}: rel err {rel(got['weight'], want):.2e}"
         owns = rank // 2 == owner  # ranks (d, t) are 2 * d + t
         assert ("owner_grad_tp_all_gather" in got["ops"][1]) == owns, (rank, got["ops"])
 
@@ -735,10 +589,10 @@ def test_fsdp_x_tp_checkpoint_resumes_exactly() -> None:
 def test_fsdp_x_tp_checkpoint_resumes_on_the_owner_layout_at_two_ranks() -> None:
     want = results()[0]["train"]["params"]  # the (2, 2) run's last step
     for rank, got in enumerate(r["owner_layout_resumed"] for r in results()):
-        worst = max(_rel(got[n], p) for n, p in want.items())
+        worst = max(rel(got[n], p) for n, p in want.items())
         print(f"owner layout W=2 rank {rank}: worst parameter rel err to the (2, 2) run {worst:.2e}")
         for n, p in want.items():
-            assert _rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(got[n], p):.2e}"
+            assert rel(got[n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {rel(got[n], p):.2e}"
 
 
 def test_torchtitan_tp_checkpoint_moves_to_the_1d_layouts_and_back() -> None:
@@ -781,7 +635,7 @@ if __name__ == "__main__":  # the noise floor: the references against themselves
     )
     for name, run in runs:
         a, b = run(), run("reversed")
-        print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+        print(name, "params", max(rel(a["params"][n], b["params"][n]) for n in a["params"]))
         if "norms" in a:
             print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
         print(name, "losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))

@@ -7,7 +7,7 @@ the 2D mesh, ``(OwnerShard(0, ranges over the global rows), <TP placement>)``, t
 on its dp owner (``owner_dtensor/two_dim.py``); forward and backward gather and reduce over dp
 only, TP's own collectives run untouched; ``OwnerRoutedOptimizer`` assembles each matrix over
 its owners' TP group and steps it whole (``optim/owner_tp_layout.py``). The model, batches and
-reference are test_tensor_parallel.py's two TP blocks (hidden sizes 10 and 6). One spawned job:
+reference are tests/_tp.py's two TP blocks (hidden sizes 10 and 6). One spawned job:
 
 * torch.optim.Muon (``matrix="torch_muon"``) + AdamW, and this package's Muon with float32
   Newton-Schulz + AdamW, each with torch's ``clip_grad_norm_`` every step, against one process
@@ -50,9 +50,7 @@ import _titan_checkpoint
 from _ranks import spawn_ranks
 from _ref import bitwise_equal, dcp_load, full_optimizer_state, full_param_copies, sharded_state
 from _tolerances import TITAN_PARAM_RTOL, TP_LOSS_RTOL, TP_NORM_RTOL, TP_PARAM_RTOL
-from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
-from matrix_owner_optim.preconditioners import Muon
-from test_tensor_parallel import (
+from _tp import (
     ADAMW,
     CLIP,
     LLAMA_CHECKPOINT,
@@ -63,13 +61,17 @@ from test_tensor_parallel import (
     TITAN_STEPS,
     Block,
     Net,
-    _clipped_run,
-    _micro,
-    _rel,
     batches,
     build,
+    clipped_run,
+    micro,
+    parallelize_block,
+    rel,
     titan_reference,
+    tp_sharded,
 )
+from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
+from matrix_owner_optim.preconditioners import Muon
 
 pytestmark = pytest.mark.multirank
 
@@ -91,7 +93,7 @@ def _reference_optimizers(model: Net, case: str) -> list[torch.optim.Optimizer]:
 def reference(case: str, order: str = "forward") -> dict[str, Any]:
     """One process, whole batch (``order="reversed"``: each batch's rows reversed, the noise floor)."""
     model = build()
-    return _clipped_run(model, _reference_optimizers(model, case), batches(), model, order)
+    return clipped_run(model, _reference_optimizers(model, case), batches(), model, order)
 
 
 @functools.cache
@@ -100,20 +102,6 @@ def reference_run(case: str) -> dict[str, Any]:
 
 
 # -- the spawned job ----------------------------------------------------------------------------
-def _owner_tp(mesh: Any) -> Net:
-    """test_tensor_parallel's two TP blocks on the package's fully_shard over the dp mesh."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from matrix_owner_optim import fully_shard
-
-    model = build()
-    for block in model.layers:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
-
-
 def _layout(model: Net) -> dict[str, Any]:
     """Per parameter: placements, local shape, DCP's local shape and offset, the planned owner."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -141,11 +129,11 @@ def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
 
     from matrix_owner_optim.tensors import local_tensor
 
-    model = _owner_tp(mesh)
+    model = tp_sharded(mesh, stock=False)
     opt = OwnerRoutedOptimizer(model, **CASES[case])
     out: dict[str, Any] = {"losses": [], "norms": [], "layout": _layout(model)}
     for step in range(STEPS):
-        loss = model(*_micro(step, mesh))
+        loss = model(*micro(step, mesh))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -189,7 +177,7 @@ def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
         out["sum"] = str(exc)
     # DCP of the model: each owner writes its TP slice; a fresh planned model loads it in place
     dcp.save(model.state_dict(), checkpoint_id=f"{ckpt}/{case}")
-    fresh = _owner_tp(mesh)
+    fresh = tp_sharded(mesh, stock=False)
     OwnerRoutedOptimizer(fresh, **CASES[case])  # fixes the plan: the parameters are pieces now
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=f"{ckpt}/{case}")
@@ -227,14 +215,12 @@ def _titan_owner(rank: int, W: int) -> dict[str, Any]:
 
 def _refused(mesh: Any) -> dict[str, str]:
     """What the package's fully_shard still refuses at the call, naming the parameter."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     from matrix_owner_optim import fully_shard
 
     out = {}
     for case, shard_mesh in (("tp_mesh", mesh["tp"]), ("hsdp", mesh)):
         block = Block(10)
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        parallelize_block(block, mesh["tp"])
         try:
             fully_shard(block, mesh=shard_mesh)
             out[case] = "no error"
@@ -245,7 +231,7 @@ def _refused(mesh: Any) -> dict[str, str]:
 
 def _train_steps(model: Net, opt: torch.optim.Optimizer, mesh: Any, steps: range) -> None:
     for step in steps:
-        model(*_micro(step, mesh)).backward()
+        model(*micro(step, mesh)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -264,7 +250,7 @@ def _state_dicts(mesh: Any, ckpt: str) -> dict[str, Any]:
     )
 
     def fresh() -> tuple[Net, OwnerRoutedOptimizer]:
-        model = _owner_tp(mesh)
+        model = tp_sharded(mesh, stock=False)
         return model, OwnerRoutedOptimizer(model, **CASES["muon_f32"])
 
     model, opt = fresh()
@@ -303,13 +289,11 @@ def _torch_optimizers_and_scaler(mesh: Any, rank: int) -> dict[str, Any]:
     process; GradScaler: unscale_ then torch's clip norm against one process's unscaled norm,
     then an inf written into one rank's piece: found_inf, the skipped step and the scale on
     every rank."""
-    from test_tensor_parallel import batches
-
     out: dict[str, Any] = {"adamw": {}}
     for kind in ("fused", "foreach"):
         ref = build()
         ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-        model = _owner_tp(mesh)
+        model = tp_sharded(mesh, stock=False)
         OwnerRoutedOptimizer(model, **CASES["muon_f32"])  # fixes the plan: the parameters are pieces
         opt = torch.optim.AdamW(model.parameters(), **ADAMW, **{kind: True})
         _train_steps(model, opt, mesh, range(2))
@@ -318,20 +302,20 @@ def _torch_optimizers_and_scaler(mesh: Any, rank: int) -> dict[str, Any]:
             ref_opt.step()
             ref_opt.zero_grad()
         out["adamw"][kind] = max(
-            _rel(p, dict(ref.named_parameters())[n].detach()) for n, p in full_param_copies(model).items()
+            rel(p, dict(ref.named_parameters())[n].detach()) for n, p in full_param_copies(model).items()
         )
-    model = _owner_tp(mesh)
+    model = tp_sharded(mesh, stock=False)
     OwnerRoutedOptimizer(model, **CASES["muon_f32"])
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    scaler.scale(model(*_micro(0, mesh))).backward()
+    scaler.scale(model(*micro(0, mesh))).backward()
     scaler.unscale_(opt)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     out["scaled_norm"] = float(norm.full_tensor())
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
-    scaler.scale(model(*_micro(1, mesh))).backward()
+    scaler.scale(model(*micro(1, mesh))).backward()
     if rank == 3:  # one rank's piece only
         grad = next(p.grad._local_tensor for p in model.parameters() if p.grad._local_tensor.numel())  # type: ignore[union-attr]
         grad.view(-1)[0] = float("inf")
@@ -376,10 +360,10 @@ def test_owner_layout_on_tp_blocks_equals_one_process(case: str) -> None:
         t = r[case]
         for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
             assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
-        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(t["params"][n], p) for n, p in ref["params"].items())
         print(f"{case} rank {rank}: worst parameter rel err {worst:.2e}")
         for n, p in ref["params"].items():
-            assert _rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {_rel(t['params'][n], p):.2e}"
+            assert rel(t["params"][n], p) <= TP_PARAM_RTOL, f"rank {rank}: {n} rel err {rel(t['params'][n], p):.2e}"
     for i, b in enumerate(ref["losses"]):  # each dp coordinate's micro-batch mean; the two average to the batch's
         a = (res[0][case]["losses"][i] + res[2][case]["losses"][i]) / 2
         assert abs(a - b) <= TP_LOSS_RTOL * abs(b), f"{case} step {i}: loss {a} vs {b}"
@@ -468,7 +452,7 @@ def test_torchtitan_llama_tp_on_the_owner_layout_equals_one_process() -> None:
         assert t["placements"]["tok_embeddings.weight"].startswith("(OwnerShard"), t["placements"]
         for i, (a, b) in enumerate(zip(t["norms"], ref["norms"], strict=True)):
             assert abs(a - b) <= TP_NORM_RTOL * b, f"rank {rank} step {i}: clip norm {a} vs {b}"
-        worst = max(_rel(t["params"][n], p) for n, p in ref["params"].items())
+        worst = max(rel(t["params"][n], p) for n, p in ref["params"].items())
         print(f"torchtitan Llama3 rank {rank}: worst parameter rel err {worst:.2e}")
         assert worst <= TITAN_PARAM_RTOL, f"rank {rank}: rel err {worst:.2e}"
     for i, b in enumerate(ref["losses"]):  # the loss is divided by the global token count: the dp sum
@@ -518,6 +502,6 @@ def test_fully_shard_refuses_unsupported_tp_forms_at_the_call() -> None:
 if __name__ == "__main__":  # the noise floor: the references against themselves, summation order changed
     for name in CASES:
         a, b = reference(name), reference(name, "reversed")
-        print(name, "params", max(_rel(a["params"][n], b["params"][n]) for n in a["params"]))
+        print(name, "params", max(rel(a["params"][n], b["params"][n]) for n in a["params"]))
         print(name, "norms", max(abs(x - y) / y for x, y in zip(a["norms"], b["norms"], strict=True)))
         print(name, "losses", max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True)))

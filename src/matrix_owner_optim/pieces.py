@@ -33,7 +33,7 @@ def piece_of(
 
     ``shape``: the global shape when it is not the parameter's (optimizer state such as
     Shampoo's factors, held whole by the owner). Row blocks of ``rows`` tensors become
-    ``Shard(0)`` DTensors, owner-held tensors :class:`OwnedTensor`.
+    ``Shard(0)`` DTensors, owner-held tensors :meth:`OwnerDTensor.owned`.
     """
     mesh = mesh_of_group(group, local.device.type)
     if shard.is_split:  # this rank's experts; state keeps the experts on dim 0

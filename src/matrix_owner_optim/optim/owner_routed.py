@@ -180,7 +180,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             user_groups,
             self._type_roles,
             self._overrides,
-            check_globs=False,
             views=self._views,
             convs=conv_params(params) if isinstance(params, torch.nn.Module) else None,
         )
@@ -211,7 +210,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"parameter {rp.label!r} is already in another param group")
         if not resolved:
             self._fix_plans(rp.param for rp in user_group.params)  # collective, as in the constructor
-            resolve_roles([user_group], type_roles, self._overrides, check_globs=False, views=self._views)
+            resolve_roles([user_group], type_roles, self._overrides, views=self._views)
         if self.param_groups and ("param_names" in self.param_groups[0]) != user_group.named:
             have = "with" if "param_names" in self.param_groups[0] else "without"
             raise ValueError(
@@ -469,9 +468,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         state is partitioned, so that ``get_optimizer_state_dict`` and DCP reshard it.
 
         * one process, and DDP with ``replicated="redundant"``: plain tensors, as torch's.
-        * owner layout: owner-held state as ``OwnedTensor`` (whole on the owner), row-block
+        * owner layout: owner-held state as ``OwnerDTensor`` (whole on the owner), row-block
           state of ``rows`` tensors as ``Shard(0)`` DTensors; only what this rank holds.
-        * stock FSDP2: matrices' state as ``OwnedTensor`` over the shard group, shard-local
+        * stock FSDP2: matrices' state as ``OwnerDTensor`` over the shard group, shard-local
           state as DTensors with the parameter's placements.
         * DDP with owners (``replicated="owner"``, several ranks): the whole state in plain
           tensors after :meth:`consolidate_state_dict`; an error before it.

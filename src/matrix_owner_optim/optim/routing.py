@@ -224,7 +224,6 @@ def resolve_roles(
     type_roles: Mapping[int, Role],
     overrides: RoleOverrides,
     *,
-    check_globs: bool = True,
     views: ViewOverrides | None = None,
     convs: Mapping[int, bool] | None = None,
 ) -> None:
@@ -294,8 +293,6 @@ def resolve_roles(
             UserWarning,
             stacklevel=3,  # the caller of OwnerRoutedOptimizer(...) or of add_param_group
         )
-    if check_globs:
-        overrides.check_all_used()
 
 
 def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> None:

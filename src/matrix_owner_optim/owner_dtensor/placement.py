@@ -100,8 +100,8 @@ class OwnerShard(Shard):
     ) -> tuple[list[torch.Tensor], list[int]]:
         if with_padding:
             raise NotImplementedError(
-                "OwnerShard pieces are uneven by design; use matrix_owner_optim's layout helpers "
-                "(OwnerDTensor.from_full) instead of distribute_tensor / scatter"
+                "OwnerShard pieces are uneven by design: wrap this rank's rows (OwnerShard.ranges) with "
+                "OwnerDTensor.make instead of distribute_tensor / scatter"
             )
         pieces = [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges]
         return [p.contiguous() if contiguous else p for p in pieces], [0] * len(pieces)

@@ -71,7 +71,7 @@ FSDP_MODULE_METHODS: dict[str, str] = {
     "set_reshard_after_backward": "implemented: False keeps the gathered tensors for the next forward",
     "set_gradient_divide_factor": "implemented (per unit, as FSDP2)",
     "set_reduce_scatter_divide_factor": "implemented: FSDP2's older name of set_gradient_divide_factor",
-    "set_is_last_backward": "recorded: every reduction completes inside backward here",
+    "set_is_last_backward": "accepted and ignored: every reduction completes inside backward here",
     "set_modules_to_forward_prefetch": "implemented (explicit targets replace the automatic prefetch)",
     "set_modules_to_backward_prefetch": "implemented",
     "set_requires_all_reduce": (
