@@ -442,7 +442,11 @@ class ShardedUnit:
                         g = g.to(h.sharded.dtype)
                     h.add_grad(g)
                 # no parameter with a hook now: none runs, so none can register another
-                hooked = any(getattr(self.handles[i].sharded, "_post_accumulate_grad_hooks", None) for i in grads)
+                hooked = False
+                for i in grads:
+                    if getattr(self.handles[i].sharded, "_post_accumulate_grad_hooks", None):
+                        hooked = True
+                        break
             if hooked:
                 for i in sorted(grads):
                     self.handles[i].run_post_accumulate_grad_hooks()
