@@ -47,6 +47,22 @@ class TreeSettings(Protocol):
     auto_prefetch: bool  # the next-unit prefetch, on or off for the whole tree
 
 
+def _modules_of(members: list[nn.Module]) -> list[nn.Module]:
+    """Every module inside ``members``, each once, in ``nn.Module.modules()`` order: one loop
+    over ``_modules`` instead of a generator per level (read at every forward pass)."""
+    seen: set[int] = set()
+    found: list[nn.Module] = []
+    stack = list(reversed(members))
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        found.append(mod)
+        stack.extend(reversed([c for c in mod._modules.values() if c is not None]))
+    return found
+
+
 class ShardingContext:
     """Drives the units planned together (one ``fully_shard`` tree)."""
 
@@ -91,6 +107,10 @@ class ShardingContext:
         self._registrations: dict[tuple[int, str], ParamHandle] = {
             (id(mod), name): h for u in units for h in u.handles for mod, name in h.locations
         }
+        self._planned_at: dict[int, dict[str, ParamHandle]] = {}  # the same, by module: one lookup per place
+        for (mod_id, name), h in self._registrations.items():
+            self._planned_at.setdefault(mod_id, {})[name] = h
+        self._walked: dict[int, list[tuple[nn.Module, tuple[nn.Module | None, ...]]]] = {}  # unit -> modules
         if groups.replica_sync is not None:  # HSDP: reads outside a forward land due broadcasts
             groups.replica_sync.land_all = self.sync_replicas
 
@@ -110,14 +130,16 @@ class ShardingContext:
         new place) has no owner and no segment, so no collective would gather it or average its
         gradient and every rank would train its own copy. Checked at the start of every forward
         pass of an outermost unit, on every rank alike (same model, same answer)."""
-        for mod in (m for member in unit.members for m in member.modules()):  # no fqn strings unless wrong
+        nothing: dict[str, ParamHandle] = {}
+        for mod in self._modules_in(unit):  # no fqn strings unless wrong
             if id(mod) in self.nested_modules:
                 continue
+            planned = self._planned_at.get(id(mod), nothing)
             for name, p in mod._parameters.items():
-                if p is None or is_ignored(p):
-                    continue
-                known = self._registrations.get((id(mod), name))
+                known = planned.get(name)
                 if known is not None and (p is known.sharded or p is known._unsharded):
+                    continue  # (the common case first: the planned tensor at its planned place)
+                if p is None or is_ignored(p):
                     continue
                 mod_name = next(n for member in unit.members for n, m in member.named_modules() if m is mod)
                 fqn = f"{mod_name}.{name}" if mod_name else name
@@ -130,6 +152,20 @@ class ShardingContext:
                     "every parameter before that point (sharding is lazy: fully_shard itself fixes "
                     "nothing), or change values in place (load_state_dict / set_model_state_dict)"
                 )
+
+    def _modules_in(self, unit: ShardedUnit) -> list[nn.Module]:
+        """Every module inside ``unit``'s modules, walked again only where a module's children
+        changed since the last walk (read at every forward pass: the check above)."""
+        walked = self._walked.get(unit.index)
+        if walked is not None:
+            for mod, children in walked:
+                if tuple(mod._modules.values()) != children:
+                    break
+            else:
+                return [mod for mod, _ in walked]
+        mods = _modules_of(unit.members)
+        self._walked[unit.index] = [(mod, tuple(mod._modules.values())) for mod in mods]
+        return mods
 
     def handle_at(self, module: nn.Module, name: str) -> ParamHandle | None:
         """The handle of the parameter the plan registered as ``module.<name>`` (None: none)."""
@@ -147,7 +183,7 @@ class ShardingContext:
         if not backward and not any(u is unit for u in self._fwd_seq):
             self._fwd_seq.append(unit)
         unit.pre_forward(backward)
-        if not backward:
+        if not backward and not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap
             with comm_phase("forward"):
                 self._prefetch("forward", unit, unit.options.forward_prefetch, self.forward_order)
         unit.swap_in()
@@ -161,8 +197,9 @@ class ShardingContext:
         if not any(u is unit for u in self._bwd_seq):
             self._bwd_seq.append(unit)
         unit.pre_backward()
-        with comm_phase("backward"):
-            self._prefetch("backward", unit, unit.options.backward_prefetch, self.backward_order)
+        if not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap
+            with comm_phase("backward"):
+                self._prefetch("backward", unit, unit.options.backward_prefetch, self.backward_order)
         # swapped in for the backward: an activation-checkpoint recomputation reads the
         # module's parameters and must find the gathered ones
         unit.swap_in()

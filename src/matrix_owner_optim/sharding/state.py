@@ -133,6 +133,9 @@ class OwnerShardState:
 
     def require_unit(self) -> tuple[ShardingContext, ShardedUnit]:
         """The tree's context and this call's unit, fixing the plan if it is pending."""
+        tree, unit = self.tree, self.unit
+        if unit is not None and tree.phase is PlanPhase.PLANNED and tree.context is not None:
+            return tree.context, unit  # fixed (every hook asks): no call down to the tree
         ctx = self.fix_plan()
         assert self.unit is not None
         return ctx, self.unit

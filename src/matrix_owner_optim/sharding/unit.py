@@ -34,24 +34,31 @@ the unit's pieces, so every replica gathers the stepped values.
 The unit never calls up: the :class:`~.context.ShardingContext` that owns it decides *when*
 (hooks, prefetch, one reduction in flight) and calls these methods; a reduction the unit issues
 comes back as a :class:`ReductionInFlight` record that the context lands later. What the unit
-needs of its process groups is a :class:`ShardGroups` value, and the options the user sets on
-its module are a :class:`UnitOptions` record the unit reads.
+needs of its process groups is a :class:`~.groups.ShardGroups` value, the options the user sets
+on its module are a :class:`~.unit_options.UnitOptions` record the unit reads, its swaps go
+through :class:`~.slots.RegistrationSlots`, and HSDP's cross-replica stage of a reduction is
+``replica_reduce.py``.
+
+A *local-only* unit (:attr:`ShardedUnit.local_only`: one rank, no replicas, every unsharded
+tensor aliases its resident piece) pays only for what a rank has to do there: swap the
+registered tensors, follow ``requires_grad``, land the gradients. Its transitions keep the
+states above (the context and the user see the same lifecycle at every world size) but skip
+the per-parameter storage loops, the replica-sync checks and the collective-phase bookkeeping,
+which have nothing to act on; its landing runs post-accumulate-grad hooks only where some are
+registered.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import comm
 from ..comm import comm_phase
-from ..planning.metadata import MatrixShard
-from ..replica_sync import PendingBroadcast, ReplicaPlace, ReplicaSync, held_pieces, issue_broadcast
+from ..replica_sync import PendingBroadcast, ReplicaPlace, held_pieces, issue_broadcast
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -60,7 +67,11 @@ from .collectives import (
     gradient_divide_factors,
     reduce_scatter_v,
 )
+from .groups import ShardGroups
 from .handle import ParamHandle
+from .replica_reduce import ReplicaSplit, reduce_across_replicas
+from .slots import RegistrationSlots
+from .unit_options import UnitOptions, compute_dtype, one_compute_dtype
 
 __all__ = [
     "ReductionInFlight",
@@ -73,25 +84,6 @@ __all__ = [
     "in_backward",
     "one_compute_dtype",
 ]
-
-
-def compute_dtype(mp_policy: Any, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a parameter of ``dtype`` computes and is gathered in: the policy's
-    ``param_dtype`` for floating-point parameters, else its own."""
-    param_dtype = getattr(mp_policy, "param_dtype", None)
-    return param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
-
-
-def one_compute_dtype(unit: int, dtypes: dict[str, torch.dtype]) -> torch.dtype | None:
-    """The one compute dtype of a unit's parameters (``fqn -> dtype``; one all-gather buffer),
-    None for a unit without parameters; a mix is refused, naming every parameter."""
-    if len(set(dtypes.values())) > 1:
-        names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
-        raise NotImplementedError(
-            f"fully_shard unit {unit} mixes parameter dtypes ({names}); give the unit one "
-            "dtype or set MixedPrecisionPolicy(param_dtype=...) so all compute in one dtype"
-        )
-    return next(iter(dtypes.values()), None)
 
 
 def in_backward() -> bool:
@@ -116,94 +108,6 @@ class TrainingState(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-@dataclass(frozen=True)
-class ShardGroups:
-    """The process groups a tree of units runs on (the same for all its units)."""
-
-    group: Any  # the shard group: owners, all-gather-v and reduce-scatter-v
-    rank: int
-    world_size: int
-    replicate_group: Any = None  # HSDP: the replicas of this shard group
-    replicate_size: int = 1
-    replicate_rank: int = 0  # HSDP: this process's replica
-    replica_sync: ReplicaSync | None = None  # HSDP: set when global owners' gradients landed
-
-    def steps_here(self, shard: MatrixShard) -> bool:
-        """Whether this replica's holder of ``shard`` gets its averaged gradient and steps it
-        (HSDP gives each matrix one global owner: ``MatrixShard.step_replica``)."""
-        return shard.step_replica is None or shard.step_replica == self.replicate_rank
-
-    @property
-    def dp_size(self) -> int:
-        """Gradients are averaged over shard x replicate ranks."""
-        return self.world_size * self.replicate_size
-
-
-@dataclass(eq=False)
-class UnitOptions:
-    """What the user set on a ``fully_shard`` module (its ``set_*`` methods record here; the
-    unit and the context read it when they act, so a setter never needs the plan)."""
-
-    reshard_after_forward: bool
-    requires_gradient_sync: bool = True
-    reshard_after_backward: bool = True
-    gradient_divide_factor: float | None = None  # None: the data-parallel size (the average)
-    forward_prefetch: list[nn.Module] | None = None  # explicit targets; None: automatic
-    backward_prefetch: list[nn.Module] | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaSplit:
-    """How one rank's reduced segment crosses the replicas (HSDP): the ranges each replica's
-    holders step (``step_replica``: reduce-scattered, each to its replica) and the ranges every
-    replica steps (tail, ``rows``, frozen: all-reduced). Ranges are (offset, length) in the segment."""
-
-    by_replica: tuple[tuple[tuple[int, int], ...], ...]
-    everywhere: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def build(cls, layout: SegmentLayout, rank: int, shards: list[MatrixShard], replicas: int) -> ReplicaSplit:
-        by: list[list[tuple[int, int]]] = [[] for _ in range(replicas)]
-        everywhere: list[tuple[int, int]] = []
-        for e in layout.entries[rank]:
-            r = shards[e.index].step_replica
-            (everywhere if r is None else by[r]).append((e.offset, e.length))
-        return cls(tuple(tuple(b) for b in by), tuple(everywhere))
-
-
-def _cat(total: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([total[o : o + n] for o, n in ranges]) if ranges else total.new_empty(0)
-
-
-def _scatter_back(total: torch.Tensor, ranges: Sequence[tuple[int, int]], flat: torch.Tensor) -> None:
-    at = 0
-    for o, n in ranges:
-        total[o : o + n].copy_(flat[at : at + n])
-        at += n
-
-
-def reduce_across_replicas(total: torch.Tensor, split: ReplicaSplit, groups: ShardGroups) -> None:
-    """The second stage of HSDP's gradient reduction, in place on this rank's summed segment:
-    each replica's ranges are reduce-scattered to it (one reduce-scatter-v over the replicate
-    group: the step owner gets the sum, the others keep partial values they never read), the
-    ranges every replica steps are all-reduced. Bytes: those of one all-reduce of the segment
-    (its reduce-scatter half here, the all-gather half is the updated matrices' broadcast)."""
-    R, me = groups.replicate_size, groups.replicate_rank
-    sizes = [sum(n for _, n in ranges) for ranges in split.by_replica]
-    if sum(sizes):
-        order = [r for r in range(R) if r != me] + [me]
-        flat = torch.cat([_cat(total, split.by_replica[r]) for r in order])
-        mine = reduce_scatter_v(flat, sizes, me, groups.replicate_group, op="replicate_reduce_scatter_v")
-        assert isinstance(mine, torch.Tensor)
-        _scatter_back(total, split.by_replica[me], mine)
-        if groups.replica_sync is not None:  # the global owners will step: sync before the next gather
-            groups.replica_sync.pending = True
-    if split.everywhere:
-        rest = _cat(total, split.everywhere)
-        comm.all_reduce(rest, group=groups.replicate_group, name="replicate_all_reduce")
-        _scatter_back(total, split.everywhere, rest)
 
 
 @dataclass(frozen=True)
@@ -277,10 +181,8 @@ class ShardedUnit:
         self.state = state
         assert (self._gather is not None) == (state is ShardedState.GATHERING), (self.index, state)
         if self.handles:
-            h = self.handles[0]
-            registered_unsharded = h.registered() is h._unsharded
-            want = state in (ShardedState.UNSHARDED, ShardedState.HELD)
-            assert registered_unsharded == want, (self.index, state)
+            want = state is ShardedState.UNSHARDED or state is ShardedState.HELD
+            assert self._slots.unsharded_registered() == want, (self.index, state)
 
     def rebuild_unsharded(self) -> None:
         """(Re)create every unsharded tensor and the unit's dtypes from the sharded parameters
@@ -291,23 +193,23 @@ class ShardedUnit:
             h.compute_dtype = compute_dtype(self.mp_policy, h.sharded.dtype)
             h.create_unsharded()
             h.free()
+        self._slots = RegistrationSlots(self.handles)
+        # (handle, sharded, unsharded), read by the per-forward and per-backward loops
+        self._tensors = [(h, h.sharded, h.unsharded) for h in self.handles]
         one = one_compute_dtype(self.index, {h.shard.fqn: h.compute_dtype for h in self.handles})
         self.gather_dtype = one if one is not None else torch.float32
         reduce_dtype = getattr(self.mp_policy, "reduce_dtype", None)
         self.reduce_dtype = reduce_dtype or self.gather_dtype
         self.device = self.handles[0].sharded.device if self.handles else torch.device("cpu")
-        self.local_only = (
-            self.groups.world_size == 1
-            and self.groups.replicate_size == 1
-            and all(h.aliases_resident for h in self.handles)
-        )
+        self.local_only = self.groups.moves_nothing and all(h.aliases_resident for h in self.handles)
 
     def sync_requires_grad(self) -> None:
         """Pick up parameters frozen or unfrozen since the last forward (same on every rank).
         The reads are of this package's own tensors' metadata: no ``__torch_function__`` per read."""
         with torch._C.DisableTorchFunctionSubclass():
-            for h in self.handles:
-                h.sync_requires_grad()
+            for h, sharded, unsharded in self._tensors:
+                if sharded.requires_grad is not unsharded.requires_grad:
+                    h.sync_requires_grad()
 
     @property
     def held(self) -> bool:
@@ -363,15 +265,17 @@ class ShardedUnit:
         A deferred HSDP broadcast due on the unit lands first."""
         if self.state is not ShardedState.SHARDED:
             return False
-        self.land_replica_sync()
+        if not self.local_only:  # (a local-only unit has no replicas: nothing is ever due)
+            self.land_replica_sync()
         groups, layout = self.groups, self.gather_layout
         me = groups.rank
         if groups.world_size == 1:  # one rank owns everything: no collective, no send buffer
-            with torch.no_grad():
-                for h in self.handles:
-                    if not h.aliases_resident:  # a low-precision compute copy
-                        h.alloc()
-                        h.write(h.local.reshape(-1), None)
+            if not self.local_only:  # local-only: compute reads the resident pieces, nothing to copy
+                with torch.no_grad():
+                    for h in self.handles:
+                        if not h.aliases_resident:  # a low-precision compute copy
+                            h.alloc()
+                            h.write(h.local.reshape(-1), None)
             if for_user:
                 self._swap(True)
                 self._set(ShardedState.HELD)
@@ -429,8 +333,7 @@ class ShardedUnit:
             self._set(ShardedState.GATHERED)
 
     def _swap(self, unsharded: bool) -> None:
-        for h in self.handles:
-            h.swap(h.unsharded if unsharded else h.sharded)
+        self._slots.swap(unsharded)
 
     def swap_in(self) -> None:
         """GATHERED -> UNSHARDED: register the unsharded tensors for compute."""
@@ -457,8 +360,9 @@ class ShardedUnit:
         if self._gather is not None:  # a prefetch nobody consumed: finish it, then drop it
             self._gather.pending.wait()
             self._gather = None
-        for h in self.handles:
-            h.free()
+        if not self.local_only:  # local-only: every unsharded tensor aliases its resident piece
+            for h in self.handles:
+                h.free()
         self._set(ShardedState.SHARDED)
 
     def hold(self) -> None:
@@ -483,8 +387,8 @@ class ShardedUnit:
 
     def reset(self) -> None:
         """Back to SHARDED and IDLE, dropping gradients a failed backward left unreduced."""
-        for h in self.handles:
-            h.unsharded.grad = None
+        for _, _, unsharded in self._tensors:
+            unsharded.grad = None
         self.free()
         self.training_state = TrainingState.IDLE
 
@@ -493,8 +397,13 @@ class ShardedUnit:
         """The gradients to reduce now (accumulated sum plus this backward's), cleared from the
         handles; frozen and unused parameters have none (their ``grad`` stays None)."""
         grads: dict[int, torch.Tensor] = {}
-        for i, h in enumerate(self.handles):
-            g = h.take_grad()
+        for i, (h, _, unsharded) in enumerate(self._tensors):
+            if h.tp or h.accumulated is not None:  # a TP slice to take, or a sum to add to
+                g = h.take_grad()
+            else:  # the common case, ParamHandle.take_grad without the calls
+                g = unsharded.grad
+                if g is not None:
+                    unsharded.grad = None
             if g is not None:
                 grads[i] = g
         return grads
@@ -518,21 +427,29 @@ class ShardedUnit:
         groups = self.groups
         W, me = groups.world_size, groups.rank
         pre, post = gradient_divide_factors(self.reduce_dtype, groups.dp_size, self.options.gradient_divide_factor)
-        if W == 1 and groups.replicate_size == 1:
+        if groups.moves_nothing:
             # landing reads and writes only this package's own tensors' metadata and .grad: no
             # __torch_function__ per read (a third of a one-rank backward's own cost otherwise)
+            reduce_dtype, divide = self.reduce_dtype, pre * post != 1
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 for i, g in grads.items():
                     h = self.handles[i]
-                    if g.dtype != self.reduce_dtype:
-                        g = g.to(self.reduce_dtype)  # round as the reduction would
-                    if pre * post != 1:  # a custom divide factor (one rank: nothing summed)
+                    if g.dtype != reduce_dtype:
+                        g = g.to(reduce_dtype)  # round as the reduction would
+                    if divide:  # a custom divide factor (one rank: nothing summed)
                         g = g.div(pre).div_(post)
                     if g.dtype != h.sharded.dtype:
                         g = g.to(h.sharded.dtype)
                     h.add_grad(g)
-            for i in sorted(grads):
-                self.handles[i].run_post_accumulate_grad_hooks()
+                # no parameter with a hook now: none runs, so none can register another
+                hooked = False
+                for i in grads:
+                    if getattr(self.handles[i].sharded, "_post_accumulate_grad_hooks", None):
+                        hooked = True
+                        break
+            if hooked:
+                for i in sorted(grads):
+                    self.handles[i].run_post_accumulate_grad_hooks()
             return None
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
@@ -592,6 +509,9 @@ class ShardedUnit:
             self.sync_requires_grad()
         if not backward:
             self.training_state = TrainingState.FORWARD
+        if self.local_only:  # no collective to attribute to a phase
+            self.wait_gather()
+            return
         with comm_phase("backward" if backward else "forward"):
             self.wait_gather()
 
@@ -612,6 +532,9 @@ class ShardedUnit:
     def pre_backward(self) -> None:
         """The first gradient for one of this unit's outputs arrived: gather again if freed."""
         self.training_state = TrainingState.BACKWARD
+        if self.local_only:  # no collective to attribute to a phase
+            self.wait_gather()
+            return
         with comm_phase("backward"):
             self.wait_gather()
 
