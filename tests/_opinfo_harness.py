@@ -318,16 +318,31 @@ def _verdict_value(got: Any, want: Any, tol: tuple[float, float], values: bool =
 
 
 def run_trial(op: Any, trial: Trial, sample: Any, tol: tuple[float, float]) -> dict[str, Any]:
-    """One trial on this rank (every rank calls it for the same trial, in the same order)."""
+    """One trial on this rank (every rank calls it for the same trial, in the same order): the
+    call twice on fresh arguments, so that the second takes the decisions the first recorded
+    (``owner_dtensor/decisions.py``); the first verdict that is not good, else the second's."""
     W = dist.get_world_size()
     plain = _plain(op, trial.variant, sample, trial.seed)
     if _any_rank(plain[0] == "n/a"):  # every rank skips the trial together
         return {"verdict": "n/a", "detail": plain[1] if plain[0] == "n/a" else "n/a on another rank"}
     want, out_plain = plain[1]
+    result: dict[str, Any] = {}
+    mesh = world_mesh()  # held across both calls: its recorded decisions live on it
+    for call in ("first call", "second call (recorded decisions)"):
+        result = _one_call(op, trial, sample, tol, W, want, out_plain, mesh)
+        if result["verdict"] not in GOOD:
+            result["detail"] = f"{call}: {result['detail']}"
+            return result
+    return result
+
+
+def _one_call(
+    op: Any, trial: Trial, sample: Any, tol: tuple[float, float], W: int, want: Any, out_plain: Any, mesh: Any
+) -> dict[str, Any]:
+    """The trial's call once, on owner-layout arguments built afresh, and its verdict."""
     flat, spec = _call_parts(sample)
     tensors = _tensors(flat)
     placed = iter(assign(trial.layout, tensors, W))
-    mesh = world_mesh()
     flat_dt = [build(a, next(placed), mesh) if isinstance(a, torch.Tensor) else a for a in flat]
     out_dt = None
     if trial.variant == "out":

@@ -411,3 +411,110 @@ def collectives_job(rank: int, W: int) -> dict[str, dict[str, Any]]:
                 "owner": agreed(run),
             }
     return out
+
+
+# -- whole-parameter assignment idioms (issue 40) -------------------------------------------------------------
+def _sharded_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small GPT sharded by this package (every block, then the root) and an unsharded copy."""
+    import copy
+
+    from _ref import CFG
+    from matrix_owner_optim.sharding import fully_shard
+    from matrix_owner_optim.toolbox.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ref = copy.deepcopy(model)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model, ref
+
+
+def _max_rel_err(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    errs = []
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        full = p.detach().full_tensor()
+        if full.dtype != q.dtype:
+            return math.inf
+        errs.append(float((full - q.detach()).norm() / q.detach().norm().clamp_min(1e-30)))
+    return max(errs)
+
+
+def _assign_vector(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for m in (model, ref):
+        vec = torch.nn.utils.parameters_to_vector(m.parameters())
+        torch.nn.utils.vector_to_parameters(vec * 0.5, m.parameters())
+
+
+def _assign_data_same_layout(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for m in (model, ref):
+        for p in m.parameters():
+            p.data = p.data * 0.5 + 1
+
+
+def _assign_data_plain(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    torch.manual_seed(5)
+    values = [torch.randn(q.shape) for q in ref.parameters()]
+    for m in (model, ref):
+        for p, v in zip(m.parameters(), values, strict=True):
+            p.data = v.clone()
+
+
+def _assign_data_dtype(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for m in (model, ref):
+        for p in m.parameters():
+            p.data = p.data.to(torch.float64)
+
+
+def _copy_full_after_vector(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    for m in (model, ref):
+        vec = torch.nn.utils.parameters_to_vector(m.parameters()) * 0.5
+        offset = 0
+        for p in m.parameters():
+            n = p.numel()
+            p.copy_(vec[offset : offset + n].view_as(p))
+            offset += n
+
+
+ASSIGNMENTS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], None]] = {
+    "vector_to_parameters(vec * 0.5)": _assign_vector,
+    "p.data = p.data * 0.5 + 1": _assign_data_same_layout,
+    "p.data = plain tensor": _assign_data_plain,
+    "p.data = p.data.to(float64)": _assign_data_dtype,
+    "p.copy_(full) after parameters_to_vector": _copy_full_after_vector,
+}
+
+
+def assignment_job(rank: int, W: int) -> dict[str, list[Outcome]]:
+    """Each idiom on a fresh sharded model and its unsharded copy: every rank's largest relative
+    error of a parameter against the copy (0: right), and, after ``vector_to_parameters``, the
+    forward's loss on both (the sharded forward reads the new values). The refused idioms
+    (``p.set_``, ``p.data =`` of another shape): every rank's exception."""
+    torch.set_num_threads(1)
+    from _ref import global_batch
+
+    out: dict[str, list[Outcome]] = {}
+    for name, idiom in ASSIGNMENTS.items():
+
+        def run(idiom: Callable[[torch.nn.Module, torch.nn.Module], None] = idiom) -> float:
+            model, ref = _sharded_pair()
+            with torch.no_grad():
+                idiom(model, ref)
+            return _max_rel_err(model, ref)
+
+        out[name] = agreed(run)
+
+    def forward_after_vector() -> tuple[float, float]:
+        model, ref = _sharded_pair()
+        with torch.no_grad():
+            _assign_vector(model, ref)
+        idx, tgt = global_batch(0, 1)
+        return float(model(idx, tgt)), float(ref(idx, tgt))
+
+    out["forward after vector_to_parameters"] = agreed(forward_after_vector)
+    model, _ = _sharded_pair()
+    p = next(model.parameters())
+    out["p.set_(t)"] = agreed(lambda: p.detach().set_(p.detach() * 0.5))
+    out["p.data = another shape"] = agreed(lambda: setattr(p, "data", torch.zeros(3)))
+    return out

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from _opinfo_harness import PG_TIMEOUT_S, Summary, run_world
-from _owner_contract import collectives_job, reads_job
+from _owner_contract import ASSIGNMENTS, assignment_job, collectives_job, reads_job
 from _ranks import spawn_ranks
 
 pytestmark = pytest.mark.multirank
@@ -197,3 +197,22 @@ def test_opinfo_long_form(W: int) -> None:
     summary = run_world(W, "long")
     print(_report(summary))
     assert not summary.other(), _report(summary)
+
+
+# -- whole-parameter assignment (issue 40) -----------------------------------------------------------
+@pytest.mark.parametrize("W", [2, 3])
+def test_whole_parameter_assignment_right_or_refused_on_every_rank(W: int) -> None:
+    """``vector_to_parameters``, ``p.data = t`` (same layout, plain, another dtype) and
+    ``p.copy_(full)`` after ``parameters_to_vector`` leave every parameter equal to the unsharded
+    model's on every rank (bitwise: the same values, moved), and the sharded forward reads them;
+    ``p.set_`` and ``p.data =`` of another shape are refused on every rank, naming what."""
+    res = spawn_ranks(assignment_job, W, timeout_s=120, strict_shutdown=True)
+    got = res[0]
+    for name in ASSIGNMENTS:
+        assert got[name] == [("ok", 0.0)] * W, (name, got[name])
+    forward = got["forward after vector_to_parameters"]
+    assert all(o[0] == "ok" and o[1][0] == o[1][1] for o in forward), forward
+    set_ = got["p.set_(t)"]
+    assert all(o[0] == "raised" and o[1] == "NotImplementedError" and "set_" in o[2] for o in set_), set_
+    shape = got["p.data = another shape"]
+    assert all(o[0] == "raised" and o[1] == "RuntimeError" and "t.data = value" in o[2] for o in shape), shape

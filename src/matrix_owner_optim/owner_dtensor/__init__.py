@@ -1,8 +1,10 @@
 """The owner layout as a DTensor: what a sharded parameter, its gradient and its state are.
 
-(``placement.py``: the placements; ``tensor.py``: the tensor; ``ops.py``: operator classes;
-``dispatch.py``: the rule each call takes; ``lists.py``: list operators; ``dcp.py``: DCP's
-checkpoint protocol.)
+(``placement.py``: the placements; ``base.py`` / ``tensor.py``: the tensor; ``ops.py``: operator
+classes; ``dispatch.py``: the rule each call takes; ``decisions.py``: decisions cached;
+``values.py``: whole values, pieces, the ``copy_`` rule; ``holder_agreement.py``; ``lists.py``:
+list operators; ``two_dim.py``: 2D meshes; ``assign.py``: ``t.data =``; ``dcp.py``: DCP's
+checkpoint protocol. DESIGN.md, "The representation", describes the rules once.)
 
 Every tensor of the owner layout is an :class:`OwnerDTensor`: a ``DTensor`` over the shard
 group's 1D mesh whose local tensor is this rank's piece. Its placement says which piece:

@@ -43,7 +43,6 @@ raises on the holder only.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +50,20 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import comm
 from ..planning.metadata import chunk_row_range
+from .base import OwnerTensorBase
+from .holder_agreement import agree
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
-from .placement import OwnerShard, owned_ranges, placement_key, same_placement, spec_piece
+from .placement import OwnerShard, owned_ranges, placement_key, same_placement
+from .values import copy_into, full_of, write_piece
 
-# The tensor class arrives as ``cls`` (OwnerDTensor's ``__torch_dispatch__`` passes itself), so
-# this module never imports tensor.py: tensor.py imports it.
-OwnerDTensorType = Any
+# The class arrives as ``cls`` (``__torch_dispatch__`` passes itself); this module reads it through
+# its base class (tensor.py imports this module).
+OwnerDTensorType = type[OwnerTensorBase]
 
 aten = torch.ops.aten
 
-__all__ = ["Call", "adopt", "dispatch", "full_of", "lay_out_like", "write_piece"]
+__all__ = ["Call", "adopt", "dispatch", "full_of", "lay_out_like", "run_rules", "write_piece"]
 
 
 @dataclass
@@ -136,72 +137,6 @@ def _all_replicated(call: Call) -> bool:
     )
 
 
-def full_of(a: Any) -> Any:
-    """The whole value of one argument on every rank (a collective for a non-replicated DTensor;
-    every rank calls it for the same arguments), in the argument's own strides (see
-    :func:`_in_strides_of`)."""
-    if isinstance(a, DTensor):
-        full = a.full_value() if hasattr(a, "full_value") else a.full_tensor()
-        return _in_strides_of(a, full)
-    return a
-
-
-def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether ``stride`` lays ``shape`` out densely with no overlap (a permutation of the
-    contiguous strides; size-1 dimensions may have any stride)."""
-    if 0 in shape:
-        return False
-    expected = 1
-    for size, step in sorted(((n, st) for n, st in zip(shape, stride, strict=True) if n > 1), key=lambda x: x[1]):
-        if step != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _in_strides_of(a: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``full`` (contiguous, as gathers return it) in ``a``'s strides where ``a`` is a dense
-    view in another order (a transposed matrix): a kernel given the gathered value then picks
-    what it picks for the plain tensor (BLAS's transpose flags, so its summation order), and a
-    gathered result rounds as the plain one does. Overlapping strides (``expand``) stay
-    contiguous: no storage has them."""
-    stride = tuple(a.stride())
-    if stride == tuple(full.stride()) or a.dim() < 2 or not _dense(tuple(a.shape), stride):
-        return full
-    restrided = torch.empty_strided(tuple(a.shape), stride, dtype=full.dtype, device=full.device)
-    return restrided.copy_(full)
-
-
-def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:
-    """Write this rank's piece of ``full`` (the new whole value of ``dst``) into ``dst``."""
-    if tuple(full.shape) != tuple(dst.shape):
-        raise RuntimeError(
-            f"{func or 'an operator'} would change the shape of an owner-layout tensor it writes from "
-            f"{tuple(dst.shape)} to {tuple(full.shape)} (an out= tensor of another size; a DTensor cannot be "
-            "resized in place): pass an out= tensor of the result's shape"
-        )
-    if hasattr(dst, "piece_of_full"):
-        if isinstance(dst.placement, Partial):
-            if dst.holder is None:  # a partial of every rank: now the same whole value everywhere
-                dst.relayout(full.clone(), Replicate())
-            elif dst.is_holder:
-                dst._local_tensor.copy_(full)
-            return  # a value held by another rank: this rank keeps its zero
-        dst._local_tensor.copy_(dst.piece_of_full(full))
-        return
-    if isinstance(dst, DTensor):
-        if any(isinstance(p, Partial) for p in dst.placements):
-            raise NotImplementedError(
-                "writing a Partial DTensor from an operator that also reads owner-layout tensors: "
-                "call .full_tensor() on it first"
-            )
-        piece = spec_piece(full, dst)
-        if dst._local_tensor.data_ptr() != piece.data_ptr() or dst._local_tensor.numel() == 0:
-            dst._local_tensor.copy_(piece)
-        return
-    dst.copy_(full)
-
-
 def lay_out_like(cls: OwnerDTensorType, like: Any, full: torch.Tensor) -> Any:
     """A new result ``full`` (the same on every rank) laid out as ``like``: this rank's piece
     copied out of it (so the whole tensor is not kept alive), or replicated when shapes differ."""
@@ -249,33 +184,6 @@ def _keeps_shape(call: Call) -> bool:
     target = call.args[1]
     shape = tuple(target.shape) if isinstance(target, torch.Tensor) else tuple(int(s) for s in target)
     return shape == tuple(call.args[0].shape)
-
-
-def _copy_into(call: Call) -> Any:
-    """``dst.copy_(src)``: this rank's piece of ``src`` into ``dst``'s piece."""
-    dst, src = call.args[0], call.args[1]
-    if (
-        isinstance(src, call.cls)
-        and same_placement(src.placement, dst.placement)
-        and src.holder == dst.holder  # a 0-dim value held by another rank is another layout
-        and tuple(src.shape) == tuple(dst.shape)
-        and src.device_mesh == dst.device_mesh
-    ):
-        dst._local_tensor.copy_(src._local_tensor)
-        return dst
-    if isinstance(src, DTensor):
-        full = src._local_tensor if all(_replicated(p) for p in src.placements) else full_of(src)
-    elif isinstance(src, torch.Tensor):
-        full = src
-    else:
-        dst._local_tensor.fill_(src)
-        return dst
-    if tuple(full.shape) != tuple(dst.shape):
-        full = full.expand(dst.shape)
-    if dst.dim() == 0 and isinstance(dst.placement, Partial) and not dst.is_holder:
-        return dst
-    dst._local_tensor.copy_(dst.piece_of_full(full))
-    return dst
 
 
 def _value(call: Call) -> Any:
@@ -350,7 +258,7 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
     """The holder computes; the others compute shapes on ``meta`` and hold an empty piece.
 
     An operator whose meta kernel is not exact by construction (``OperatorInfo.meta_exact``)
-    then takes an agreement (:func:`_agree`, one all-gather of two integers per rank at W > 1):
+    then takes an agreement (``holder_agreement.py``, one all-gather of two integers per rank at W > 1):
     an error on the holder is raised on every rank, and a result whose metadata differs from
     what ``meta`` gave the others (``native_batch_norm`` in eval mode) is computed gathered
     instead. Exact operators (pointwise, structured: an optimizer's whole step) stay free of
@@ -386,7 +294,7 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
         converted = [_meta(a) for a in call.flat]
         out = call.run(converted)
     if mesh.size() > 1 and not info.meta_exact:
-        agreed = _agree(call, holder, error, out, converted)
+        agreed = agree(call.mesh, call.func, call.flat, call.written, holder, error, out, converted)
         if not agreed:  # the kernel's metadata is not meta's: every rank gathers instead
             if info.inplace:
                 raise NotImplementedError(
@@ -425,67 +333,6 @@ def _placeholder(like: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     if like.is_neg():
         empty = empty._neg_view()
     return empty
-
-
-# Exceptions an operator raises, by code: the other ranks raise the holder's type (0: none).
-_ERRORS: tuple[type[BaseException], ...] = (
-    RuntimeError,
-    ValueError,
-    IndexError,
-    TypeError,
-    NotImplementedError,
-    KeyError,
-    ZeroDivisionError,
-    OverflowError,
-    torch.linalg.LinAlgError,
-)
-
-
-def _error_code(exc: BaseException) -> int:
-    for code, kind in reversed(list(enumerate(_ERRORS, start=1))):  # subclasses (LinAlgError) first
-        if isinstance(exc, kind):
-            return code
-    return 1  # RuntimeError
-
-
-def _metadata_digest(out: Any, written: set[int]) -> int:
-    """A digest of a result's structure: every new tensor's shape, stride, dtype and conjugate /
-    negative bits, other values' reprs (what must be the same on every rank; never a tensor's
-    data). A written argument returned (``ids`` in ``written``) counts by position only: the
-    caller gets its own tensor back, whose layout is its spec's."""
-    leaves, spec = tree_flatten(out)
-    parts = [str(spec)]
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and id(t) in written:
-            parts.append("W")
-        elif isinstance(t, torch.Tensor):
-            parts.append(f"T{tuple(t.shape)}{tuple(t.stride())}{t.dtype}{t.is_conj():d}{t.is_neg():d}")
-        else:
-            parts.append(f"{type(t).__name__}:{t!r}")
-    return zlib.crc32("|".join(parts).encode())
-
-
-def _agree(call: Call, holder: int, error: BaseException | None, out: Any, converted: list) -> bool:
-    """Every rank's (error code, result digest) gathered: raises the holder's error on every
-    rank; False where the holder's result differs in metadata from the others' (meta) result."""
-    mesh = call.mesh
-    written = {id(c) for a, c in zip(call.flat, converted, strict=True) if id(a) in call.written}
-    mine = torch.tensor(
-        [_error_code(error) if error is not None else 0, _metadata_digest(out, written) if error is None else 0],
-        dtype=torch.int64,
-        device=call.owners[0]._local_tensor.device,
-    )
-    flat = torch.empty(2 * mesh.size(), dtype=torch.int64, device=mine.device)
-    comm.all_gather_into_tensor(flat, mine, group=mesh.get_group(), name="holder_agreement")
-    table = flat.view(mesh.size(), 2)
-    code, digest = (int(v) for v in table[holder].tolist())
-    if code:  # every rank learns the holder's message, then raises
-        said = comm.all_gather_object(str(error) if error is not None else None, group=mesh.get_group())
-        if error is not None:
-            raise error
-        raise _ERRORS[code - 1](f"{call.func} raised on rank {holder}, which holds its tensors: {said[holder]}")
-    other = next(r for r in range(mesh.size()) if r != holder)
-    return digest == int(table[other, 1])
 
 
 def _meta(a: Any) -> Any:
@@ -621,11 +468,19 @@ def _gathered(call: Call) -> Any:
 def dispatch(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
     owner-layout tensor (see the module docstring for the rules and their order)."""
+    return run_rules(cls, func, args, kwargs, info)[2]
+
+
+def run_rules(
+    cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo
+) -> tuple[str, int | None, Any]:
+    """:func:`dispatch`, also naming the rule the call took and its holder (``decisions.py``
+    records the local rules' decisions)."""
     call = Call(cls, func, args, kwargs or {}, info)
     if func in (aten.resize_.default, aten.resize_as_.default) and _keeps_shape(call):
-        return call.args[0]  # out= kernels resize their out tensor to the shape it already has
+        return "no-op", None, call.args[0]  # out= kernels resize their out tensor to the shape it already has
     if info.cls is OpClass.REFUSED:
-        return _refuse(call, info)
+        return "refused", None, _refuse(call, info)
     for a in call.flat:
         if id(a) in call.written and getattr(a, "_gathered_view", False):
             raise NotImplementedError(
@@ -635,38 +490,39 @@ def dispatch(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: 
             )
     if func in SHAPE_VIEWS and _keeps_shape_view(call):
         like = call.args[0]
-        return call.cls.make(
+        view = call.cls.make(
             like._local_tensor.view(like._local_tensor.shape),
             like.device_mesh,
             like.placement,
             like.shape,
             holder=like.holder,
         )
+        return "view", None, view
     if func in NEW_FACTORIES:  # only self's dtype and device are read: a plain (replicated) tensor
-        return func(args[0]._local_tensor, *args[1:], **(kwargs or {}))
+        return "factory", None, func(args[0]._local_tensor, *args[1:], **(kwargs or {}))
     if func is aten.copy_.default and isinstance(args[0], cls):
-        return _copy_into(call)
+        return "copy_", None, copy_into(args[0], args[1])
     if info.cls is OpClass.VALUE:
-        return _value(call)
+        return "value", None, _value(call)
     if info.cls is OpClass.RANDOM and not _all_replicated(call):
-        return _random(call, info)
+        return "random", None, _random(call, info)
     if _all_replicated(call):
-        return _replicated_rule(call)
+        return "replicated", None, _replicated_rule(call)
     if info.join:
         joined = _join_partials(call)
         if joined is not None:
-            return joined
+            return "partial join", None, joined
     holder = _single_holder(call)
     if holder is not None and info.meta:
         out = _holder_local(call, holder, info)
         if out is not None:
-            return out
+            return "holder-local", holder, out
     if info.pointwise:
         out = _same_layout(call)
         if out is not None:
-            return out
+            return "same layout", None, out
     if info.row_blocks:
         out = _row_blocks(call)
         if out is not None:
-            return out
-    return _gathered(call)
+            return "row blocks", None, out
+    return "gathered", None, _gathered(call)

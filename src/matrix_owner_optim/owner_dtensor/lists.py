@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import comm
 from ..replica_sync import get_replica
+from .decisions import learn_list
 from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
 from .placement import same_placement
@@ -143,6 +144,8 @@ def run_lists(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info:
             results[j] = out
     if base == _FOUND_INF:
         _agree_found_inf(args, kwargs, lists)
+    elif len(local_js) == n:  # every element local: the decision is recorded (decisions.py)
+        learn_list(cls, func, args, kwargs, results if returns_list else None)
     if returns_list:
         return results
     return None

@@ -14,12 +14,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.utils import _foreach_utils
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
 from ..replica_sync import keep_replica_place, land_deferred, replica_state_source
+from .assign import assign_data
+from .base import OwnerTensorBase
 from .dcp import DcpChunks
-from .dispatch import dispatch, local_rank
+from .decisions import LEARNABLE_RULES, MISS, fast_call, learn
+from .dispatch import local_rank, run_rules
 from .lists import run_lists
 from .ops import OpClass, operator_info
 from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
@@ -83,16 +87,13 @@ def mesh_of_group(group: Any, device_type: str) -> Any:
     return mesh
 
 
-class OwnerDTensor(DcpChunks, DTensor):
+class OwnerDTensor(DcpChunks, OwnerTensorBase):
     """A DTensor of the owner layout (see the module docstring).
 
     Built with :meth:`make` (no copy). The placement is ``OwnerShard``, ``Shard(0)`` or
     ``Replicate()``; 0-dim values held by one rank carry a ``Partial`` placement and their
     holder in ``_holder``.
     """
-
-    _holder: int | None
-    _gathered_view: bool = False  # a view of a gathered copy (dispatch.py): writing it is refused
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -322,6 +323,8 @@ class OwnerDTensor(DcpChunks, DTensor):
         unchanged (DTensor's own ``__torch_function__`` is disabled)."""
         kwargs = kwargs or {}
         out = kwargs.get("out")
+        if type(func) is _METHOD_WRAPPER and func == _SET_DATA:  # t.data = value (assign.py)
+            return assign_data(cls, args[0], args[1])
         with torch._C.DisableTorchFunctionSubclass():
             if out is None or not any(isinstance(o, OwnerDTensor) for o in _as_tuple(out)):
                 try:
@@ -349,16 +352,24 @@ class OwnerDTensor(DcpChunks, DTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
         (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
-        info = operator_info(func)
-        if info.cls is OpClass.LIST:  # element by element, 2D elements included
-            return run_lists(cls, func, args, kwargs or {}, info)
-        if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
-            return dispatch_2d(cls, func, args, kwargs or {}, info)
-        out = dispatch(cls, func, args, kwargs or {}, info)
+        kwargs = kwargs or {}
+        out = fast_call(cls, func, args, kwargs)  # a decision recorded for this metadata
+        if out is MISS:
+            info = operator_info(func)
+            if info.cls is OpClass.LIST:  # element by element, 2D elements included
+                return run_lists(cls, func, args, kwargs, info)
+            if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
+                return dispatch_2d(cls, func, args, kwargs, info)
+            rule, holder, out = run_rules(cls, func, args, kwargs, info)
+            if rule in LEARNABLE_RULES:
+                learn(cls, func, args, kwargs, info, rule, holder, out)
         if func in _ALIASES and isinstance(out, OwnerDTensor):
             keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too
         return out
 
+
+_SET_DATA = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]
+_METHOD_WRAPPER = type(_SET_DATA)
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
@@ -380,3 +391,12 @@ def _as_tuple(x: Any) -> tuple:
 
 
 torch.serialization.add_safe_globals([OwnerDTensor, OwnerShard, _NormPartial])
+
+# torch's clip_grad_norm_ / get_total_norm / clip_grad_value_ take their list (foreach) path for
+# the tensor types of this registry (``type(t) in`` it: a subclass of DTensor is not DTensor),
+# where torch.distributed.tensor registers DTensor itself. Registered, the gradients' norms are one
+# ``_foreach_norm`` and the scaling one ``_foreach_mul_`` on the local pieces (lists.py), instead
+# of one call per gradient. (Only this registry: torch.optim keeps its own, whose default for
+# owner-layout parameters stays as it is.)
+if OwnerDTensor not in _foreach_utils._foreach_supported_types:
+    _foreach_utils._foreach_supported_types.append(OwnerDTensor)  # type: ignore[arg-type]

@@ -52,10 +52,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
+from .dispatch import OwnerDTensorType
 from .ops import ELEMENTWISE, NORMS, OperatorInfo, norm_partial
-from .placement import as_bytes, contiguous_stride, same_placement, spec_piece
-
-OwnerDTensorType = Any
+from .placement import as_bytes, contiguous_stride, same_placement
+from .values import copy_into
 
 aten = torch.ops.aten
 
@@ -166,7 +166,7 @@ def norm_2d(value: torch.Tensor, t: DTensor, partial: Any) -> DTensor:
 def dispatch_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
     """One call with a 2D owner-layout argument (see the module docstring for the rules)."""
     if func is aten.copy_.default and isinstance(args[0], cls) and is_2d(args[0]):
-        return copy_into_2d(args[0], args[1])
+        return copy_into(args[0], args[1])  # the layout's one copy_ rule (values.py)
     flat, _ = tree_flatten((args, kwargs))
     # a 0-dim value every rank holds (clip_grad_norm_'s coefficient, replicated on the dense 1D
     # mesh of the tensors outside tensor/expert parallel) is a scalar, whatever its layout
@@ -190,32 +190,6 @@ def dispatch_2d(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, inf
     if info.inplace:
         return args[0]
     return tree_map(lambda r: wrap_2d(cls, r, ref) if isinstance(r, torch.Tensor) else r, out)
-
-
-def copy_into_2d(dst: Any, src: Any) -> Any:
-    """``dst.copy_(src)`` for a 2D owner-layout ``dst``: this rank's piece of ``src`` (see the
-    module docstring's ``copy_`` rule). Collective only where ``src`` is a DTensor of another
-    layout, which every rank holds (its ``full_tensor()``)."""
-    local = dst._local_tensor
-    if isinstance(src, DTensor) and is_2d(src) and same_spec_2d(src, dst):
-        local.copy_(src._local_tensor)
-        return dst
-    if isinstance(src, DTensor) and src.device_mesh.ndim == 1 and tuple(src.shape) == tuple(dst.shape):
-        if src.device_mesh == tp_mesh_of(dst) and tuple(src.placements) == (tp_placement_of(dst),):
-            if local.numel():  # the owner: its TP slice is the source's local piece
-                local.copy_(src._local_tensor)
-            return dst
-    if isinstance(src, DTensor):
-        full = src._local_tensor if all(isinstance(p, Replicate) for p in src.placements) else src.full_tensor()
-    elif isinstance(src, torch.Tensor):
-        full = src
-    else:  # a Python number
-        local.fill_(src)
-        return dst
-    if tuple(full.shape) != tuple(dst.shape):
-        full = full.expand(dst.shape)  # broadcasting, as copy_ does (raises on shapes that do not)
-    local.copy_(spec_piece(full, dst))
-    return dst
 
 
 def full_value_2d(t: DTensor, holder: int) -> torch.Tensor:
