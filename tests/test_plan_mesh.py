@@ -40,7 +40,7 @@ from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank, 
 from matrix_owner_optim.planning.mesh_advice import divisors_descending
 from matrix_owner_optim.planning.registry import DEFAULT_COST
 from matrix_owner_optim.planning.replicas import assign_step_replicas
-from matrix_owner_optim.replica_sync import steps_here
+from matrix_owner_optim.replica_sync import replicas_of, steps_here
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli.main import main as cli_main
@@ -346,7 +346,11 @@ def _advised_run(rank: int, W: int) -> dict:
         assert err <= LOSS_RTOL, (step, err)
         for name, p in model.named_parameters():
             shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)
-            if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank) or not steps_here(p):
+            if (
+                shard.role is not Role.ROWS
+                and not shard.is_owned_by(shard_rank)
+                or not steps_here(shard, replicas_of(p))
+            ):
                 assert no_gradient_here(p), name  # HSDP: a matrix's gradient on its global owner only
                 continue
             want = full_grad_rows(shard, shard_rank, ref_params[name].grad)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "itemsize", "local_tensor"]
+__all__ = ["TreeLink", "is_dtensor", "itemsize", "local_tensor", "tree_link"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -30,3 +31,22 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class TreeLink:
+    """An owner-layout tensor's one link to the tree of ``fully_shard`` calls it belongs to
+    (``OwnerDTensor._tree``): the parameters of a fixed tree, their gradients and ``detach()``
+    aliases share the tree's link; an HSDP optimizer-state entry in a state dict links with
+    ``held_on``, the one replica holding it (its step replica). ``tree`` is the
+    ``sharding.tree.ShardTree`` (``replica_sync.ReplicaTree`` says what is read of it: its
+    replicas' record and the landing of their due broadcasts)."""
+
+    tree: Any
+    held_on: int | None = None
+
+
+def tree_link(t: Any) -> TreeLink | None:
+    """The :class:`TreeLink` of ``t`` (None: not a tensor of a fixed tree)."""
+    link = getattr(t, "_tree", None) if is_dtensor(t) else None
+    return link if isinstance(link, TreeLink) else None

@@ -26,7 +26,7 @@ from ..planning.bands import band_holds_key, row_band_of
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
 from ..planning.registry import DEFAULT_COST
-from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, defer_replicas, steps_here, sync_replicas
+from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, replicas_of, replicas_stepped, steps_here
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -194,7 +194,7 @@ class LocalLayout(UpdateLayout):
                     local = piece.numel() > 0
                 else:
                     local = shard.owner == rank and (piece.numel() > 0 or not shard.shape)
-                local = local and steps_here(rp.param)  # HSDP: another replica's holder steps it
+                local = local and steps_here(shard, replicas_of(rp.param))  # HSDP: another replica's steps it
             else:
                 rp.owner = 0
                 local = True
@@ -217,11 +217,7 @@ class LocalLayout(UpdateLayout):
         self.zero_grad(True)
         # HSDP: each matrix's global owner sends the new values to the other replicas' holders,
         # now or before each unit's next all-gather
-        params = [rp.param for rp in self.entries]
-        if self.config.replica_broadcast == "forward":
-            defer_replicas(params)
-        else:
-            sync_replicas(params)
+        replicas_stepped([rp.param for rp in self.entries], self.config.replica_broadcast)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for rp in self.entries:

@@ -17,7 +17,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
-from ..replica_sync import keep_replica_place, land_deferred, replica_state_source
+from ..tensors import TreeLink
 from .dcp import DcpChunks
 from .dispatch import dispatch, local_rank
 from .lists import run_lists
@@ -88,10 +88,12 @@ class OwnerDTensor(DcpChunks, DTensor):
 
     Built with :meth:`make` (no copy). The placement is ``OwnerShard``, ``Shard(0)`` or
     ``Replicate()``; 0-dim values held by one rank carry a ``Partial`` placement and their
-    holder in ``_holder``.
+    holder in ``_holder``. A parameter of a fixed ``fully_shard`` tree, its gradient and its
+    ``detach()`` aliases link to their tree in ``_tree`` (HSDP's replicas are read there).
     """
 
     _holder: int | None
+    _tree: TreeLink | None = None  # the link to its tree of fully_shard calls (tensors.TreeLink)
     _gathered_view: bool = False  # a view of a gathered copy (dispatch.py): writing it is refused
 
     # -- construction -------------------------------------------------------------------------
@@ -226,22 +228,26 @@ class OwnerDTensor(DcpChunks, DTensor):
     def full_value(self) -> torch.Tensor:
         """The whole tensor on every rank, in new storage (a collective unless replicated): as
         DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
-        tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
-        whose replicas' broadcast is deferred to the next forward lands it first."""
+        tensor, nor the other way round, also on the rank that holds it. Under HSDP (read
+        through the link to its tree) a parameter whose replicas' broadcast is deferred to the
+        next forward lands it first."""
         if self.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner
             return self._full_2d()
-        land_deferred(self)
-        source = replica_state_source(self)
-        if source is None:
+        link = self._tree
+        replicas = None if link is None else link.tree.replicas
+        if link is None or replicas is None or replicas.size <= 1:
+            return self._full_in_group()
+        link.tree.land_replicas()
+        if link.held_on is None:
             return self._full_in_group()
         # HSDP optimizer state held on one replica (its global owner's): gathered in that
         # replica's shard group, then broadcast over the replicate group to the other replicas
-        place, src = source
-        if place.rank == src:
+        src = link.held_on
+        if replicas.rank == src:
             full = self._full_in_group()
         else:
             full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
-        comm.broadcast(as_bytes(full), group_src=src, group=place.group, name="replica_full_state")
+        comm.broadcast(as_bytes(full), group_src=src, group=replicas.group, name="replica_full_state")
         return full
 
     def _full_2d(self) -> torch.Tensor:
@@ -356,7 +362,7 @@ class OwnerDTensor(DcpChunks, DTensor):
             return dispatch_2d(cls, func, args, kwargs or {}, info)
         out = dispatch(cls, func, args, kwargs or {}, info)
         if func in _ALIASES and isinstance(out, OwnerDTensor):
-            keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too
+            out._tree = args[0]._tree  # p.detach().full_tensor() lands a deferred HSDP sync too
         return out
 
 

@@ -285,7 +285,9 @@ def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
                 "only shape-preserving conversions (to, to_empty, half, cuda, ...) keep the owner "
                 "layout. Apply it to the model before fully_shard, or to a full state dict"
             )
-        return OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
+        new = OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
+        new._tree = t._tree  # its link to its tree (HSDP's replicas) stays
+        return new
 
     setattr(convert, _PIECEWISE, True)
     return convert

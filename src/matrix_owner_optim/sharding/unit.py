@@ -51,7 +51,7 @@ from torch import nn
 from .. import comm
 from ..comm import comm_phase
 from ..planning.metadata import MatrixShard
-from ..replica_sync import PendingBroadcast, ReplicaPlace, ReplicaSync, held_pieces, issue_broadcast
+from ..replica_sync import PendingBroadcast, ReplicaSync, held_pieces, issue_broadcast, steps_here
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -128,12 +128,12 @@ class ShardGroups:
     replicate_group: Any = None  # HSDP: the replicas of this shard group
     replicate_size: int = 1
     replicate_rank: int = 0  # HSDP: this process's replica
-    replica_sync: ReplicaSync | None = None  # HSDP: set when global owners' gradients landed
+    replica_sync: ReplicaSync | None = None  # HSDP: the tree's replica record (replica_sync.py)
 
     def steps_here(self, shard: MatrixShard) -> bool:
         """Whether this replica's holder of ``shard`` gets its averaged gradient and steps it
         (HSDP gives each matrix one global owner: ``MatrixShard.step_replica``)."""
-        return shard.step_replica is None or shard.step_replica == self.replicate_rank
+        return steps_here(shard, self.replica_sync)
 
     @property
     def dp_size(self) -> int:
@@ -345,8 +345,7 @@ class ShardedUnit:
             return
         assert sync is not None
         self._replica_generation = sync.generation
-        place = ReplicaPlace(self.groups.replicate_rank, self.groups.replicate_size, self.groups.replicate_group, sync)
-        self._replica_in_flight = issue_broadcast(place, held_pieces([h.sharded for h in self.handles]))
+        self._replica_in_flight = issue_broadcast(sync, held_pieces([h.sharded for h in self.handles]))
 
     def land_replica_sync(self) -> None:
         """The stepped values in this rank's pieces: the due broadcast issued (if not yet) and
