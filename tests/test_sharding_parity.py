@@ -66,6 +66,7 @@ from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_s
 from matrix_owner_optim.preconditioners import Muon
 from matrix_owner_optim.replica_sync import replicas_of, steps_here
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from matrix_owner_optim.sharding.module import context_of, units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -269,7 +270,7 @@ def _frozen(rank: int, W: int) -> dict:
                 assert p.grad is None, f"frozen {n} has a gradient"
             else:
                 assert (not no_gradient_here(p)) == owned, n
-        for unit in m._moo_units():
+        for unit in units_of(m):
             assert all(h.unsharded.grad is None for h in unit.handles)
 
     out = _train(rank, model, ref, after_backward=check)
@@ -341,7 +342,7 @@ def _prefetch(rank: int, W: int) -> dict:
         _shard(model)
         setup(model)
         model.fix_plan()
-        ctx = model._moo_context()
+        ctx = context_of(model)
         per_step = []
 
         def grab(step, m):

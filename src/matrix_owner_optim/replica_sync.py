@@ -97,8 +97,8 @@ class ReplicaTree(Protocol):
 
 def replicas_of(t: torch.Tensor) -> ReplicaSync | None:
     """The replica record of ``t``'s tree (None: no replicas, or not a tensor of a fixed tree)."""
-    link = tree_link(t)
-    return None if link is None else link.tree.replicas
+    tree = None if (link := tree_link(t)) is None else link.tree
+    return None if tree is None else tree.replicas
 
 
 def steps_here(shard: MatrixShard | None, replicas: ReplicaSync | None) -> bool:
@@ -132,9 +132,10 @@ def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:
     (``"forward"``); see the module docstring."""
     trees: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in params:
-        link = tree_link(p)
-        if link is not None and link.tree.replicas is not None and link.tree.replicas.size > 1:
-            trees.setdefault(id(link.tree), (link.tree, []))[1].append(p)
+        replicas = replicas_of(p)
+        if replicas is not None and replicas.size > 1:
+            tree = tree_link(p).tree  # type: ignore[union-attr]  # replicas_of found it
+            trees.setdefault(id(tree), (tree, []))[1].append(p)
     for tree, members in trees.values():
         tree.replicas_stepped(members, deferred=placement == "forward")
 
@@ -162,7 +163,7 @@ def hold_on_step_replica(value: torch.Tensor, param: torch.Tensor) -> None:
     if link is not None and _one_replica_steps(param) is not None:
         shard = get_matrix_shard(param)
         assert shard is not None
-        value._tree = TreeLink(link.tree, shard.step_replica)  # type: ignore[attr-defined]
+        value._tree = TreeLink.to(link.tree, shard.step_replica)  # type: ignore[attr-defined]
 
 
 @dataclass(eq=False)

@@ -7,8 +7,9 @@ tensor (its ``proxy``), and moves what the layout forces before and after the lo
   :func:`matrix_owner_optim.fully_shard`: the owner holds the tensor whole, so the step is
   local and moves zero bytes.
 
-Other layouts (stock FSDP2 DTensors, replicated DDP parameters) register their own classes in
-:data:`LAYOUTS`; the first whose ``accepts`` says yes takes a parameter.
+Other layouts (stock FSDP2 DTensors, owner-layout TP / EP slices, replicated DDP parameters)
+have their own modules; which one steps a parameter is one rule by what the tensor is
+(``layout_of.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ __all__ = [
     "LayoutConfig",
     "UpdateLayout",
     "LocalLayout",
-    "LAYOUTS",
-    "register_layout",
-    "layout_for",
     "is_multi_rank",
+    "holder_local",
     "plain_local",
     "NOT_HELD",
 ]
@@ -93,11 +92,6 @@ class UpdateLayout(ABC):
         self.config = config or LayoutConfig()
         self.entries: list[RoutedParam] = []
 
-    @staticmethod
-    @abstractmethod
-    def accepts(param: torch.Tensor) -> bool:
-        """Whether this layout handles ``param``."""
-
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
         """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``."""
@@ -146,6 +140,18 @@ class UpdateLayout(ABC):
         return plain_local(value, f"optimizer state {key!r} of {rp.label!r}")
 
 
+def holder_local(value: OwnerDTensor, owner: int | None, what: str, *, here: bool = True) -> torch.Tensor:
+    """The one holder check of a loaded entry held whole by one rank (``value.holder``): this
+    rank's local tensor of it when the state dict's holder is the layout's ``owner`` (and, with
+    ``here``, this rank), else the error naming both."""
+    if value.holder != owner or (here and not value.is_holder):
+        raise ValueError(
+            f"{what}: held by rank {value.holder} in the state dict, by rank {owner} here; load a full "
+            "state dict or go through DCP"
+        )
+    return local_tensor(value)
+
+
 def plain_local(value: Any, what: str) -> Any:
     """A full tensor from a plain tensor or a replicated DTensor; other pieces are an error."""
     if is_dtensor(value):
@@ -172,14 +178,6 @@ class LocalLayout(UpdateLayout):
     """
 
     name = "local"
-
-    @staticmethod
-    def accepts(param: torch.Tensor) -> bool:
-        if is_owner_dtensor(param):
-            return True
-        if is_dtensor(param):
-            return False
-        return get_shard_rank(param) is not None or not is_multi_rank()
 
     def add(self, entries: list[RoutedParam]) -> None:
         claim_sync([rp.param for rp in entries])  # HSDP: after_step syncs the replicas
@@ -284,12 +282,7 @@ class LocalLayout(UpdateLayout):
                 return local_tensor(value) if value.holder == info[1] else NOT_HELD
             return plain_local(value, what) if mine else NOT_HELD
         if info is not None and is_owner_dtensor(value) and value.holder is not None:
-            if value.holder != info[0].owner:
-                raise ValueError(
-                    f"{what}: held by rank {value.holder} in the state dict, by rank "
-                    f"{info[0].owner} here; load a full state dict or go through DCP"
-                )
-            return local_tensor(value)
+            return holder_local(value, info[0].owner, what, here=False)
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
         from ..pieces import local_piece
@@ -297,36 +290,4 @@ class LocalLayout(UpdateLayout):
         shard, rank, _ = info
         if shard.holds_rows:
             return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
-        if is_owner_dtensor(value) and value.holder is not None:
-            if value.holder != shard.owner:
-                raise ValueError(
-                    f"{what}: held by rank {value.holder} in the state dict, by rank "
-                    f"{shard.owner} here; load a full state dict or go through DCP"
-                )
-            return local_tensor(value)
         return plain_local(value, what)
-
-
-LAYOUTS: list[type[UpdateLayout]] = [LocalLayout]
-
-
-def register_layout(cls: type[UpdateLayout], *, first: bool = True) -> None:
-    """Add a layout; ``first`` puts it ahead of the existing ones."""
-    if cls in LAYOUTS:
-        return
-    if first:
-        LAYOUTS.insert(0, cls)
-    else:
-        LAYOUTS.append(cls)
-
-
-def layout_for(param: torch.Tensor, label: str) -> type[UpdateLayout]:
-    for cls in LAYOUTS:
-        if cls.accepts(param):
-            return cls
-    kind = type(param).__name__
-    raise ValueError(
-        f"parameter {label!r} ({kind}, shape {tuple(param.shape)}) is in a multi-rank job but "
-        "is neither owner-sharded (matrix_owner_optim.fully_shard) nor a layout this optimizer "
-        f"knows ({', '.join(c.name for c in LAYOUTS)})"
-    )

@@ -26,7 +26,8 @@ import torch
 
 from ..planning.cost import CostModel
 from ..planning.registry import resolve_cost
-from .layouts import LayoutConfig, UpdateLayout, layout_for
+from .layout_of import layout_of
+from .layouts import LayoutConfig, UpdateLayout
 from .registry import ChosenOptimizer, OptimizerFactory
 from .routing import OptimizerKind, RoutedParam
 
@@ -241,7 +242,7 @@ class RoleOptimizer:
         one's proxy and owner."""
         by_layout: dict[type[UpdateLayout], list[RoutedParam]] = {}
         for rp in rps:
-            by_layout.setdefault(layout_for(rp.param, rp.label), []).append(rp)
+            by_layout.setdefault(layout_of(rp.param), []).append(rp)
         for cls, entries in by_layout.items():
             if cls not in self.layouts:
                 self.layouts[cls] = cls(config)

@@ -208,7 +208,8 @@ def _agree_found_inf(args: tuple, kwargs: dict, lists: list[int]) -> None:
     # links to its tree, and every replica holds some (its tail), so all replicas issue this.
     for t in args[lists[0]]:
         link = getattr(t, "_tree", None)
-        replicas = None if link is None else link.tree.replicas
+        tree = None if link is None else link.tree
+        replicas = None if tree is None else tree.replicas
         if replicas is not None and replicas.size > 1 and all(replicas.group is not seen for seen in groups):
             groups.append(replicas.group)
     for g in groups:

@@ -209,6 +209,14 @@ class OwnerDTensor(DcpChunks, DTensor):
         assert rows is not None
         return full[rows[0] : rows[1]]
 
+    def __getstate__(self) -> Any:
+        """What ``torch.save`` and copies keep of the Python object: everything but the link to
+        a live tree (a loaded tensor belongs to no tree)."""
+        state = super().__getstate__()  # type: ignore[misc]  # (__dict__, slots): DTensor keeps its piece in slots
+        if isinstance(state, tuple) and isinstance(state[0], dict) and "_tree" in state[0]:
+            return ({k: v for k, v in state[0].items() if k != "_tree"}, *state[1:])
+        return state
+
     def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"OwnerDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement!r}, "
@@ -234,10 +242,11 @@ class OwnerDTensor(DcpChunks, DTensor):
         if self.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner
             return self._full_2d()
         link = self._tree
-        replicas = None if link is None else link.tree.replicas
-        if link is None or replicas is None or replicas.size <= 1:
+        tree = None if link is None else link.tree
+        replicas = None if tree is None else tree.replicas
+        if link is None or tree is None or replicas is None or replicas.size <= 1:
             return self._full_in_group()
-        link.tree.land_replicas()
+        tree.land_replicas()
         if link.held_on is None:
             return self._full_in_group()
         # HSDP optimizer state held on one replica (its global owner's): gathered in that

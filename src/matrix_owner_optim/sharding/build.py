@@ -94,7 +94,7 @@ def build_context(
     replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
     replicas = None if replicate_group is None else ReplicaSync(replica_rank, replicate_size, replicate_group)
-    link = TreeLink(settings)  # every parameter's link to its tree (tree.py), shared
+    link = TreeLink.to(settings)  # every parameter's link to its tree (tree.py), shared
     given = plan
     if plan is not None:
         _validate_plan(plan, specs, W, replicate_size)
@@ -137,7 +137,7 @@ def build_context(
                 param.relayout(piece, placement_of(shard))
             else:  # the TP slice whole on its dp owner; TP's placement stays on tp
                 param.relayout(piece, (placement_of(shard), tp_slice))
-        attach_matrix_shard(param, shard, rank, group)
+        attach_matrix_shard(param, shard, rank)
         param._tree = link
         unlink_lazy_plan(param)
         # a TP slice moves over dp as a tensor of the slice's shape: the unit's segments, its
