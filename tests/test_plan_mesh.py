@@ -37,8 +37,8 @@ from _tolerances import PARITY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import PARITY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank, plan_model, specs_from_module
+from matrix_owner_optim.planning.catalog import DEFAULT_COST
 from matrix_owner_optim.planning.mesh_advice import divisors_descending
-from matrix_owner_optim.planning.registry import DEFAULT_COST
 from matrix_owner_optim.planning.replicas import assign_step_replicas
 from matrix_owner_optim.replica_sync import replicas_of, steps_here
 from matrix_owner_optim.sharding import fully_shard

@@ -24,9 +24,9 @@ from einops import rearrange
 
 from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
 from ..planning.bands import band_holds_key, row_band_of
+from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
-from ..planning.registry import DEFAULT_COST
 from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, replicas_of, replicas_stepped, steps_here
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
@@ -70,7 +70,7 @@ class LayoutConfig:
     """What every update layout of one optimizer may need to know.
 
     ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
-    model; by default ``planning.registry.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
+    model; by default ``planning.catalog.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
     replicated matrix updated by one owner, results shared) or ``"redundant"`` (every rank
     updates every replicated matrix, no communication). ``replica_broadcast`` is when HSDP's
     global owners send their updated matrices to the other replicas (``"step"``: at the end of

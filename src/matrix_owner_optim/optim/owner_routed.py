@@ -79,7 +79,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         matrix: registered name (``"muon"``, ``"shampoo"``, ``"soap"``, ...) or optimizer class
             for the ``matrix`` role. Any per-tensor optimizer works. Its cost model (the
             configured optimizer's ``cost_model``, else its registry entry's:
-            ``planning.registry.resolve_cost``) prices a sharding plan this optimizer fixes.
+            ``planning.catalog.resolve_cost``) prices a sharding plan this optimizer fixes.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
         tail: name or class for ``tail`` and ``rows`` parameters (default AdamW).
         tail_options: keyword arguments of the tail optimizer.

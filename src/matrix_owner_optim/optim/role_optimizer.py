@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..planning.catalog import resolve_cost
 from ..planning.cost import CostModel
-from ..planning.registry import resolve_cost
 from .layout_of import layout_of
 from .layouts import LayoutConfig, UpdateLayout
 from .registry import ChosenOptimizer, OptimizerFactory
@@ -202,7 +202,7 @@ class RoleOptimizer:
         factory, options: what builds the child: ``factory(groups, **options)``.
         defaults: the hyperparameters the factory fills into a group (every parent group of
             this kind starts with them).
-        cost: what the planner charges per tensor (``planning.registry.resolve_cost`` of the
+        cost: what the planner charges per tensor (``planning.catalog.resolve_cost`` of the
             optimizer as given and as configured: a configured Shampoo's blocks count).
         child: the optimizer stepping this rank's proxies (None while this rank updates
             none of the role's tensors).

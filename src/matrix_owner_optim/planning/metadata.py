@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..tensors import is_dtensor, itemsize
-from .registry import DEFAULT_COST
+from .catalog import DEFAULT_COST
 
 __all__ = [
     "chunk_row_range",

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..owner_dtensor import OwnerDTensor
+from ..planning.catalog import CostSpec, resolve_cost
 from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
-from ..planning.registry import CostSpec, resolve_cost
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .fsdp_api import FSDP2Methods

@@ -17,7 +17,7 @@ A tree has one plan source and one price. A call inside the tree that named anot
 cost model than the tree's (``fully_shard(plan=...)``, ``fully_shard(preconditioner=...)``) is
 refused when the tree forms, naming both calls. The plan is fixed once (:meth:`ShardTree.fix`,
 collective), priced by the cost a call named, else the one offered by whoever fixes it (the
-optimizer offers its matrix optimizer's), else ``planning.registry.DEFAULT_COST``; the tree
+optimizer offers its matrix optimizer's), else ``planning.catalog.DEFAULT_COST``; the tree
 keeps the cost that priced it (``cost``) and logs it (logger ``matrix_owner_optim.sharding.tree``,
 INFO).
 """
@@ -33,9 +33,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
 from ..planning.metadata import ShardingPlan
-from ..planning.registry import DEFAULT_COST
 from ..replica_sync import ReplicaSync
 from .build import PlannedCall, build_context
 from .context import ShardingContext
