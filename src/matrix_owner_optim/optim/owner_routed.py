@@ -155,8 +155,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._report_logged = False  # the routing report is logged once, at the first step
         chosen = (choose_optimizer(matrix, what="matrix"), choose_optimizer(tail, what="tail"))
         self._kinds: dict[OptimizerKind, RoleOptimizer] = {
-            MATRIX: RoleOptimizer(MATRIX, chosen[0], matrix_options),
-            TAIL: RoleOptimizer(TAIL, chosen[1], tail_options),
+            MATRIX: RoleOptimizer(MATRIX.value, chosen[0], matrix_options),
+            TAIL: RoleOptimizer(TAIL.value, chosen[1], tail_options),
         }
         # keys whose inner optimizer itself defaults to an infinity (a threshold that is off)
         self._infinite_ok = set().union(*(r.infinite_ok for r in self._kinds.values()))

@@ -29,7 +29,7 @@ from ..planning.cost import CostModel
 from .layout_of import layout_of
 from .layouts import LayoutConfig, UpdateLayout
 from .registry import ChosenOptimizer, OptimizerFactory
-from .routing import OptimizerKind, RoutedParam
+from .routing import RoutedParam
 
 __all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
 
@@ -194,10 +194,11 @@ def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
 
 
 class RoleOptimizer:
-    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors).
+    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors). Which
+    one it is, is its key in the optimizer (``OwnerRoutedOptimizer._kinds``), not a fact it holds;
+    ``what`` (``"matrix"``, ``"tail"``) only words its construction errors.
 
     Attributes:
-        kind: ``OptimizerKind.MATRIX`` or ``OptimizerKind.TAIL``.
         name: the optimizer as the user named it (reports, error messages).
         factory, options: what builds the child: ``factory(groups, **options)``.
         defaults: the hyperparameters the factory fills into a group (every parent group of
@@ -210,12 +211,11 @@ class RoleOptimizer:
         layouts: the update layout of each kind that holds some of the role's tensors.
     """
 
-    def __init__(self, kind: OptimizerKind, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
-        self.kind = kind
+    def __init__(self, what: str, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
         self.name = chosen.name
         self.factory = chosen.factory
         self.options: dict[str, Any] = dict(options or {})
-        self.defaults, probe = probe_defaults(self.factory, self.options, kind.value)
+        self.defaults, probe = probe_defaults(self.factory, self.options, what)
         self.cost: CostModel = resolve_cost(chosen.spec, built=probe)  # the one rule, as configured
         self.child: torch.optim.Optimizer | None = None
         self.groups: dict[int, ChildGroup] = {}
