@@ -49,6 +49,7 @@ from _tolerances import DTENSOR_NORM_RTOL as NORM_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as TRAJ_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer, clip_grad_norm_
 from matrix_owner_optim.comm import CommCounter, comm_phase
+from matrix_owner_optim.sharding.module import units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -205,7 +206,7 @@ def _list_unit(rank: int, W: int) -> dict:
     model, ref = _models()
     fully_shard_model(model, blocks=[*model.layers, [model.wpe, model.ln_f]])
     opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
-    units = model._moo_units()  # the optimizer fixed the plan
+    units = units_of(model)  # the optimizer fixed the plan
     grouped = [u for u in units if len(u.members) == 2]
     ref_opt = OwnerRoutedOptimizer(ref, matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)
     for step in range(STEPS):

@@ -44,6 +44,7 @@ from _tolerances import TRAJECTORY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer, fully_shard
 from matrix_owner_optim.sharding.fsdp_api import FSDP_MODULE_METHODS, FULLY_SHARD_ARGUMENTS
+from matrix_owner_optim.sharding.module import context_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
@@ -199,7 +200,7 @@ def _reset_after_failed_backward(rank: int, world: int) -> dict[str, Any]:
         model.layers[0].reset_iter_state()  # type: ignore[operator]
     opt.zero_grad()
     model.reset_iter_state()  # type: ignore[operator]
-    states = {u.state.value for u in model._moo_context().units}  # type: ignore[operator]
+    states = {u.state.value for u in context_of(model).units}  # type: ignore[operator]
     losses += _mean_losses(_train(model, opt, rank, world, range(1, STEPS)))
     return {
         "failed": failed,

@@ -42,6 +42,7 @@ from matrix_owner_optim import register_fsdp_forward_method
 from matrix_owner_optim.comm import CommCounter
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, fully_shard
+from matrix_owner_optim.sharding.module import context_of, units_of
 from matrix_owner_optim.sharding.unit import ShardedState
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
@@ -179,7 +180,7 @@ def _exception_in_backward(rank: int, W: int) -> None:
     model.layers[0].register_forward_hook(arm)
     fully_shard_model(model)
     _train(rank, W, model, ref, steps=5, fail=lambda s: "backward" if s == 1 else "", trap=trap)
-    ctx = model._moo_context()
+    ctx = context_of(model)
     assert ctx.interrupted_backwards == 1
     _compare_params(model, ref, "exception in backward")
 
@@ -192,11 +193,11 @@ def _exception_in_forward(rank: int, W: int) -> None:
     fully_shard_model(model)
     issued = []
     model.layers[1].register_forward_pre_hook(
-        lambda m, a: issued.append(list(model._moo_context().prefetch_log)), prepend=True
+        lambda m, a: issued.append(list(context_of(model).prefetch_log)), prepend=True
     )
     _train(rank, W, model, ref, steps=5, fail=lambda s: "forward" if s == 2 else "", trap=trap)
     assert ("forward", 0, 1) in issued[-1]  # the automatic prefetch was on
-    for unit in model._moo_units():  # nothing left swapped in or gathered between steps
+    for unit in units_of(model):  # nothing left swapped in or gathered between steps
         assert unit.state is ShardedState.SHARDED or unit.is_root, (unit.index, unit.state)
     _compare_params(model, ref, "exception in forward")
 
@@ -318,9 +319,9 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
     fully_shard_model(model)
     handle = model.unshard(async_op=True)
     assert handle is not None
-    assert any(u.state is ShardedState.GATHERING for u in model._moo_units())
+    assert any(u.state is ShardedState.GATHERING for u in units_of(model))
     handle.wait()
-    assert all(u.state is ShardedState.HELD for u in model._moo_units())
+    assert all(u.state is ShardedState.HELD for u in units_of(model))
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
     model.reshard()
@@ -341,7 +342,7 @@ def _unshard_async_and_methods(rank: int, W: int) -> None:
     # .to(dtype) after sharding keeps the layout and the owner's alias
     model.to(torch.float64)
     ref.to(torch.float64)
-    for unit in model._moo_units():
+    for unit in units_of(model):
         for h in unit.handles:
             assert h.sharded.dtype == torch.float64 and h.unsharded.dtype == torch.float64
             if h.aliases_resident:
@@ -374,7 +375,7 @@ def _reduce_overlaps_backward(rank: int, W: int) -> dict:
     model, ref = _pair(seed=1)
     fully_shard_model(model)
     model.fix_plan()
-    ctx = model._moo_context()
+    ctx = context_of(model)
     seen: list[bool] = []
 
     def probe(module: nn.Module, args: Any, out: torch.Tensor) -> None:

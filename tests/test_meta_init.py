@@ -29,7 +29,7 @@ from _ranks import spawn_ranks
 from _ref import CFG, fully_shard_model, max_param_rel_err_native, train_adamw_beside
 from _tolerances import TRAJECTORY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.planning import get_matrix_shard, get_shard_rank
-from matrix_owner_optim.planning.registry import get_cost_model
+from matrix_owner_optim.planning.catalog import resolve_cost
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
@@ -136,8 +136,8 @@ def test_to_empty_allocates_about_a_wth_as_stock(results: tuple[int, list[dict[s
 def test_plan_priced_as_named_or_by_muon(results: tuple[int, list[dict[str, Any]]]) -> None:
     W, res = results
     for r in res:
-        assert r["priced_by"] == get_cost_model(None).name, r["priced_by"]
-        assert r["priced_by_named"] == get_cost_model("shampoo").name, r["priced_by_named"]
+        assert r["priced_by"] == resolve_cost(None).name, r["priced_by"]
+        assert r["priced_by_named"] == resolve_cost("shampoo").name, r["priced_by_named"]
 
 
 def test_init_under_a_seed_is_bitwise_one_process(results: tuple[int, list[dict[str, Any]]]) -> None:

@@ -1,6 +1,6 @@
 """One home for each fact where the optimizer meets the planner.
 
-* The cost that prices a plan is resolved by one function (``planning.registry.resolve_cost``):
+* The cost that prices a plan is resolved by one function (``planning.catalog.resolve_cost``):
   every entry point given a name, an optimizer class or a cost model gets the same cost model
   and the same plan; ``DEFAULT_COST`` is the one default.
 * A tree's facts live in one ``ShardTree`` every state points to: adoption re-points the states,
@@ -29,16 +29,14 @@ from matrix_owner_optim import OwnerRoutedOptimizer, register_optimizer, registe
 from matrix_owner_optim.optim import registry as optim_registry
 from matrix_owner_optim.optim.routing import OptimizerKind
 from matrix_owner_optim.planning import plan_mesh, plan_model, plan_tensors
-from matrix_owner_optim.planning.cost import MUON_COST, SHAMPOO_COST
-from matrix_owner_optim.planning.registry import (
+from matrix_owner_optim.planning.catalog import (
     DEFAULT_COST,
     ENTRY_POINT_GROUP,
     PRECONDITIONER_ENTRY_POINT_GROUP,
     available_optimizers,
-    available_preconditioners,
-    get_cost_model,
     resolve_cost,
 )
+from matrix_owner_optim.planning.cost import MUON_COST, SHAMPOO_COST
 from matrix_owner_optim.preconditioners import Shampoo
 from matrix_owner_optim.sharding import fully_shard
 from matrix_owner_optim.sharding.state import state_of
@@ -59,7 +57,6 @@ def _roles(opt: OwnerRoutedOptimizer) -> dict[int, str]:
 
 # -- one resolution of a cost, in one process ---------------------------------------------------
 def test_every_pure_entry_point_resolves_a_name_a_class_and_a_cost_model_alike() -> None:
-    assert get_cost_model is resolve_cost  # the first name is the same function
     assert resolve_cost(None) is DEFAULT_COST is MUON_COST
     prefixes = _gpt().unit_prefixes()
     plans, advised = set(), set()
@@ -105,7 +102,6 @@ def test_param_groups_round_trip_keeps_every_role() -> None:
 # -- the registry's first names keep working ---------------------------------------------------------
 def test_registry_aliases_and_both_entry_point_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert register_preconditioner is register_optimizer
-    assert available_preconditioners is available_optimizers
     assert optim_registry.register_preconditioner is register_optimizer
     (tmp_path / "moo_one_home_plugin.py").write_text("import torch\nclass NewSGD(torch.optim.SGD):\n    pass\n")
     for dist, group in (("moo-new", ENTRY_POINT_GROUP), ("moo-old", PRECONDITIONER_ENTRY_POINT_GROUP)):

@@ -21,6 +21,7 @@ import torch
 from _ranks import spawn_ranks
 from _ref import fully_shard_model
 from matrix_owner_optim.sharding import MixedPrecisionPolicy
+from matrix_owner_optim.sharding.module import context_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
 
@@ -54,7 +55,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
         for o in opts:
             o.step()
             o.zero_grad()
-    ctx = owner._moo_context()
+    ctx = context_of(owner)
     mixed = fully_shard_model(GPT(CFG), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     mixed(x, x).backward()
     return {
@@ -65,7 +66,7 @@ def _job(rank: int, W: int) -> dict[str, Any]:
             for h in u.handles
             if h.shard.owner is None
         },
-        "mixed_local_only": [u.local_only for u in mixed._moo_context().units],
+        "mixed_local_only": [u.local_only for u in context_of(mixed).units],
         "grads_equal": grads_equal,
         "hook_calls": hook_calls,
         "names": [n for n, _ in owner.named_parameters()],

@@ -13,7 +13,7 @@ from torch import nn
 
 from _ref import CFG4, max_param_rel_err_native, roundtrip
 from matrix_owner_optim import OwnerRoutedOptimizer, plan_model, register_preconditioner
-from matrix_owner_optim.optim import available_preconditioners, simulated_parameters
+from matrix_owner_optim.optim import available_optimizers, simulated_parameters
 from matrix_owner_optim.planning import Role
 from matrix_owner_optim.planning.roles import module_roles
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
@@ -279,7 +279,7 @@ def test_register_preconditioner_and_cost() -> None:
         pass
 
     register_preconditioner("half_sgd_test", Half, overwrite=True)
-    assert "half_sgd_test" in available_preconditioners()
+    assert "half_sgd_test" in available_optimizers()
     opt = OwnerRoutedOptimizer(nn.Linear(4, 4).named_parameters(), matrix="HALF_SGD_TEST", matrix_options={"lr": 0.1})
     assert isinstance(opt.matrix_optimizer, Half)
     with pytest.raises(ValueError, match="already registered"):
@@ -311,8 +311,8 @@ def test_entry_point_from_an_installed_package(tmp_path) -> None:
         import sys, torch
         sys.path.insert(0, sys.argv[1])
         from matrix_owner_optim import OwnerRoutedOptimizer
-        from matrix_owner_optim.optim import available_preconditioners
-        assert "signum" in available_preconditioners(), available_preconditioners()
+        from matrix_owner_optim.optim import available_optimizers
+        assert "signum" in available_optimizers(), available_optimizers()
         lin = torch.nn.Linear(3, 2, bias=False)
         torch.nn.init.zeros_(lin.weight)
         opt = OwnerRoutedOptimizer(lin.named_parameters(), matrix="signum", matrix_options={"lr": 0.5})

@@ -37,10 +37,10 @@ from _tolerances import PARITY_LOSS_RTOL as LOSS_RTOL
 from _tolerances import PARITY_PARAM_RTOL as PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, get_shard_rank, plan_model, specs_from_module
+from matrix_owner_optim.planning.catalog import DEFAULT_COST
 from matrix_owner_optim.planning.mesh_advice import divisors_descending
-from matrix_owner_optim.planning.registry import DEFAULT_COST
 from matrix_owner_optim.planning.replicas import assign_step_replicas
-from matrix_owner_optim.replica_sync import steps_here
+from matrix_owner_optim.replica_sync import replicas_of, steps_here
 from matrix_owner_optim.toolbox import simulate as S
 from matrix_owner_optim.toolbox.cli.main import main as cli_main
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
@@ -351,7 +351,11 @@ def _advised_run(rank: int, W: int) -> dict:
         assert err <= LOSS_RTOL, (step, err)
         for name, p in model.named_parameters():
             shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)
-            if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank) or not steps_here(p):
+            if (
+                shard.role is not Role.ROWS
+                and not shard.is_owned_by(shard_rank)
+                or not steps_here(shard, replicas_of(p))
+            ):
                 assert no_gradient_here(p), name  # HSDP: a matrix's gradient on its global owner only
                 continue
             want = full_grad_rows(shard, shard_rank, ref_params[name].grad)

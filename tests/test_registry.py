@@ -16,7 +16,7 @@ import torch
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.optim.registry import (
     BUILTINS,
-    available_preconditioners,
+    available_optimizers,
     register_preconditioner,
     resolve_optimizer,
 )
@@ -48,7 +48,7 @@ def test_entry_point_colliding_with_a_builtin_raises_and_its_new_name_works(
     _write_dist(
         plugin_dir, "moo-throwaway-plugin", "moo_throwaway_plugin", {"muon": "HalfSGD", "moo_half_sgd": "HalfSGD"}
     )
-    assert "moo_half_sgd" in available_preconditioners()
+    assert "moo_half_sgd" in available_optimizers()
     assert "moo_throwaway_plugin" not in sys.modules  # listing names imports nothing
     with pytest.raises(ValueError) as info:
         resolve_optimizer("muon")
@@ -87,9 +87,9 @@ def test_builtins_are_registered_in_code() -> None:
 def test_builtins_load_lazily() -> None:
     code = (
         "import sys\n"
-        "from matrix_owner_optim.optim.registry import available_preconditioners, "
+        "from matrix_owner_optim.optim.registry import available_optimizers, "
         "resolve_optimizer\n"
-        "assert 'torch_optimizer_shampoo' in available_preconditioners()\n"
+        "assert 'torch_optimizer_shampoo' in available_optimizers()\n"
         "resolve_optimizer('muon')\n"
         "assert 'torch_optimizer' not in sys.modules\n"
         "resolve_optimizer('torch_optimizer_shampoo')\n"
@@ -99,18 +99,17 @@ def test_builtins_load_lazily() -> None:
 
 
 def test_one_entry_holds_the_factory_and_its_cost() -> None:
-    from matrix_owner_optim.planning import ADAMW_COST, FunctionCostModel, get_cost_model
+    from matrix_owner_optim.planning import ADAMW_COST, FunctionCostModel, resolve_cost
+    from matrix_owner_optim.planning.catalog import lookup
     from matrix_owner_optim.planning.cost import TORCH_OPTIMIZER_SHAMPOO_COST
-    from matrix_owner_optim.planning.registry import lookup
 
     assert (
-        get_cost_model("adamw") is ADAMW_COST
-        and get_cost_model("torch_optimizer_shampoo") is TORCH_OPTIMIZER_SHAMPOO_COST
+        resolve_cost("adamw") is ADAMW_COST and resolve_cost("torch_optimizer_shampoo") is TORCH_OPTIMIZER_SHAMPOO_COST
     )  # whole-matrix
     code = (  # pricing a built-in by name imports no optimizer
         "import sys\n"
-        "from matrix_owner_optim.planning import get_cost_model\n"
-        "assert get_cost_model('torch_optimizer_shampoo').name == 'torch_optimizer_shampoo'\n"
+        "from matrix_owner_optim.planning import resolve_cost\n"
+        "assert resolve_cost('torch_optimizer_shampoo').name == 'torch_optimizer_shampoo'\n"
         "assert 'torch_optimizer' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -123,8 +122,8 @@ def test_one_entry_holds_the_factory_and_its_cost() -> None:
     entry = lookup("MOO_PRICED")
     assert entry is not None and entry.factory is Half and entry.cost is cost
     assert resolve_optimizer("moo_priced") is Half
-    assert get_cost_model("moo_priced") is cost and get_cost_model(Half) is cost  # by name or by class
+    assert resolve_cost("moo_priced") is cost and resolve_cost(Half) is cost  # by name or by class
     with pytest.raises(TypeError, match="cost_model must have"):
         register_preconditioner("moo_priced", Half, cost_model=object(), overwrite=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no cost model for preconditioner 'moo_nowhere'"):
-        get_cost_model("moo_nowhere")
+        resolve_cost("moo_nowhere")

@@ -34,7 +34,7 @@ from _tolerances import SHAMPOO_BLOCKS_RTOL as RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.optim.routing import OptimizerKind
-from matrix_owner_optim.planning import get_cost_model, get_matrix_shard, plan_model
+from matrix_owner_optim.planning import get_matrix_shard, plan_model, resolve_cost
 from matrix_owner_optim.planning.bands import declare_row_band
 from matrix_owner_optim.planning.cost import MUON_COST, row_block_of, shampoo_cost, soap_cost
 from matrix_owner_optim.preconditioners import Muon, Shampoo
@@ -127,7 +127,7 @@ def test_no_cut_where_whole_matrices_balance() -> None:
 
 
 def test_no_cut_for_an_optimizer_that_steps_whole_matrices() -> None:
-    whole_shampoo = get_cost_model("torch_optimizer_shampoo")  # torch_optimizer's: one block per matrix
+    whole_shampoo = resolve_cost("torch_optimizer_shampoo")  # torch_optimizer's: one block per matrix
     for cost in (MUON_COST, soap_cost(), shampoo_cost(max_preconditioner_dim=1024), whole_shampoo):
         plan = plan_model(_model(), 2, preconditioner=cost)
         assert not any(s.is_split for s in plan), cost.name

@@ -46,6 +46,7 @@ from matrix_owner_optim.sharding import (
     clip_grad_norm_,
     fully_shard,
 )
+from matrix_owner_optim.sharding.module import states_of, units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
@@ -115,7 +116,7 @@ def _mixed_precision(rank: int, W: int) -> dict:
         assert cc.bytes("forward", "received") == expected_recv
         for p in model.parameters():  # sharded params and their grads stay fp32
             assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
-        for unit in model._moo_units():  # owner low-precision buffers are released after backward
+        for unit in units_of(model):  # owner low-precision buffers are released after backward
             for h in unit.handles:
                 assert h.unsharded.dtype == torch.bfloat16
                 assert h.aliases_resident or h.unsharded.untyped_storage().size() == 0
@@ -189,7 +190,7 @@ def _accumulation_and_clip(rank: int, W: int) -> dict:
     errs = {}
     for k in range(4):
         model.set_requires_gradient_sync(k == 3)  # on the root: propagates to every block unit
-        states = model._moo_states(recurse=True)  # a setter records options, it needs no plan
+        states = states_of(model, recurse=True)  # a setter records options, it needs no plan
         assert len(states) == n_units and all(st.options.requires_gradient_sync == (k == 3) for st in states)
         with CommCounter() as cc:
             (model(*local_batch(100 + k, rank, W)) / 4).backward()

@@ -73,6 +73,7 @@ from matrix_owner_optim.sharding import (
     MixedPrecisionPolicy,
     clip_grad_norm_,
 )
+from matrix_owner_optim.sharding.module import context_of, units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops, phase_windows
 
@@ -143,7 +144,7 @@ def _reshard_and_roles(rank: int, W: int, errs: dict[str, float]) -> None:
     assert roles["layers.1.attn.qkv.weight"] is Role.MATRIX  # untouched by the overrides
     opts = owner_optimizers(model, "muon")  # routes by the roles the plan gave
     ref_opts = reference_optimizers(ref, roles, "muon")
-    blocks = model._moo_units()[:-1]
+    blocks = units_of(model)[:-1]
     # (setting before the step, backward all-gathers expected, which blocks stay gathered)
     schedule = [
         (lambda: None, 0, [True, True]),
@@ -362,7 +363,7 @@ def _closure_run(rank: int, W: int, layout: str, errs: dict[str, float]) -> None
         group = dist.new_group(list(range(W)))  # a ProcessGroup as the mesh
         fully_shard_model(model, mesh=group)
         model.fix_plan()
-        assert model._moo_context().groups.group is group and model.sharding_plan.world_size == W
+        assert context_of(model).groups.group is group and model.sharding_plan.world_size == W
     else:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -10,6 +10,7 @@ import pytest
 from _ranks import spawn_ranks
 from _ref import CFG4, fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer, fully_shard, get_matrix_shard
+from matrix_owner_optim.sharding.module import units_of
 from matrix_owner_optim.toolbox.models import GPT
 
 CFG = CFG4
@@ -29,7 +30,7 @@ def _job(rank: int, world_size: int) -> dict:
     return {
         "late": late,
         "all_sharded": all(get_matrix_shard(p) is not None for p in model.parameters()),
-        "units": len(model._moo_units()),
+        "units": len(units_of(model)),
         "local": sum(1 for r in opt.routes() if r["local"]),
     }
 

@@ -65,8 +65,9 @@ from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.optim import OwnerRoutedOptimizer
 from matrix_owner_optim.planning import MUON_COST, Role, get_matrix_shard, get_shard_rank, plan_model
 from matrix_owner_optim.preconditioners import Muon
-from matrix_owner_optim.replica_sync import steps_here
+from matrix_owner_optim.replica_sync import replicas_of, steps_here
 from matrix_owner_optim.sharding import MixedPrecisionPolicy, clip_grad_norm_
+from matrix_owner_optim.sharding.module import context_of, units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT, Block, GPTConfig
 from matrix_owner_optim.toolbox.profiling import backend_ops
@@ -220,7 +221,7 @@ def _check_grads(model, ref_params: dict[str, torch.Tensor], rank: int) -> float
     for name, p in model.named_parameters():
         want = ref_params[name.replace(_WRAPPED, "")].grad
         shard, shard_rank = get_matrix_shard(p), get_shard_rank(p)  # HSDP: rank in the shard group
-        if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank) or not steps_here(p):
+        if shard.role is not Role.ROWS and not shard.is_owned_by(shard_rank) or not steps_here(shard, replicas_of(p)):
             # HSDP: only the matrix's global owner (its holder in its step replica) gets one
             assert no_gradient_here(p), f"{name}: non-owner holds a gradient"
             continue
@@ -263,7 +264,7 @@ def _frozen(rank: int, W: int) -> dict:
                 assert p.grad is None, f"frozen {n} has a gradient"
             else:
                 assert (not no_gradient_here(p)) == owned, n
-        for unit in m._moo_units():
+        for unit in units_of(m):
             assert all(h.unsharded.grad is None for h in unit.handles)
 
     out = _train(rank, model, ref, after_backward=check)
@@ -335,7 +336,7 @@ def _prefetch(rank: int, W: int) -> dict:
         fully_shard_model(model)
         setup(model)
         model.fix_plan()
-        ctx = model._moo_context()
+        ctx = context_of(model)
         per_step = []
 
         def grab(step, m):
@@ -534,7 +535,11 @@ def _deferred_broadcast(rank: int, W: int) -> dict:
     # the broadcasts this rank takes part in per step: one per (unit, step replica) with pieces here
     per_unit = {(s.unit, s.step_replica) for s in plan if s.step_replica is not None and s.local_numel(shard_rank)}
     # pieces another replica steps: stale here between the step and the next forward
-    stale = [n for n, p in models["forward"].named_parameters() if not steps_here(p) and local_tensor(p).numel()]
+    stale = [
+        n
+        for n, p in models["forward"].named_parameters()
+        if not steps_here(get_matrix_shard(p), replicas_of(p)) and local_tensor(p).numel()
+    ]
     assert stale, "the plan gives this rank no matrix another replica steps"
     for step in range(3):
         losses, ops = {}, {}

@@ -46,6 +46,7 @@ from _tolerances import TRAJECTORY_SHAMPOO_PARAM_RTOL as SHAMPOO_PARAM_RTOL
 from matrix_owner_optim.comm import CommCounter, comm_phase
 from matrix_owner_optim.planning import Role, get_matrix_shard, plan_model
 from matrix_owner_optim.planning.metadata import recorded_unit_prefixes
+from matrix_owner_optim.sharding.module import units_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.profiling import backend_ops
 
@@ -230,7 +231,7 @@ def _check_layout_and_resident(model, opts, rank: int, W: int) -> None:
     resident += state_bytes(opts)
     assert resident == plan.loads[rank].resident_bytes, (resident, plan.loads[rank])
     # the unsharded copies of what this rank does not own are freed between steps
-    for unit in model._moo_units():
+    for unit in units_of(model):
         for h in unit.handles:
             if not h.aliases_resident:
                 assert h.unsharded.untyped_storage().size() == 0, h.shard.fqn

@@ -49,7 +49,7 @@ def _owner(param: Any) -> LazyPlan | None:
 def fix_lazy_plans(params: Iterable[Any], cost: CostModel | None = None) -> None:
     """Fix the plan of every pending ``fully_shard`` tree ``params`` belong to, in the order the
     parameters come (the same on every rank: fixing a plan is collective). ``cost`` (resolved by
-    the caller: ``planning.registry.resolve_cost``) prices the matrices unless a ``fully_shard``
+    the caller: ``planning.catalog.resolve_cost``) prices the matrices unless a ``fully_shard``
     call of the tree named one. Parameters of no pending tree are skipped."""
     seen: set[int] = set()
     for p in params:

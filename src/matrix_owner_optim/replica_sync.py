@@ -9,148 +9,135 @@ order. Every rank of a replicate group is the same shard rank, so all of them li
 pieces and issue the same broadcasts. Bytes: the all-gather half of the all-reduce the gradients
 no longer take (the reduce-scatter half is the gradients' second stage).
 
-When (``OwnerRoutedOptimizer(replica_broadcast=...)``, measured in DESIGN.md):
+One record holds a tree's replica state, :class:`ReplicaSync`, on its ``ShardTree``
+(``sharding/tree.py``). Every tensor of the tree reaches it through its one link to the tree
+(``tensors.TreeLink``); the tree's runtime (``ShardingContext``) alone issues and lands the
+broadcasts. When (``OwnerRoutedOptimizer(replica_broadcast=...)``, measured in DESIGN.md):
 
-* ``"step"``: :func:`sync_replicas` at the end of ``step()``, one broadcast per (step replica,
-  dtype) for the whole tree; the parameters are equal on every replica when ``step()`` returns.
-* ``"forward"``: :func:`defer_replicas` only marks the tree (``ReplicaSync.generation``); each
-  unit of the sharding runtime then has a broadcast due (its pending-sync state), issued
-  asynchronously for every unit at the next forward pass and landed by the unit before its
-  all-gather reads its pieces, so later units' broadcasts overlap earlier units' compute. Reads
-  outside a forward land every due broadcast first: ``unshard()``, ``state_dict()`` /
-  ``load_state_dict()`` (hence DCP and torch's get/set_*_state_dict) and ``full_tensor()`` of a
-  parameter or its ``detach()`` (``land_deferred``; the runtime sets ``ReplicaSync.land_all``).
-  A piece read directly (``to_local()``), or a value computed from one, before the next forward
-  holds the previous step's values on the replicas that did not step it.
+* ``"step"``: :func:`replicas_stepped` at the end of ``step()`` asks each tree to broadcast
+  now, one broadcast per (step replica, dtype) of the optimizer's pieces; the parameters are
+  equal on every replica when ``step()`` returns.
+* ``"forward"``: the tree is only marked (``ReplicaSync.generation``); each unit then has a
+  broadcast due, issued asynchronously for every unit at the next forward pass and landed by the
+  unit before its all-gather reads its pieces. Reads outside a forward land every due broadcast
+  first: ``unshard()``, ``state_dict()`` / ``load_state_dict()`` and ``full_tensor()`` of a
+  parameter or its ``detach()`` (``ReplicaTree.land_replicas``, through the tensor's link). A
+  piece read directly (``to_local()``) before the next forward holds the previous step's values
+  on the replicas that did not step it.
 
 A plain ``torch.optim`` optimizer stepping the local pieces claims nothing: a tree whose
 gradients landed since the last sync (``ReplicaSync.pending``) gets its broadcasts due at the
-next forward pass or ``unshard()`` (then a synced micro-batch that no step follows also sends its
-matrices, unchanged; accumulate with gradient sync off). This module sits below both
-``sharding`` and ``optim`` (they never import each other).
+next forward pass or ``unshard()``. This module sits below both ``sharding`` and ``optim`` (they
+never import each other), and above the representation (``owner_dtensor`` reads the link only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from . import comm
-from .planning.metadata import get_matrix_shard, get_shard_rank
-from .tensors import local_tensor
+from .planning.metadata import MatrixShard, get_matrix_shard, get_shard_rank
+from .tensors import TreeLink, local_tensor, tree_link
 
 __all__ = [
     "BROADCAST_PLACEMENTS",
     "DEFAULT_REPLICA_BROADCAST",
     "PendingBroadcast",
-    "ReplicaPlace",
     "ReplicaSync",
-    "attach_replica",
+    "ReplicaTree",
     "claim_sync",
-    "defer_replicas",
-    "get_replica",
     "held_pieces",
+    "hold_on_step_replica",
     "issue_broadcast",
-    "keep_replica_place",
-    "mark_replica_state",
-    "replica_state_source",
-    "land_deferred",
+    "replicas_of",
+    "replicas_stepped",
     "steps_here",
-    "sync_replicas",
 ]
 
 BROADCAST_PLACEMENTS = ("step", "forward")  # OwnerRoutedOptimizer(replica_broadcast=...)
 DEFAULT_REPLICA_BROADCAST = "step"  # the faster one in bench on a (2, 2) mesh (DESIGN.md)
 
-_REPLICA_ATTR = "_moo_replica"
-
 
 @dataclass(eq=False)
 class ReplicaSync:
-    """One tree's record of what its replicas still have to exchange. The same on every rank of
-    a replicate group (they land the same units and step alike).
+    """One tree's HSDP replica state (``ShardTree.replicas``), the same on every rank of a
+    replicate group (they land the same units and step alike).
 
-    ``pending``: a backward landed gradients of matrices one replica steps since the last sync
-    (cleared when the runtime makes the broadcasts due). ``by_optimizer``: an
-    ``OwnerRoutedOptimizer`` steps the tree's matrices and sends (or defers) them at every step,
-    so ``pending`` is never turned into broadcasts (a synced micro-batch without a step then
-    sends nothing). ``generation``: bumped by :func:`defer_replicas`; a unit whose last issued
-    broadcast has another generation has one due. ``land_all``: the runtime's way to land every
-    due broadcast now (set by the tree's ``ShardingContext``)."""
-
-    pending: bool = False
-    by_optimizer: bool = False
-    generation: int = 0
-    land_all: Callable[[], None] | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaPlace:
-    """Where this process sits across HSDP replicas: its index in the replicate group (the
-    mesh's dim 0), the group's size and the group, and its tree's :class:`ReplicaSync`."""
+    ``rank``, ``size``, ``group``: this process's index in the replicate group (the mesh's dim
+    0), the group's size and the group. ``pending``: a backward landed gradients of matrices one
+    replica steps since the last sync (cleared when the runtime makes the broadcasts due).
+    ``by_optimizer``: an ``OwnerRoutedOptimizer`` steps the tree's matrices and sends (or
+    defers) them at every step, so ``pending`` is never turned into broadcasts. ``generation``:
+    bumped by a deferred step; a unit whose last issued broadcast has another generation has one
+    due."""
 
     rank: int
     size: int
     group: Any
-    sync: ReplicaSync = field(default_factory=ReplicaSync)
+    pending: bool = False
+    by_optimizer: bool = False
+    generation: int = 0
 
 
-def attach_replica(param: torch.Tensor, place: ReplicaPlace) -> None:
-    """Record on ``param`` this process's place across HSDP replicas."""
-    setattr(param, _REPLICA_ATTR, place)
+class ReplicaTree(Protocol):
+    """What this module and the representation read of a tensor's tree (``sharding.tree.ShardTree``)."""
+
+    replicas: ReplicaSync | None
+
+    def land_replicas(self) -> None:
+        """Land every broadcast the tree has due (collective over the replicate group)."""
+
+    def replicas_stepped(self, params: Sequence[torch.Tensor], *, deferred: bool) -> None:
+        """Its global owners stepped ``params``: broadcast them now, or mark them due."""
 
 
-def get_replica(param: torch.Tensor) -> ReplicaPlace | None:
-    """This process's place across HSDP replicas for ``param`` (None: no replicas)."""
-    return getattr(param, _REPLICA_ATTR, None)
+def replicas_of(t: torch.Tensor) -> ReplicaSync | None:
+    """The replica record of ``t``'s tree (None: no replicas, or not a tensor of a fixed tree)."""
+    tree = None if (link := tree_link(t)) is None else link.tree
+    return None if tree is None else tree.replicas
 
 
-def keep_replica_place(src: torch.Tensor, alias: torch.Tensor) -> None:
-    """``alias`` (a ``detach()`` / ``alias()`` of ``src``) reads the same piece: it carries the
-    same place, so reading its value lands a deferred sync as reading ``src`` does."""
-    place = get_replica(src)
-    if place is not None:
-        attach_replica(alias, place)
-
-
-_STATE_ATTR = "_moo_replica_state"
-
-
-def mark_replica_state(value: torch.Tensor, param: torch.Tensor) -> None:
-    """Mark ``value``, an optimizer-state entry of ``param`` in a state dict, as held on
-    ``param``'s step replica only (HSDP): its ``full_tensor()`` is then gathered there and
-    broadcast over the replicate group, so every replica gets the whole value (torch's
-    ``full_state_dict=True``). No-op for parameters every replica steps."""
-    shard, place = get_matrix_shard(param), get_replica(param)
-    if shard is not None and shard.step_replica is not None and place is not None and place.size > 1:
-        setattr(value, _STATE_ATTR, (place, shard.step_replica))
-
-
-def replica_state_source(value: torch.Tensor) -> tuple[ReplicaPlace, int] | None:
-    """(this process's place, the step replica holding ``value``) for a state entry marked by
-    :func:`mark_replica_state`, else None."""
-    return getattr(value, _STATE_ATTR, None)
-
-
-def steps_here(param: torch.Tensor) -> bool:
-    """Whether this rank's holder of ``param`` steps it: always, unless an HSDP plan gave the
+def steps_here(shard: MatrixShard | None, replicas: ReplicaSync | None) -> bool:
+    """Whether this rank's holder of ``shard`` steps it: always, unless an HSDP plan gave the
     matrix to another replica (``MatrixShard.step_replica``)."""
-    shard, place = get_matrix_shard(param), get_replica(param)
-    if shard is None or shard.step_replica is None or place is None:
+    if shard is None or shard.step_replica is None or replicas is None:
         return True
-    return shard.step_replica == place.rank
+    return shard.step_replica == replicas.rank
+
+
+def _one_replica_steps(p: torch.Tensor) -> ReplicaSync | None:
+    """``p``'s replica record where one replica steps it for all (HSDP), else None."""
+    shard, replicas = get_matrix_shard(p), replicas_of(p)
+    if shard is None or shard.step_replica is None or replicas is None or replicas.size <= 1:
+        return None
+    return replicas
 
 
 def claim_sync(params: Sequence[torch.Tensor]) -> None:
-    """An optimizer that calls :func:`sync_replicas` at every step takes over the sync of the
+    """An optimizer that calls :func:`replicas_stepped` at every step takes over the sync of the
     trees ``params`` belong to (the runtime's sync at the next forward is then skipped)."""
     for p in params:
-        place, shard = get_replica(p), get_matrix_shard(p)
-        if place is not None and shard is not None and shard.step_replica is not None:
-            place.sync.by_optimizer = True
+        replicas = _one_replica_steps(p)
+        if replicas is not None:
+            replicas.by_optimizer = True
+
+
+def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:
+    """The end of an optimizer step over ``params``: each tree of them broadcasts the pieces its
+    global owners stepped now (``"step"``) or marks them due before each unit's next all-gather
+    (``"forward"``); see the module docstring."""
+    trees: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in params:
+        replicas = replicas_of(p)
+        if replicas is not None and replicas.size > 1:
+            tree = tree_link(p).tree  # type: ignore[union-attr]  # replicas_of found it
+            trees.setdefault(id(tree), (tree, []))[1].append(p)
+    for tree, members in trees.values():
+        tree.replicas_stepped(members, deferred=placement == "forward")
 
 
 def held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
@@ -158,8 +145,8 @@ def held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]
     this rank holds a piece of, in the order given."""
     out = []
     for p in params:
-        shard, place, rank = get_matrix_shard(p), get_replica(p), get_shard_rank(p)
-        if shard is None or shard.step_replica is None or place is None or place.size <= 1 or rank is None:
+        shard, rank = get_matrix_shard(p), get_shard_rank(p)
+        if _one_replica_steps(p) is None or shard is None or shard.step_replica is None or rank is None:
             continue
         piece = local_tensor(p)
         if piece.numel() and (shard.holds_rows or shard.owner == rank):
@@ -167,44 +154,16 @@ def held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]
     return out
 
 
-def sync_replicas(params: Sequence[torch.Tensor], *, only_pending: bool = False) -> bool:
-    """Send every piece of ``params`` that its step replica updates to the other replicas (in
-    place): per tree, one broadcast per (step replica, dtype), in that order on every rank of the
-    group. ``only_pending``: only trees whose backward landed gradients since their last sync.
-    Returns whether anything was synced."""
-    synced = False
-    for place, members in _trees(params).values():
-        if only_pending and (place.sync.by_optimizer or not place.sync.pending):
-            continue
-        place.sync.pending = False
-        issue_broadcast(place, held_pieces(members)).wait()
-        synced = True
-    return synced
-
-
-def defer_replicas(params: Sequence[torch.Tensor]) -> None:
-    """The ``"forward"`` placement: mark the trees of ``params`` as stepped, so every unit of
-    them has its broadcast due before its next all-gather (see the module docstring)."""
-    for place, _ in _trees(params).values():
-        place.sync.pending = False
-        place.sync.generation += 1
-
-
-def land_deferred(param: torch.Tensor) -> None:
-    """Before a read of ``param``'s value outside the runtime (``full_tensor()``): land every
-    broadcast its tree has due (collective over the replicate group; a no-op when none is)."""
-    place = get_replica(param)
-    if place is not None and place.size > 1 and place.sync.land_all is not None:
-        place.sync.land_all()
-
-
-def _trees(params: Sequence[torch.Tensor]) -> dict[int, tuple[ReplicaPlace, list[torch.Tensor]]]:
-    trees: dict[int, tuple[ReplicaPlace, list[torch.Tensor]]] = {}
-    for p in params:
-        pl = get_replica(p)
-        if pl is not None and pl.size > 1:
-            trees.setdefault(id(pl.sync), (pl, []))[1].append(p)
-    return trees
+def hold_on_step_replica(value: torch.Tensor, param: torch.Tensor) -> None:
+    """Link ``value``, an optimizer-state entry of ``param`` in a state dict, to ``param``'s
+    tree as held on its step replica only (HSDP): its ``full_tensor()`` is then gathered there
+    and broadcast over the replicate group, so every replica gets the whole value (torch's
+    ``full_state_dict=True``). No-op for parameters every replica steps."""
+    link = tree_link(param)
+    if link is not None and _one_replica_steps(param) is not None:
+        shard = get_matrix_shard(param)
+        assert shard is not None
+        value._tree = TreeLink.to(link.tree, shard.step_replica)  # type: ignore[attr-defined]
 
 
 @dataclass(eq=False)
@@ -227,7 +186,7 @@ class PendingBroadcast:
         self.batches = []
 
 
-def issue_broadcast(place: ReplicaPlace, pieces: list[tuple[torch.Tensor, int]]) -> PendingBroadcast:
+def issue_broadcast(replicas: ReplicaSync, pieces: list[tuple[torch.Tensor, int]]) -> PendingBroadcast:
     """Issue, asynchronously, one broadcast per (step replica, dtype) of ``pieces`` (from
     :func:`held_pieces`), in step-replica order then plan order: the same on every rank of the
     replicate group. The senders' values are read now."""
@@ -237,11 +196,11 @@ def issue_broadcast(place: ReplicaPlace, pieces: list[tuple[torch.Tensor, int]])
     out = []
     with torch.no_grad():
         for (r, dtype), mine in batches.items():
-            sent = place.rank == r
+            sent = replicas.rank == r
             if sent:
                 flat = torch.cat([t.reshape(-1) for t in mine])
             else:
                 flat = torch.empty(sum(t.numel() for t in mine), dtype=dtype, device=mine[0].device)
-            work = comm.broadcast(flat, group_src=r, group=place.group, name="replicate_broadcast", async_op=True)
+            work = comm.broadcast(flat, group_src=r, group=replicas.group, name="replicate_broadcast", async_op=True)
             out.append((work, flat, mine, sent))
     return PendingBroadcast(out)

@@ -36,7 +36,7 @@ holds FSDP row block ``d`` of TP slice ``t``. Owners are planned over dp on glob
 every TP rank plans the same list, so the owners of one matrix's TP slices are one dp
 coordinate ``o``: ranks ``(o, 0..T-1)``, exactly the TP group of ``o``. The dp all-to-alls above
 run on each TP slice as on a matrix (within each dp group); then one all-gather over the TP
-group (:mod:`.tp_gather`) hands every owner the other slices of the gradient, and each steps
+group (:func:`.mesh_slice.assemble`) hands every owner the other slices of the gradient, and each steps
 the whole matrix (Newton-Schulz on the global matrix: exact), keeps its own TP slice and sends
 its rows back over dp. No dp traffic in the TP stage. Every TP owner of a matrix steps it alike
 (the same inputs, the same operations), so its optimizer state is held by ``T`` ranks, as HSDP's
@@ -64,12 +64,12 @@ from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
-from .dtensor_sharding import TPSlice, matrix_sharding
+from .dtensor_sharding import matrix_sharding
 from .expert_pieces import ExpertPieces, expert_pieces
 from .layouts import LayoutConfig, UpdateLayout
+from .mesh_slice import MeshSlice, assemble, message_sizes
 from .replicated_layout import plan_owners
 from .routing import RoutedParam
-from .tp_gather import all_gather_slices, message_sizes
 
 __all__ = ["DTensorLayout"]
 
@@ -130,7 +130,7 @@ class _Matrix:
     rows: list[int]  # rows of this rank's slice (the whole matrix without TP) held by each rank of the shard group
     row_numel: int
     owner: int
-    tp: TPSlice | None = None  # the TP slice this rank's shard group splits by rows (tensor parallel)
+    tp: MeshSlice | None = None  # the TP slice this rank's shard group splits by rows (tensor parallel)
     full: torch.Tensor | None = None  # the owner's full copy (global shape)
     key: tuple | None = None  # _key of the local shard after our last write
 
@@ -176,8 +176,8 @@ def _expert_rows(experts: ExpertPieces, value: torch.Tensor, what: str) -> torch
     return full[experts.start : experts.stop]
 
 
-def _tp_slices(mats: list[_Matrix]) -> list[tuple[TPSlice, tuple[int, ...]]]:
-    """Each TP matrix's slice and global shape (what :func:`all_gather_slices` takes)."""
+def _tp_slices(mats: list[_Matrix]) -> list[tuple[MeshSlice, tuple[int, ...]]]:
+    """Each TP matrix's slice and global shape (what :func:`~.mesh_slice.assemble` takes)."""
     out = []
     for m in mats:
         assert m.tp is not None
@@ -215,10 +215,6 @@ class DTensorLayout(UpdateLayout):
 
     name = "dtensor"
 
-    @staticmethod
-    def accepts(param: torch.Tensor) -> bool:
-        return isinstance(param, DTensor) and not is_owner_dtensor(param)  # stock FSDP2's
-
     def __init__(self, config: LayoutConfig | None = None) -> None:
         super().__init__(config)
         self._buckets: dict[tuple[Any, int, int | None, torch.dtype], _Bucket] = {}
@@ -230,8 +226,8 @@ class DTensorLayout(UpdateLayout):
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
         new: dict[tuple[Any, int, int | None, torch.dtype], list[RoutedParam]] = {}
-        tp_of: dict[int, TPSlice | None] = {}
-        ep_of: dict[int, TPSlice] = {}  # expert parallel stacks: their split over ep
+        tp_of: dict[int, MeshSlice | None] = {}
+        ep_of: dict[int, MeshSlice] = {}  # expert parallel stacks: their split over ep
         for rp in entries:
             self.entries.append(rp)
             p = rp.param
@@ -377,14 +373,10 @@ class DTensorLayout(UpdateLayout):
             shape = m.tp.shape(m.shape, m.tp.rank)
             mine.append(torch.zeros(shape, dtype=b.dtype, device=b.device) if g is None else g.view(shape))
         header = [float(dirty)] + [float(g is not None) for g in grads]
-        headers, pieces = all_gather_slices(
+        headers, full = assemble(
             b.tp_group, header, slices, mine, dtype=b.dtype, device=b.device, op="owner_grad_tp_all_gather"
         )
-        whole: list[torch.Tensor | None] = []
-        for i, m in enumerate(b.mine):
-            assert m.tp is not None
-            has = any(h[1 + i] != 0 for h in headers)
-            whole.append(torch.cat(pieces[i], dim=m.tp.dim) if has else None)
+        whole = [g if any(h[1 + i] != 0 for h in headers) else None for i, g in enumerate(full)]
         return whole, any(h[0] != 0 for h in headers)
 
     def _resync(self, b: _Bucket, *, dp: bool = True, tp: bool = False) -> None:
@@ -414,7 +406,7 @@ class DTensorLayout(UpdateLayout):
             for m in b.mine:
                 assert m.tp is not None and m.full is not None
                 own_slices.append(m.tp.narrow(m.full, m.tp.rank))
-            _, pieces = all_gather_slices(
+            _, full = assemble(
                 b.tp_group,
                 [],
                 slices,
@@ -423,11 +415,9 @@ class DTensorLayout(UpdateLayout):
                 device=b.device,
                 op="owner_param_resync_tp_all_gather",
             )
-            for m, ps in zip(b.mine, pieces, strict=True):
-                assert m.tp is not None and m.full is not None
-                for t, piece in enumerate(ps):
-                    if t != m.tp.rank:
-                        m.tp.narrow(m.full, t).copy_(piece)
+            for m, whole in zip(b.mine, full, strict=True):
+                assert m.full is not None
+                m.full.copy_(whole)
         for m in b.mats:
             m.key = _key(m.rp.param)
         self.resyncs += 1
@@ -515,7 +505,7 @@ class DTensorLayout(UpdateLayout):
         return OwnerDTensor.make(empty, experts.mesh, experts.placement, shape)
 
     def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        from .layouts import plain_local
+        from .layouts import holder_local, plain_local
 
         what = f"optimizer state {key!r} of {rp.label!r}"
         experts = self._experts.get(id(rp))
@@ -526,12 +516,7 @@ class DTensorLayout(UpdateLayout):
             return value
         if rp.owner is not None or value.dim() == 0:
             if is_owner_dtensor(value) and value.holder is not None:
-                if value.holder != rp.owner or not value.is_holder:
-                    raise ValueError(
-                        f"{what}: held by rank {value.holder} in the state dict, by rank "
-                        f"{rp.owner} here; load a full state dict or go through DCP"
-                    )
-                return local_tensor(value)
+                return holder_local(value, rp.owner, what)
             return plain_local(value, what)
         p = rp.param
         if (

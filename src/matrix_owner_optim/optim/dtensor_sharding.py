@@ -14,7 +14,7 @@ Two forms are supported, both with whole-matrix owners along the FSDP (data-para
   ``(_StridedShard(dim=0, sf=<ep size>), Shard(dim=0))``, the form of ``ColwiseParallel`` but
   along the stack dim. EP coordinate ``t`` holds experts ``torch.chunk`` piece ``t`` of ``E``,
   FSDP splits those experts over efsdp. A slice along a stack dim is whole matrices, so it is
-  stepped on its own (:attr:`TPSlice.whole`): no assembly over the ep dim.
+  stepped on its own (a :class:`~.mesh_slice.MeshSlice` on an ``EP`` axis): no assembly over ep.
 
 Anything else is refused by :func:`matrix_sharding` with an error naming the parameter, its
 placements and these forms. Pure: reads placements and mesh coordinates, no collective.
@@ -29,9 +29,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..planning.metadata import chunk_row_sizes
+from .mesh_slice import AxisKind, MeshSlice
 from .routing import RoutedParam
 
-__all__ = ["MatrixSharding", "TPSlice", "matrix_sharding", "SUPPORTED"]
+__all__ = ["MatrixSharding", "matrix_sharding", "SUPPORTED"]
 
 SUPPORTED = (
     "OwnerRoutedOptimizer supports DTensor matrices sharded by rows (Shard(0)) on one mesh dim, "
@@ -45,46 +46,12 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class TPSlice:
-    """Which slice of a matrix this rank's tensor-parallel coordinate holds.
-
-    ``dim`` is the tensor dim TP splits (0: colwise, 1: rowwise), ``sizes`` the extent along it
-    of every TP rank's slice (``torch.chunk`` sizes), ``rank`` this rank's TP coordinate.
-    ``whole``: the split is along a stack dim (expert parallel), so each slice is whole matrices,
-    stepped where it lies with no collective over the TP (ep) mesh dim.
-    """
-
-    mesh_dim: int
-    dim: int
-    rank: int
-    sizes: tuple[int, ...]
-    whole: bool = False
-
-    @property
-    def size(self) -> int:
-        return len(self.sizes)
-
-    def offset(self, t: int) -> int:
-        return sum(self.sizes[:t])
-
-    def shape(self, global_shape: tuple[int, ...], t: int) -> tuple[int, ...]:
-        """The shape of TP rank ``t``'s slice of a matrix of ``global_shape``."""
-        out = list(global_shape)
-        out[self.dim] = self.sizes[t]
-        return tuple(out)
-
-    def narrow(self, full: torch.Tensor, t: int) -> torch.Tensor:
-        """TP rank ``t``'s slice of the whole matrix ``full`` (a view)."""
-        return full.narrow(self.dim, self.offset(t), self.sizes[t])
-
-
-@dataclass(frozen=True)
 class MatrixSharding:
     """The FSDP mesh dim a matrix's rows are split on (None: replicated on every mesh dim) and,
-    under tensor parallel, its TP slice."""
+    on a 2D mesh, its slice along the parallel axis (tensor or expert parallel)."""
 
     dp_dim: int | None
-    tp: TPSlice | None = None
+    tp: MeshSlice | None = None
 
 
 def describe(p: torch.Tensor) -> str:
@@ -124,7 +91,7 @@ def matrix_sharding(rp: RoutedParam) -> MatrixSharding:
             raise _refuse(rp, f" and {kind} (only a 'stack' splits into whole matrices along dim 0)")
         if not colwise:
             raise _refuse(rp)
-        ep = TPSlice(1, 0, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[0]), T)), whole=True)
+        ep = MeshSlice(AxisKind.EP, 1, 0, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[0]), T)))
         return MatrixSharding(0, ep)
     if colwise:
         tp_dim = 0  # ColwiseParallel, then FSDP2 over the rows of each TP slice
@@ -132,5 +99,7 @@ def matrix_sharding(rp: RoutedParam) -> MatrixSharding:
         tp_dim = 1  # RowwiseParallel, then FSDP2 over the rows of each TP slice
     else:
         raise _refuse(rp)
-    tp_slice = TPSlice(1, tp_dim, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[tp_dim]), T)))
+    tp_slice = MeshSlice(
+        AxisKind.TP, 1, tp_dim, mesh.get_local_rank(1), tuple(chunk_row_sizes(int(p.shape[tp_dim]), T))
+    )
     return MatrixSharding(0, tp_slice)

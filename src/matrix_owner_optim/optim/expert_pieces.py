@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import comm
 from ..owner_dtensor.placement import OwnerShard
-from .dtensor_sharding import TPSlice
+from .mesh_slice import MeshSlice
 
 __all__ = ["ExpertPieces", "expert_pieces"]
 
@@ -52,7 +52,7 @@ def _flat(mesh: Any, label: str) -> Any:
 
 
 def expert_pieces(
-    mesh: Any, slices: Sequence[TPSlice], owners: Sequence[int], labels: Sequence[str]
+    mesh: Any, slices: Sequence[MeshSlice], owners: Sequence[int], labels: Sequence[str]
 ) -> list[ExpertPieces]:
     """Collective over the ep group (mesh dim 1 of the 2D ``mesh``): the state layout of each
     stack ``i`` (named ``labels[i]``), split over ep as ``slices[i]`` and owned in this rank's

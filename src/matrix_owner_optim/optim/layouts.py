@@ -7,8 +7,9 @@ tensor (its ``proxy``), and moves what the layout forces before and after the lo
   :func:`matrix_owner_optim.fully_shard`: the owner holds the tensor whole, so the step is
   local and moves zero bytes.
 
-Other layouts (stock FSDP2 DTensors, replicated DDP parameters) register their own classes in
-:data:`LAYOUTS`; the first whose ``accepts`` says yes takes a parameter.
+Other layouts (stock FSDP2 DTensors, owner-layout TP / EP slices, replicated DDP parameters)
+have their own modules; which one steps a parameter is one rule by what the tensor is
+(``layout_of.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from einops import rearrange
 
 from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
 from ..planning.bands import band_holds_key, row_band_of
+from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, get_shard_group, get_shard_rank
-from ..planning.registry import DEFAULT_COST
-from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, defer_replicas, steps_here, sync_replicas
+from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, replicas_of, replicas_stepped, steps_here
 from ..tensors import is_dtensor, local_tensor
 from .routing import RoutedParam
 
@@ -34,10 +35,8 @@ __all__ = [
     "LayoutConfig",
     "UpdateLayout",
     "LocalLayout",
-    "LAYOUTS",
-    "register_layout",
-    "layout_for",
     "is_multi_rank",
+    "holder_local",
     "plain_local",
     "NOT_HELD",
 ]
@@ -71,7 +70,7 @@ class LayoutConfig:
     """What every update layout of one optimizer may need to know.
 
     ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
-    model; by default ``planning.registry.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
+    model; by default ``planning.catalog.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
     replicated matrix updated by one owner, results shared) or ``"redundant"`` (every rank
     updates every replicated matrix, no communication). ``replica_broadcast`` is when HSDP's
     global owners send their updated matrices to the other replicas (``"step"``: at the end of
@@ -92,11 +91,6 @@ class UpdateLayout(ABC):
     def __init__(self, config: LayoutConfig | None = None) -> None:
         self.config = config or LayoutConfig()
         self.entries: list[RoutedParam] = []
-
-    @staticmethod
-    @abstractmethod
-    def accepts(param: torch.Tensor) -> bool:
-        """Whether this layout handles ``param``."""
 
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
@@ -146,6 +140,18 @@ class UpdateLayout(ABC):
         return plain_local(value, f"optimizer state {key!r} of {rp.label!r}")
 
 
+def holder_local(value: OwnerDTensor, owner: int | None, what: str, *, here: bool = True) -> torch.Tensor:
+    """The one holder check of a loaded entry held whole by one rank (``value.holder``): this
+    rank's local tensor of it when the state dict's holder is the layout's ``owner`` (and, with
+    ``here``, this rank), else the error naming both."""
+    if value.holder != owner or (here and not value.is_holder):
+        raise ValueError(
+            f"{what}: held by rank {value.holder} in the state dict, by rank {owner} here; load a full "
+            "state dict or go through DCP"
+        )
+    return local_tensor(value)
+
+
 def plain_local(value: Any, what: str) -> Any:
     """A full tensor from a plain tensor or a replicated DTensor; other pieces are an error."""
     if is_dtensor(value):
@@ -173,14 +179,6 @@ class LocalLayout(UpdateLayout):
 
     name = "local"
 
-    @staticmethod
-    def accepts(param: torch.Tensor) -> bool:
-        if is_owner_dtensor(param):
-            return True
-        if is_dtensor(param):
-            return False
-        return get_shard_rank(param) is not None or not is_multi_rank()
-
     def add(self, entries: list[RoutedParam]) -> None:
         claim_sync([rp.param for rp in entries])  # HSDP: after_step syncs the replicas
         for rp in entries:
@@ -194,7 +192,7 @@ class LocalLayout(UpdateLayout):
                     local = piece.numel() > 0
                 else:
                     local = shard.owner == rank and (piece.numel() > 0 or not shard.shape)
-                local = local and steps_here(rp.param)  # HSDP: another replica's holder steps it
+                local = local and steps_here(shard, replicas_of(rp.param))  # HSDP: another replica's steps it
             else:
                 rp.owner = 0
                 local = True
@@ -217,11 +215,7 @@ class LocalLayout(UpdateLayout):
         self.zero_grad(True)
         # HSDP: each matrix's global owner sends the new values to the other replicas' holders,
         # now or before each unit's next all-gather
-        params = [rp.param for rp in self.entries]
-        if self.config.replica_broadcast == "forward":
-            defer_replicas(params)
-        else:
-            sync_replicas(params)
+        replicas_stepped([rp.param for rp in self.entries], self.config.replica_broadcast)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for rp in self.entries:
@@ -288,12 +282,7 @@ class LocalLayout(UpdateLayout):
                 return local_tensor(value) if value.holder == info[1] else NOT_HELD
             return plain_local(value, what) if mine else NOT_HELD
         if info is not None and is_owner_dtensor(value) and value.holder is not None:
-            if value.holder != info[0].owner:
-                raise ValueError(
-                    f"{what}: held by rank {value.holder} in the state dict, by rank "
-                    f"{info[0].owner} here; load a full state dict or go through DCP"
-                )
-            return local_tensor(value)
+            return holder_local(value, info[0].owner, what, here=False)
         if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return plain_local(value, what) if isinstance(value, torch.Tensor) else value
         from ..pieces import local_piece
@@ -301,36 +290,4 @@ class LocalLayout(UpdateLayout):
         shard, rank, _ = info
         if shard.holds_rows:
             return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
-        if is_owner_dtensor(value) and value.holder is not None:
-            if value.holder != shard.owner:
-                raise ValueError(
-                    f"{what}: held by rank {value.holder} in the state dict, by rank "
-                    f"{shard.owner} here; load a full state dict or go through DCP"
-                )
-            return local_tensor(value)
         return plain_local(value, what)
-
-
-LAYOUTS: list[type[UpdateLayout]] = [LocalLayout]
-
-
-def register_layout(cls: type[UpdateLayout], *, first: bool = True) -> None:
-    """Add a layout; ``first`` puts it ahead of the existing ones."""
-    if cls in LAYOUTS:
-        return
-    if first:
-        LAYOUTS.insert(0, cls)
-    else:
-        LAYOUTS.append(cls)
-
-
-def layout_for(param: torch.Tensor, label: str) -> type[UpdateLayout]:
-    for cls in LAYOUTS:
-        if cls.accepts(param):
-            return cls
-    kind = type(param).__name__
-    raise ValueError(
-        f"parameter {label!r} ({kind}, shape {tuple(param.shape)}) is in a multi-rank job but "
-        "is neither owner-sharded (matrix_owner_optim.fully_shard) nor a layout this optimizer "
-        f"knows ({', '.join(c.name for c in LAYOUTS)})"
-    )

@@ -43,7 +43,8 @@ from ..replica_sync import BROADCAST_PLACEMENTS, DEFAULT_REPLICA_BROADCAST
 from ..tensors import is_dtensor, local_tensor
 from . import report
 from . import state_dict as sd_
-from .layouts import LayoutConfig, UpdateLayout, layout_for
+from .layout_of import layout_of
+from .layouts import LayoutConfig, UpdateLayout
 from .registry import OptimizerFactory, choose_optimizer
 from .replicated_layout import ReplicatedLayout
 from .role_optimizer import RoleOptimizer, first_nonfinite
@@ -78,7 +79,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         matrix: registered name (``"muon"``, ``"shampoo"``, ``"soap"``, ...) or optimizer class
             for the ``matrix`` role. Any per-tensor optimizer works. Its cost model (the
             configured optimizer's ``cost_model``, else its registry entry's:
-            ``planning.registry.resolve_cost``) prices a sharding plan this optimizer fixes.
+            ``planning.catalog.resolve_cost``) prices a sharding plan this optimizer fixes.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
         tail: name or class for ``tail`` and ``rows`` parameters (default AdamW).
         tail_options: keyword arguments of the tail optimizer.
@@ -154,8 +155,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._report_logged = False  # the routing report is logged once, at the first step
         chosen = (choose_optimizer(matrix, what="matrix"), choose_optimizer(tail, what="tail"))
         self._kinds: dict[OptimizerKind, RoleOptimizer] = {
-            MATRIX: RoleOptimizer(MATRIX, chosen[0], matrix_options),
-            TAIL: RoleOptimizer(TAIL, chosen[1], tail_options),
+            MATRIX: RoleOptimizer(MATRIX.value, chosen[0], matrix_options),
+            TAIL: RoleOptimizer(TAIL.value, chosen[1], tail_options),
         }
         # keys whose inner optimizer itself defaults to an infinity (a threshold that is off)
         self._infinite_ok = set().union(*(r.infinite_ok for r in self._kinds.values()))
@@ -171,9 +172,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._group_param_ids: list[list[int]] = []
         self._group_user: list[int] = []  # per parent group: which user group it was split from
         user_groups, self._type_roles = normalize_params(params)
-        # Step 1, collective: fix the sharding plan of every pending fully_shard tree these
-        # parameters belong to, priced by the matrix optimizer's cost (unless a fully_shard call
-        # named one). Every rank builds the optimizer, so every rank fixes the plans alike.
+        # Step 1, collective: fix the plan of every pending fully_shard tree these parameters belong
+        # to, priced by the matrix optimizer's cost unless a call named one (every rank alike).
         self._fix_plans(rp.param for g in user_groups for rp in g.params)
         # roles for all groups at once (pure): one warning lists every matrix routed by shape alone
         resolve_roles(
@@ -183,8 +183,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             views=self._views,
             convs=conv_params(params) if isinstance(params, torch.nn.Module) else None,
         )
-        # torch's constructor calls add_param_group once per group; we hand it our groups.
-        super().__init__([{"params": [rp.param for rp in g.params], "_moo_group": g} for g in user_groups], {})
+        groups = [{"params": [rp.param for rp in g.params]} for g in user_groups]  # roles resolved above
+        self._resolved_groups = {id(d): g for d, g in zip(groups, user_groups, strict=True)}  # add_param_group's
+        super().__init__(groups, {})
         self._overrides.check_all_used()
         self._views.check_all_used()
         self._check_hyperparameters("OwnerRoutedOptimizer(...)")
@@ -199,8 +200,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (tensors or ``(name, tensor)`` pairs); it is split by role like the others."""
-        user_group: UserGroup | None = param_group.get("_moo_group")
-        resolved = user_group is not None  # a constructor group: roles resolved already
+        user_group: UserGroup | None = self.__dict__.get("_resolved_groups", {}).pop(id(param_group), None)
+        resolved = user_group is not None  # a constructor group (torch's __init__ adds each): roles resolved
         if user_group is None:
             groups, type_roles = normalize_params([param_group], start_index=len(self._routed))
             user_group = groups[0]
@@ -349,7 +350,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for cls, lay in r.layouts.items()
             if cls is ReplicatedLayout
             for rp in lay.entries
-        ] + [rp for rp in new if layout_for(rp.param, rp.label) is ReplicatedLayout]
+        ] + [rp for rp in new if layout_of(rp.param) is ReplicatedLayout]
         plain = [rp for rp in replicated if rp.param.requires_grad]
         if sharded and plain:
             rp = plain[0]
@@ -405,9 +406,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for ropt in roles:  # the children read the parent groups' values (ChildGroup)
                 ropt.step()
             self._has_state = True
-            for ropt in roles:
+            for ropt in roles:  # each role's state shared into the parent's once its child made it
                 ropt.after_step()
-            for ropt in roles:
                 ropt.link_state(self.state)
         self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss

@@ -11,7 +11,7 @@ A step on :class:`OwnerTPLayout`:
 
 * matrices split by TP (``Shard(0)`` colwise, ``Shard(1)`` rowwise): the owners assemble the
   whole matrix and its whole gradient with one all-gather over their TP group per dtype
-  (``tp_gather.all_gather_slices``: a header saying which gradients exist, then every owned
+  (``mesh_slice.assemble``: a header saying which gradients exist, then every owned
   matrix's weight and gradient slice; no dp traffic), step it with the matrix optimizer
   (Newton-Schulz on the global matrix: exact; every TP owner steps the same matrix, ``T`` times
   in all, as the stock TP path does) and keep their slice. The weights travel too, so the
@@ -48,10 +48,9 @@ from ..owner_dtensor.placement import spec_piece
 from ..owner_dtensor.two_dim import is_2d, same_spec_2d, wrap_2d
 from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
 from ..tensors import local_tensor
-from .dtensor_sharding import TPSlice
-from .layouts import UpdateLayout, plain_local
+from .layouts import UpdateLayout, holder_local, plain_local
+from .mesh_slice import AxisKind, MeshSlice, assemble, message_sizes
 from .routing import RoutedParam
-from .tp_gather import all_gather_slices, message_sizes
 
 __all__ = ["OwnerTPLayout"]
 
@@ -61,7 +60,7 @@ class _Assembled:
     """A matrix this rank's TP group owns: its TP slice and the owner's whole working copy."""
 
     rp: RoutedParam
-    tp: TPSlice
+    tp: MeshSlice
     full: torch.Tensor  # the proxy the matrix optimizer steps
 
 
@@ -94,10 +93,6 @@ class OwnerTPLayout(UpdateLayout):
         self._assembled: list[_Assembled] = []
         self._local: list[RoutedParam] = []
 
-    @staticmethod
-    def accepts(param: torch.Tensor) -> bool:
-        return is_owner_dtensor(param) and param.device_mesh.ndim == 2
-
     def add(self, entries: list[RoutedParam]) -> None:
         """Route ``entries`` (module docstring): on their owners, TP-split 2D matrices to the
         assembly over tp, expert-parallel stacks and everything else to local steps; elsewhere
@@ -124,7 +119,7 @@ class OwnerTPLayout(UpdateLayout):
                 mesh = p.device_mesh  # type: ignore[attr-defined]
                 T = mesh.size(1)
                 sizes = tuple(chunk_row_sizes(int(p.shape[tp.dim]), T))
-                slice_ = TPSlice(1, tp.dim, mesh.get_local_rank(1), sizes)
+                slice_ = MeshSlice(AxisKind.TP, 1, tp.dim, mesh.get_local_rank(1), sizes)
                 full = torch.empty(tuple(p.shape), dtype=piece.dtype, device=piece.device)
                 rp.proxy = full
                 self._assembled.append(_Assembled(rp, slice_, full))
@@ -159,13 +154,12 @@ class OwnerTPLayout(UpdateLayout):
             mine.append(piece)
             mine.append(torch.zeros_like(piece) if grad is None else local_tensor(grad))
         group = mats[0].rp.param.device_mesh.get_group(1)  # type: ignore[attr-defined]
-        headers, pieces = all_gather_slices(
+        headers, whole = assemble(
             group, header, slices, mine, dtype=dtype, device=mats[0].full.device, op="owner_tp_gather"
         )
         for i, a in enumerate(mats):
-            a.full.copy_(torch.cat(pieces[2 * i], dim=a.tp.dim))
-            has_grad = headers[a.tp.rank][i] > 0
-            a.full.grad = torch.cat(pieces[2 * i + 1], dim=a.tp.dim) if has_grad else None
+            a.full.copy_(whole[2 * i])
+            a.full.grad = whole[2 * i + 1] if headers[a.tp.rank][i] > 0 else None
 
     def after_step(self) -> None:
         with torch.no_grad():
@@ -241,12 +235,7 @@ class OwnerTPLayout(UpdateLayout):
                 )
             return local_tensor(value)
         if is_owner_dtensor(value) and value.holder is not None:
-            if not self._steps_whole(rp) or value.holder != rp.owner or not value.is_holder:
-                raise ValueError(
-                    f"{what}: held by rank {value.holder} of its group in the state dict, by dp rank "
-                    f"{rp.owner} here; load a full state dict or go through DCP"
-                )
-            return local_tensor(value)
+            return holder_local(value, rp.owner if self._steps_whole(rp) else None, what)
         full = plain_local(value, what)
         if self._steps_whole(rp) or tuple(full.shape) == tuple(local_tensor(p).shape) != tuple(p.shape):
             return full

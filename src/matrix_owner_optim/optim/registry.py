@@ -1,25 +1,24 @@
 """Matrix and tail optimizers by name: the optimizer side of the optimizer registry.
 
 The registry itself, one entry per name holding the factory and its cost model, is
-:mod:`matrix_owner_optim.planning.registry` (built-ins in code, ``register_optimizer``, alias
+:mod:`matrix_owner_optim.planning.catalog` (built-ins in code, ``register_optimizer``, alias
 ``register_preconditioner``, the entry-point groups ``matrix_owner_optim.optimizers`` and
 ``matrix_owner_optim.preconditioners``; collisions raise naming both sides). This module resolves
 what ``OwnerRoutedOptimizer(matrix=..., tail=...)`` was given, a name or a factory, into a
 :class:`ChosenOptimizer`: the factory to build, the name to report, and what was given (from
-which ``planning.registry.resolve_cost`` prices the plan).
+which ``planning.catalog.resolve_cost`` prices the plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.registry import (
+from ..planning.catalog import (
     BUILTINS,
     ENTRY_POINT_GROUP,
     PRECONDITIONER_ENTRY_POINT_GROUP,
     OptimizerFactory,
     available_optimizers,
-    available_preconditioners,
     lookup,
     register_optimizer,
     register_preconditioner,
@@ -32,7 +31,6 @@ __all__ = [
     "ChosenOptimizer",
     "OptimizerFactory",
     "available_optimizers",
-    "available_preconditioners",
     "choose_optimizer",
     "register_optimizer",
     "register_preconditioner",

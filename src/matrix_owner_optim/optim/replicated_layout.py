@@ -35,9 +35,7 @@ from .. import comm
 from ..agreement import check_plan_agreement
 from ..planning import Role, TensorSpec, plan_tensors
 from ..planning.cost import CostModel, itemsize
-from ..planning.metadata import get_shard_rank
-from ..tensors import is_dtensor
-from .layouts import LayoutConfig, UpdateLayout, is_multi_rank, matrix_view
+from .layouts import LayoutConfig, UpdateLayout, matrix_view
 from .routing import RoutedParam
 
 __all__ = ["ReplicatedLayout", "plan_owners"]
@@ -117,10 +115,6 @@ class ReplicatedLayout(UpdateLayout):
     """Plain tensors replicated on every rank of a multi-rank job (DDP)."""
 
     name = "replicated"
-
-    @staticmethod
-    def accepts(param: torch.Tensor) -> bool:
-        return not is_dtensor(param) and get_shard_rank(param) is None and is_multi_rank()
 
     def __init__(self, config: LayoutConfig | None = None) -> None:
         super().__init__(config)

@@ -24,11 +24,12 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..planning.catalog import resolve_cost
 from ..planning.cost import CostModel
-from ..planning.registry import resolve_cost
-from .layouts import LayoutConfig, UpdateLayout, layout_for
+from .layout_of import layout_of
+from .layouts import LayoutConfig, UpdateLayout
 from .registry import ChosenOptimizer, OptimizerFactory
-from .routing import OptimizerKind, RoutedParam
+from .routing import RoutedParam
 
 __all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
 
@@ -193,15 +194,16 @@ def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
 
 
 class RoleOptimizer:
-    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors).
+    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors). Which
+    one it is, is its key in the optimizer (``OwnerRoutedOptimizer._kinds``), not a fact it holds;
+    ``what`` (``"matrix"``, ``"tail"``) only words its construction errors.
 
     Attributes:
-        kind: ``OptimizerKind.MATRIX`` or ``OptimizerKind.TAIL``.
         name: the optimizer as the user named it (reports, error messages).
         factory, options: what builds the child: ``factory(groups, **options)``.
         defaults: the hyperparameters the factory fills into a group (every parent group of
             this kind starts with them).
-        cost: what the planner charges per tensor (``planning.registry.resolve_cost`` of the
+        cost: what the planner charges per tensor (``planning.catalog.resolve_cost`` of the
             optimizer as given and as configured: a configured Shampoo's blocks count).
         child: the optimizer stepping this rank's proxies (None while this rank updates
             none of the role's tensors).
@@ -209,12 +211,11 @@ class RoleOptimizer:
         layouts: the update layout of each kind that holds some of the role's tensors.
     """
 
-    def __init__(self, kind: OptimizerKind, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
-        self.kind = kind
+    def __init__(self, what: str, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
         self.name = chosen.name
         self.factory = chosen.factory
         self.options: dict[str, Any] = dict(options or {})
-        self.defaults, probe = probe_defaults(self.factory, self.options, kind.value)
+        self.defaults, probe = probe_defaults(self.factory, self.options, what)
         self.cost: CostModel = resolve_cost(chosen.spec, built=probe)  # the one rule, as configured
         self.child: torch.optim.Optimizer | None = None
         self.groups: dict[int, ChildGroup] = {}
@@ -241,7 +242,7 @@ class RoleOptimizer:
         one's proxy and owner."""
         by_layout: dict[type[UpdateLayout], list[RoutedParam]] = {}
         for rp in rps:
-            by_layout.setdefault(layout_for(rp.param, rp.label), []).append(rp)
+            by_layout.setdefault(layout_of(rp.param), []).append(rp)
         for cls, entries in by_layout.items():
             if cls not in self.layouts:
                 self.layouts[cls] = cls(config)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .. import comm
 from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
 from ..pieces import placement_of
-from ..replica_sync import mark_replica_state, steps_here
+from ..replica_sync import hold_on_step_replica, replicas_of, steps_here
 from ..tensors import is_dtensor
 from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
 from .routing import RoutedParam
@@ -56,7 +56,7 @@ def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutO
     for idx, st in sd["state"].items():  # HSDP: a matrix's state lives on one replica
         for v in st.values():
             if is_owner_dtensor(v) and v.dim():
-                mark_replica_state(v, ordered[idx].param)
+                hold_on_step_replica(v, ordered[idx].param)
     for idx in range(len(ordered)):  # stateless: an empty entry, so every rank's keys cover
         sd["state"].setdefault(idx, {})  # every parameter (DSD needs that)
     sd["state"] = dict(sorted(sd["state"].items()))  # one order on every rank, whoever holds what
@@ -114,7 +114,7 @@ def _list_held_elsewhere(
                     continue
                 empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
                 mesh = mesh_of_group(group, device)
-                if shape and not steps_here(ordered[idx].param):  # HSDP: another replica's global owner
+                if shape and not steps_here(shard, replicas_of(ordered[idx].param)):  # HSDP: another replica's
                     entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ((0, 0),) * mesh.size()), shape)
                 elif banded and holder is not None:  # another owner's block
                     entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)

@@ -16,7 +16,8 @@ holds nothing), as DTensor's own ``_foreach_norm`` rule gives; ``_foreach_max`` 
 max of an empty piece is an error, not an identity). ``_amp_foreach_non_finite_check_and_unscale_``
 (GradScaler's unscale) then takes the max of ``found_inf`` over each mesh, as DTensor's own handler
 does, and under HSDP over the replicate group too (a matrix's gradient lives on its global owner's
-replica only: ``replica_sync.py``), so every rank of the whole mesh skips the same step.
+replica only: ``replica_sync.py``; read through the gradient's link to its tree,
+``OwnerDTensor._tree``), so every rank of the whole mesh skips the same step.
 
 Tensor-parallel slices held by their dp owner (2D owner-layout tensors, ``two_dim.py``) take the
 same local rule (a 2D piece keeps its spec; a norm is ``two_dim.norm_2d``'s partial value). The
@@ -33,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import comm
-from ..replica_sync import get_replica
 from .decisions import learn_list
 from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
@@ -208,10 +208,12 @@ def _agree_found_inf(args: tuple, kwargs: dict, lists: list[int]) -> None:
                     groups.append(g)
     # HSDP: the shard group's max, then the replicas' (a gradient of one replica's global owner
     # is on no rank of the other replicas' shard groups). Every gradient of a replicated tree
-    # carries its place, and every replica holds some (its tail), so all replicas issue this.
+    # links to its tree, and every replica holds some (its tail), so all replicas issue this.
     for t in args[lists[0]]:
-        place = get_replica(t)
-        if place is not None and place.size > 1 and all(place.group is not seen for seen in groups):
-            groups.append(place.group)
+        link = getattr(t, "_tree", None)
+        tree = None if link is None else link.tree
+        replicas = None if tree is None else tree.replicas
+        if replicas is not None and replicas.size > 1 and all(replicas.group is not seen for seen in groups):
+            groups.append(replicas.group)
     for g in groups:
         comm.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=g, name="found_inf")

@@ -18,7 +18,7 @@ from torch.utils import _foreach_utils
 
 from .. import comm
 from ..planning.metadata import chunk_row_range
-from ..replica_sync import keep_replica_place, land_deferred, replica_state_source
+from ..tensors import TreeLink
 from .assign import assign_data
 from .base import OwnerTensorBase
 from .dcp import DcpChunks
@@ -92,8 +92,11 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
 
     Built with :meth:`make` (no copy). The placement is ``OwnerShard``, ``Shard(0)`` or
     ``Replicate()``; 0-dim values held by one rank carry a ``Partial`` placement and their
-    holder in ``_holder``.
+    holder in ``_holder``. A parameter of a fixed ``fully_shard`` tree, its gradient and its
+    ``detach()`` aliases link to their tree in ``_tree`` (HSDP's replicas are read there).
     """
+
+    _tree: TreeLink | None = None  # the link to its tree of fully_shard calls (tensors.TreeLink)
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -208,6 +211,14 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         assert rows is not None
         return full[rows[0] : rows[1]]
 
+    def __getstate__(self) -> Any:
+        """What ``torch.save`` and copies keep of the Python object: everything but the link to
+        a live tree (a loaded tensor belongs to no tree)."""
+        state = super().__getstate__()  # type: ignore[misc]  # (__dict__, slots): DTensor keeps its piece in slots
+        if isinstance(state, tuple) and isinstance(state[0], dict) and "_tree" in state[0]:
+            return ({k: v for k, v in state[0].items() if k != "_tree"}, *state[1:])
+        return state
+
     def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"OwnerDTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement!r}, "
@@ -227,22 +238,27 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
     def full_value(self) -> torch.Tensor:
         """The whole tensor on every rank, in new storage (a collective unless replicated): as
         DTensor's ``full_tensor()`` of a sharded tensor, changing the result never changes this
-        tensor, nor the other way round, also on the rank that holds it. An HSDP parameter
-        whose replicas' broadcast is deferred to the next forward lands it first."""
+        tensor, nor the other way round, also on the rank that holds it. Under HSDP (read
+        through the link to its tree) a parameter whose replicas' broadcast is deferred to the
+        next forward lands it first."""
         if self.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner
             return self._full_2d()
-        land_deferred(self)
-        source = replica_state_source(self)
-        if source is None:
+        link = self._tree
+        tree = None if link is None else link.tree
+        replicas = None if tree is None else tree.replicas
+        if link is None or tree is None or replicas is None or replicas.size <= 1:
+            return self._full_in_group()
+        tree.land_replicas()
+        if link.held_on is None:
             return self._full_in_group()
         # HSDP optimizer state held on one replica (its global owner's): gathered in that
         # replica's shard group, then broadcast over the replicate group to the other replicas
-        place, src = source
-        if place.rank == src:
+        src = link.held_on
+        if replicas.rank == src:
             full = self._full_in_group()
         else:
             full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
-        comm.broadcast(as_bytes(full), group_src=src, group=place.group, name="replica_full_state")
+        comm.broadcast(as_bytes(full), group_src=src, group=replicas.group, name="replica_full_state")
         return full
 
     def _full_2d(self) -> torch.Tensor:
@@ -364,7 +380,7 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
             if rule in LEARNABLE_RULES:
                 learn(cls, func, args, kwargs, info, rule, holder, out)
         if func in _ALIASES and isinstance(out, OwnerDTensor):
-            keep_replica_place(args[0], out)  # p.detach().full_tensor() lands a deferred HSDP sync too
+            out._tree = args[0]._tree  # p.detach().full_tensor() lands a deferred HSDP sync too
         return out
 
 

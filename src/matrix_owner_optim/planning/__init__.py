@@ -1,5 +1,6 @@
 """Planning: MatrixShard metadata, the cost model and the owner planner. Pure: no processes."""
 
+from .catalog import DEFAULT_COST, available_cost_models, register_cost_model, resolve_cost
 from .cost import (
     ADAMW_COST,
     MUON_COST,
@@ -21,7 +22,6 @@ from .metadata import (
     parse_role,
 )
 from .planner import plan_model, plan_tensors
-from .registry import DEFAULT_COST, available_cost_models, get_cost_model, register_cost_model, resolve_cost
 from .roles import EMBEDDING_NAME_HINTS, RoleOverrides, TensorSpec, role_from_name, specs_from_module
 from .views import MatrixLayout, MatrixView, declare_matrix_view, matrix_layout_of
 
@@ -34,7 +34,6 @@ __all__ = [
     "FunctionCostModel",
     "DEFAULT_COST",
     "available_cost_models",
-    "get_cost_model",
     "register_cost_model",
     "resolve_cost",
     "MatrixShard",

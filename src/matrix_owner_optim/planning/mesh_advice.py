@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import nn
 
+from .catalog import CostSpec, resolve_cost
 from .metadata import ShardingPlan, recorded_unit_prefixes
 from .planner import plan_tensors
-from .registry import CostSpec, resolve_cost
 from .replicas import assign_step_replicas
 from .roles import TensorSpec, specs_from_module
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..tensors import itemsize
-from .registry import DEFAULT_COST
+from ..tensors import is_dtensor, itemsize
+from .catalog import DEFAULT_COST
 
 __all__ = [
     "chunk_row_range",
@@ -322,28 +322,30 @@ class ShardingPlan:
 
 # --- the link from a live parameter to its record -------------------------------------------
 _SHARD_ATTR = "_moo_matrix_shard"
-_RANK_ATTR = "_moo_shard_rank"
+_RANK_ATTR = "_moo_shard_rank"  # a plain tensor's only (simulation): a DTensor's spec says it
 
 
-_GROUP_ATTR = "_moo_shard_group"
-
-
-def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int, group: Any = None) -> None:
+def attach_matrix_shard(param: torch.Tensor, shard: MatrixShard, rank: int) -> None:
     """Record on ``param`` (the sharded parameter the optimizer sees) its placement.
 
-    ``rank`` is this process's index in ``group``, the process group the plan shards over (the
-    shard dim of the mesh), which is what ``shard.owner`` is compared against.
+    ``rank`` is this process's index in the process group the plan shards over (the shard dim
+    of the mesh), which is what ``shard.owner`` is compared against. A DTensor's own spec holds
+    it (its mesh's dim 0, read by :func:`get_shard_rank`), so it is recorded only on a plain
+    tensor (``optim/simulation.py``'s stand-ins for another rank's parameters).
     """
     if not 0 <= rank < shard.world_size:
         raise ValueError(f"{shard.fqn}: rank {rank} outside the plan's world size {shard.world_size}")
     setattr(param, _SHARD_ATTR, shard)
-    setattr(param, _RANK_ATTR, int(rank))
-    setattr(param, _GROUP_ATTR, group)
+    if not is_dtensor(param):
+        setattr(param, _RANK_ATTR, int(rank))
 
 
 def get_shard_group(param: torch.Tensor) -> Any:
-    """The process group ``param`` is sharded over (None if unsharded or not recorded)."""
-    return getattr(param, _GROUP_ATTR, None)
+    """The process group ``param`` is sharded over, read from its DTensor spec (the mesh's dim
+    0; None if unsharded or a plain tensor)."""
+    if getattr(param, _SHARD_ATTR, None) is None or not is_dtensor(param):
+        return None
+    return param.device_mesh.get_group(0)  # type: ignore[attr-defined]
 
 
 def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
@@ -354,7 +356,12 @@ def get_matrix_shard(param: torch.Tensor) -> MatrixShard | None:
 
 
 def get_shard_rank(param: torch.Tensor) -> int | None:
-    """This process's rank in the group ``param`` is sharded over (None if unsharded)."""
+    """This process's rank in the group ``param`` is sharded over (None if unsharded): a
+    DTensor's spec says it (the mesh's dim 0), a plain tensor's is recorded."""
+    if getattr(param, _SHARD_ATTR, None) is None:
+        return None
+    if is_dtensor(param):
+        return int(param.device_mesh.get_local_rank(0))  # type: ignore[attr-defined]
     return getattr(param, _RANK_ATTR, None)
 
 

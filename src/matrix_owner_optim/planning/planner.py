@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .catalog import DEFAULT_COST, CostSpec, resolve_cost
 from .cost import (
     ADAMW_COST,
     CostModel,
@@ -31,7 +32,6 @@ from .cost import (
     row_block_of,
 )
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
-from .registry import DEFAULT_COST, CostSpec, resolve_cost
 from .roles import TensorSpec, specs_from_module
 from .views import MatrixView, default_matrix_view
 
@@ -89,7 +89,7 @@ def plan_tensors(
 ) -> ShardingPlan:
     """Place ``specs`` (in model order) on ``world_size`` ranks and return the plan.
 
-    ``cost`` prices the matrices (resolved by the caller: ``planning.registry.resolve_cost``;
+    ``cost`` prices the matrices (resolved by the caller: ``planning.catalog.resolve_cost``;
     the plan records its ``name``), ``tail_cost`` the tail and ``rows`` tensors.
 
     ``split_stacks``: a heavy stack of matrices (fused experts) may be split over owners at
@@ -106,7 +106,7 @@ def plan_tensors(
     if not isinstance(cost, CostModel):
         raise TypeError(
             f"plan_tensors(cost=...) takes a CostModel, got {type(cost).__name__}; resolve a name or an "
-            "optimizer class with planning.registry.resolve_cost first"
+            "optimizer class with planning.catalog.resolve_cost first"
         )
     matrix_cost = cost
     cost_name = cost.name

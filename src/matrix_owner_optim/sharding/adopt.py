@@ -53,9 +53,7 @@ def replica_sync_hook(state: OwnerShardState) -> Callable[..., None]:
     (collective over the replicate group, as the state-dict calls of a sharded model are)."""
 
     def hook(*args: Any, **kwargs: Any) -> None:
-        ctx = state.tree.context
-        if ctx is not None:
-            ctx.sync_replicas()
+        state.tree.land_replicas()
 
     return hook
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from .. import comm
 from ..owner_dtensor import mesh_of_group
+from ..planning.catalog import CostSpec, resolve_cost
 from ..planning.metadata import ShardingPlan
-from ..planning.registry import CostSpec, resolve_cost
 from .adopt import adoption_hook, replica_sync_hook
 from .build import check_plan_world_size
 from .fsdp_api import check_reshard_after_forward_type, check_unsupported_arguments, resolve_reshard_after_forward
@@ -82,7 +82,7 @@ def fully_shard(
             with its own optimizer state (the all-reduced HSDP before global owners).
         preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
             ``"shampoo"``, a ``CostModel`` or an optimizer class; resolved here, once, by
-            ``planning.registry.resolve_cost``). A tree-wide fact: name it on one call (the
+            ``planning.catalog.resolve_cost``). A tree-wide fact: name it on one call (the
             root's); a call inside the tree naming another is refused, naming both. Default:
             the optimizer that fixes the plan (``OwnerRoutedOptimizer`` built before the first
             forward offers its own), else ``DEFAULT_COST`` (Muon's). Fixing the plan logs which

@@ -26,8 +26,8 @@ from ..planning.metadata import MatrixShard, Role, ShardingPlan, attach_matrix_s
 from ..planning.planner import plan_tensors
 from ..planning.replicas import assign_step_replicas
 from ..planning.roles import TensorSpec, specs_from_module
-from ..replica_sync import ReplicaPlace, attach_replica
-from ..tensors import local_tensor
+from ..replica_sync import ReplicaSync
+from ..tensors import TreeLink, local_tensor
 from .context import ShardingContext, TreeSettings
 from .handle import ParamHandle
 from .ignored import is_ignored
@@ -63,7 +63,8 @@ def build_context(
 ) -> ShardingContext:
     """Plan the tree of ``states`` (one unit per call, planning order) as one model priced by
     ``cost`` (or apply the given ``plan``), shard every parameter in place and build the units
-    (``context.units[i]`` is call ``i``'s); ``settings`` are the tree's (the prefetch switch)."""
+    (``context.units[i]`` is call ``i``'s); ``settings`` is the tree (its prefetch switch, and what
+    every parameter links to: ``tensors.TreeLink``)."""
     group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [m for st in states for m in st.modules]
@@ -92,7 +93,8 @@ def build_context(
     locations = _locations(root, unit_of_module, [st.modules[0] for st in states], fqn_of, nested_modules)
     replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
-    place = ReplicaPlace(replica_rank, replicate_size, replicate_group)  # one sync record per tree
+    replicas = None if replicate_group is None else ReplicaSync(replica_rank, replicate_size, replicate_group)
+    link = TreeLink.to(settings)  # every parameter's link to its tree (tree.py), shared
     given = plan
     if plan is not None:
         _validate_plan(plan, specs, W, replicate_size)
@@ -135,9 +137,8 @@ def build_context(
                 param.relayout(piece, placement_of(shard))
             else:  # the TP slice whole on its dp owner; TP's placement stays on tp
                 param.relayout(piece, (placement_of(shard), tp_slice))
-        attach_matrix_shard(param, shard, rank, group)
-        if replicate_group is not None:
-            attach_replica(param, place)
+        attach_matrix_shard(param, shard, rank)
+        param._tree = link
         unlink_lazy_plan(param)
         # a TP slice moves over dp as a tensor of the slice's shape: the unit's segments, its
         # unsharded tensor and its gradient are the slice's; the plan (and the optimizer) keep
@@ -147,7 +148,7 @@ def build_context(
             ParamHandle(unit_shard, locations[id(param)], param, rank, param.dtype, tp=tp_slice is not None)
         )
 
-    groups = ShardGroups(group, rank, W, replicate_group, replicate_size, replica_rank, place.sync)
+    groups = ShardGroups(group, rank, W, replicate_group, replicate_size, replica_rank, replicas)
     root_index = -1 if is_container else len(states) - 1
     units = [
         ShardedUnit(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..planning.metadata import get_matrix_shard
-from ..replica_sync import get_replica
+from ..replica_sync import replicas_of
 from ..tensors import is_dtensor
 
 __all__ = ["clip_grad_norm_"]
@@ -57,7 +57,7 @@ def clip_grad_norm_(
     mats = [p.grad for p in stepped_once if p.grad is not None]
     n_rest = _whole(torch.nn.utils.get_total_norm(rest, norm_type, False, foreach))
     n_mats = _whole(torch.nn.utils.get_total_norm(mats, norm_type, False, foreach)).to(n_rest.dtype)
-    place = next(pl for pl in map(get_replica, stepped_once) if pl is not None)
+    place = next(pl for pl in map(replicas_of, stepped_once) if pl is not None)
     p = float(norm_type)
     if p == float("inf"):
         comm.all_reduce(n_mats, op=dist.ReduceOp.MAX, group=place.group, name="clip_grad_norm")
@@ -82,5 +82,5 @@ def _whole(norm: torch.Tensor) -> torch.Tensor:
 
 def _one_replica_steps(param: torch.Tensor) -> bool:
     """Whether an HSDP plan gives ``param`` one global owner (its gradient on one replica)."""
-    shard, place = get_matrix_shard(param), get_replica(param)
+    shard, place = get_matrix_shard(param), replicas_of(param)
     return shard is not None and shard.step_replica is not None and place is not None and place.size > 1

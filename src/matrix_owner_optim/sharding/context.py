@@ -26,14 +26,16 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import nn
 from torch.autograd import Variable
 
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
-from ..replica_sync import defer_replicas
+from ..replica_sync import ReplicaSync, held_pieces, issue_broadcast
 from .handle import ParamHandle
 from .ignored import is_ignored
 from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
@@ -111,8 +113,6 @@ class ShardingContext:
         for (mod_id, name), h in self._registrations.items():
             self._planned_at.setdefault(mod_id, {})[name] = h
         self._walked: dict[int, list[tuple[nn.Module, tuple[nn.Module | None, ...]]]] = {}  # unit -> modules
-        if groups.replica_sync is not None:  # HSDP: reads outside a forward land due broadcasts
-            groups.replica_sync.land_all = self.sync_replicas
 
     # -- lookups ---------------------------------------------------------------------------------
     def unit_of(self, module: nn.Module) -> ShardedUnit | None:
@@ -258,14 +258,32 @@ class ShardingContext:
         if record is not None:
             record.pending.wait()
 
-    # -- iteration boundaries --------------------------------------------------------------------
+    # -- HSDP: the replicas' broadcasts (replica_sync.py) -----------------------------------------
+    @property
+    def replicas(self) -> ReplicaSync | None:
+        """The tree's replica record (None: no replicate group)."""
+        return self.groups.replica_sync
+
+    def replicas_stepped(self, params: Sequence[torch.Tensor], *, deferred: bool) -> None:
+        """The global owners stepped ``params`` (an optimizer's, or every parameter after a
+        plain optimizer's step): broadcast their pieces now, one broadcast per (step replica,
+        dtype), or (``deferred``) give every unit its broadcast due before its next all-gather."""
+        replicas = self.replicas
+        if replicas is None:
+            return
+        replicas.pending = False
+        if deferred:
+            replicas.generation += 1
+        else:
+            issue_broadcast(replicas, held_pieces(params)).wait()
+
     def _replicas_due(self) -> None:
         """HSDP with a plain torch optimizer (no ``OwnerRoutedOptimizer`` claimed the tree): if
         a backward landed global owners' gradients since the last sync, they may have stepped,
-        so every unit gets its broadcast due (``replica_sync.py``)."""
-        sync = self.groups.replica_sync
-        if sync is not None and sync.pending and not sync.by_optimizer:
-            defer_replicas([h.sharded for u in self.units for h in u.handles])
+        so every unit gets its broadcast due."""
+        replicas = self.replicas
+        if replicas is not None and replicas.pending and not replicas.by_optimizer:
+            self.replicas_stepped([h.sharded for u in self.units for h in u.handles], deferred=True)
 
     def sync_replicas(self) -> None:
         """HSDP: land every unit's due broadcast now, in unit order (before ``unshard()`` and
@@ -275,6 +293,7 @@ class ShardingContext:
         for unit in self.units:
             unit.land_replica_sync()
 
+    # -- iteration boundaries --------------------------------------------------------------------
     def begin_forward_pass(self) -> None:
         """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring), and
         under HSDP every unit's due broadcast issued asynchronously, in unit order (each unit

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..planning.metadata import MatrixShard
-from ..replica_sync import ReplicaSync
+from ..replica_sync import ReplicaSync, steps_here
 
 __all__ = ["ShardGroups"]
 
@@ -26,12 +26,12 @@ class ShardGroups:
     replicate_group: Any = None  # HSDP: the replicas of this shard group
     replicate_size: int = 1
     replicate_rank: int = 0  # HSDP: this process's replica
-    replica_sync: ReplicaSync | None = None  # HSDP: set when global owners' gradients landed
+    replica_sync: ReplicaSync | None = None  # HSDP: the tree's replica record (replica_sync.py)
 
     def steps_here(self, shard: MatrixShard) -> bool:
         """Whether this replica's holder of ``shard`` gets its averaged gradient and steps it
         (HSDP gives each matrix one global owner: ``MatrixShard.step_replica``)."""
-        return shard.step_replica is None or shard.step_replica == self.replicate_rank
+        return steps_here(shard, self.replica_sync)
 
     @property
     def dp_size(self) -> int:

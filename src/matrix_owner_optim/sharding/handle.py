@@ -30,7 +30,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..owner_dtensor import contiguous_stride, like_layout
 from ..owner_dtensor.two_dim import tp_mesh_of
 from ..planning.metadata import MatrixShard
-from ..replica_sync import attach_replica, get_replica
 from ..tensors import local_tensor
 
 __all__ = ["ParamHandle"]
@@ -83,9 +82,7 @@ class ParamHandle:
         grad = self.sharded.grad
         if grad is None:
             grad = like_layout(self.sharded, g)  # type: ignore[arg-type]
-            place = get_replica(self.sharded)
-            if place is not None:  # HSDP: GradScaler agrees found_inf over the replicas too
-                attach_replica(grad, place)
+            grad._tree = self.sharded._tree  # type: ignore[attr-defined]  # HSDP: found_inf over the replicas
             self.sharded.grad = grad
         else:
             local_tensor(grad).add_(g)

@@ -21,15 +21,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..owner_dtensor import OwnerDTensor
+from ..planning.catalog import CostSpec, resolve_cost
 from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_shard
-from ..planning.registry import CostSpec, resolve_cost
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .fsdp_api import FSDP2Methods
 from .state import OwnerShardState, PlanPhase, state_of
 from .unit import ShardedUnit, TrainingState
 
-__all__ = ["OwnerShardedModule", "UnshardHandle", "check_reshard_after_forward", "register_fsdp_forward_method"]
+__all__ = [
+    "OwnerShardedModule",
+    "UnshardHandle",
+    "check_reshard_after_forward",
+    "context_of",
+    "register_fsdp_forward_method",
+    "states_of",
+    "units_of",
+]
 
 
 def _require_state(module: nn.Module) -> OwnerShardState:
@@ -64,29 +72,6 @@ class UnshardHandle:
 class OwnerShardedModule(FSDP2Methods, nn.Module):
     """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule``)."""
 
-    def _moo_context(self) -> ShardingContext | None:
-        """The runtime of this module's tree (None while its plan is pending)."""
-        return _require_state(self).tree.context
-
-    def _moo_units(self) -> list[ShardedUnit]:
-        """This module's unit and every unit nested in it (call order); the plan must be fixed."""
-        ctx = self._moo_context()
-        if ctx is None:
-            raise RuntimeError(f"{type(self).__name__}: the sharding plan is not fixed yet (see fix_plan())")
-        return ctx.units_in(self)
-
-    def _moo_states(self, recurse: bool) -> list[OwnerShardState]:
-        """This module's state, and with ``recurse`` every state of a module inside it."""
-        own = _require_state(self)
-        if not recurse:
-            return [own]
-        found: list[OwnerShardState] = []
-        for m in self.modules():
-            st = state_of(m)
-            if st is not None and not any(f is st for f in found):
-                found.append(st)
-        return found
-
     def fix_plan(self, preconditioner: CostSpec | None = None) -> ShardingPlan:
         """Fix the sharding plan of this module's ``fully_shard`` tree now and shard it
         (collective: call it on every rank). Otherwise the first forward or the optimizer's
@@ -115,8 +100,8 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         ``async_op=True`` issues the all-gathers and returns a handle; call its ``wait()``
         before reading the parameters (a forward waits by itself)."""
         _require_state(self).fix_plan()
-        units = self._moo_units()
-        context = self._moo_context()
+        units = units_of(self)
+        context = context_of(self)
         if context is not None:
             context.sync_replicas()  # HSDP: a step nobody synced reaches every replica first
         for unit in units:
@@ -133,28 +118,28 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def reshard(self) -> None:
         """Back to the owner layout: owners keep their tensors, others hold empty tensors."""
-        if self._moo_context() is None:
+        if context_of(self) is None:
             return  # nothing was gathered: every rank still holds the replicated parameters
-        for unit in self._moo_units():
+        for unit in units_of(self):
             unit.release()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: accumulate gradients locally (in ``reduce_dtype``, no collective) until a
         backward with sync enabled, which reduces the accumulated sum once (DDP ``no_sync``)."""
-        for st in self._moo_states(recurse):
+        for st in states_of(self, recurse):
             st.options.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (``True``) or keep (``False``) non-owned tensors between forward and backward."""
         value = check_reshard_after_forward(reshard_after_forward)
-        for st in self._moo_states(recurse):
+        for st in states_of(self, recurse):
             st.options.reshard_after_forward = value
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the gathered tensors after backward for the next micro-batch's forward
         (no all-gather). As in FSDP2, set it back to ``True`` before the last micro-batch: the
         kept tensors do not see an optimizer step."""
-        for st in self._moo_states(recurse):
+        for st in states_of(self, recurse):
             st.options.reshard_after_backward = bool(reshard_after_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -183,7 +168,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         _require_state(self).options.backward_prefetch = self._prefetch_targets(modules)
 
     def _prefetch_targets(self, modules: list[OwnerShardedModule]) -> list[nn.Module]:
-        ctx = self._moo_context()
+        ctx = context_of(self)
         for m in modules:
             if state_of(m) is None:
                 raise ValueError(f"{type(m).__name__} was not passed to fully_shard")
@@ -245,17 +230,41 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
                 h.sharded = now
                 h.swap(now)
             h.shard = shard
-            attach_matrix_shard(now, shard, unit.groups.rank, unit.groups.group)
+            attach_matrix_shard(now, shard, unit.groups.rank)
         unit.rebuild_unsharded()
         return result
+
+
+def context_of(module: nn.Module) -> ShardingContext | None:
+    """The runtime of ``module``'s tree (None while its plan is pending). Module-level, as the
+    two below: the user's class gains no names beyond FSDP2's methods."""
+    return _require_state(module).tree.context
+
+
+def units_of(module: nn.Module) -> list[ShardedUnit]:
+    """``module``'s unit and every unit nested in it (call order); the plan must be fixed."""
+    ctx = context_of(module)
+    if ctx is None:
+        raise RuntimeError(f"{type(module).__name__}: the sharding plan is not fixed yet (see fix_plan())")
+    return ctx.units_in(module)
+
+
+def states_of(module: nn.Module, recurse: bool) -> list[OwnerShardState]:
+    """``module``'s state, and with ``recurse`` every state of a module inside it."""
+    own = _require_state(module)
+    if not recurse:
+        return [own]
+    found: list[OwnerShardState] = []
+    for m in module.modules():
+        st = state_of(m)
+        if st is not None and not any(f is st for f in found):
+            found.append(st)
+    return found
 
 
 def _holds_meta(state: OwnerShardState) -> bool:
     """Whether a parameter of the call's modules is still on ``meta`` (waits for ``to_empty``)."""
     return any(p.is_meta for m in state.modules for p in m.parameters())
-
-
-_PIECEWISE = "_moo_piecewise"
 
 
 def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -267,10 +276,19 @@ def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
     the whole: no collective, no temporary full tensor, and a rank holding an empty piece gets
     an empty piece of the new dtype and device. A function that changes a piece's shape has no
     owner-layout meaning and is refused, naming the tensor's shape."""
-    if getattr(fn, _PIECEWISE, False):
+    if isinstance(fn, _Piecewise):
         return fn  # a nested sharded module: already converting pieces
+    return _Piecewise(fn)
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
+
+class _Piecewise:
+    """A function of ``nn.Module._apply`` made to convert owner-layout pieces (:func:`_piecewise`)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        fn = self.fn
         if not isinstance(t, OwnerDTensor):
             return fn(t)
         piece = local_tensor(t)
@@ -285,10 +303,9 @@ def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Te
                 "only shape-preserving conversions (to, to_empty, half, cuda, ...) keep the owner "
                 "layout. Apply it to the model before fully_shard, or to a full state dict"
             )
-        return OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
-
-    setattr(convert, _PIECEWISE, True)
-    return convert
+        new = OwnerDTensor.make(out, t.device_mesh, t.placement, t.shape, t.stride(), holder=t.holder)
+        new._tree = t._tree  # its link to its tree (HSDP's replicas) stays
+        return new
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

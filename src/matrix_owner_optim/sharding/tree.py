@@ -4,16 +4,20 @@ A tree is the ``fully_shard`` calls planned together: the outermost call (the ro
 call inside it. What is true of the whole tree lives in one :class:`ShardTree`, as FSDP2 keeps
 tree-wide facts in one ``FSDPStateContext`` that every state points to: the plan given to it, the
 cost model that prices it, where its plan is (:class:`PlanPhase`), why planning failed, its
-runtime (:class:`~.context.ShardingContext`) and the automatic prefetch. Every call's
+runtime (:class:`~.context.ShardingContext`), HSDP's replica state (``replica_sync.ReplicaSync``)
+and the automatic prefetch. Every call's
 ``OwnerShardState.tree`` is its tree. A call that adopts the calls made before inside it forms
 one new tree of theirs (:meth:`ShardTree.join`) and re-points their states to it; no fact is
-copied into a state, so none goes stale.
+copied into a state, so none goes stale. Once the plan is fixed every parameter links to its
+tree (``OwnerDTensor._tree``, a ``tensors.TreeLink``), so ``full_tensor()``, the optimizer and
+state dicts reach the replicas' record and the runtime that lands their broadcasts through it
+(:meth:`ShardTree.land_replicas`, :meth:`ShardTree.replicas_stepped`).
 
 A tree has one plan source and one price. A call inside the tree that named another plan or
 cost model than the tree's (``fully_shard(plan=...)``, ``fully_shard(preconditioner=...)``) is
 refused when the tree forms, naming both calls. The plan is fixed once (:meth:`ShardTree.fix`,
 collective), priced by the cost a call named, else the one offered by whoever fixes it (the
-optimizer offers its matrix optimizer's), else ``planning.registry.DEFAULT_COST``; the tree
+optimizer offers its matrix optimizer's), else ``planning.catalog.DEFAULT_COST``; the tree
 keeps the cost that priced it (``cost``) and logs it (logger ``matrix_owner_optim.sharding.tree``,
 INFO).
 """
@@ -26,11 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import nn
 
+from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
 from ..planning.metadata import ShardingPlan
-from ..planning.registry import DEFAULT_COST
+from ..replica_sync import ReplicaSync
 from .build import PlannedCall, build_context
 from .context import ShardingContext
 from .unit import ShardedUnit
@@ -69,6 +75,18 @@ class ShardTree:
     phase: PlanPhase = PlanPhase.PENDING
     failure: str | None = None  # why planning failed
     context: ShardingContext | None = None  # the runtime, once the plan is fixed
+    replicas: ReplicaSync | None = None  # HSDP: the replicas' state, once the plan is fixed
+
+    def land_replicas(self) -> None:
+        """HSDP: land every broadcast the tree has due (its runtime issues them; a no-op
+        before the plan or without replicas). Reads outside a forward call this first."""
+        if self.context is not None and self.replicas is not None and self.replicas.size > 1:
+            self.context.sync_replicas()
+
+    def replicas_stepped(self, params: Sequence[torch.Tensor], *, deferred: bool) -> None:
+        """HSDP: an optimizer's global owners stepped ``params`` (see ``replica_sync.py``)."""
+        if self.context is not None:
+            self.context.replicas_stepped(params, deferred=deferred)
 
     @property
     def root(self) -> TreeMember:
@@ -144,6 +162,7 @@ class ShardTree:
         for st, unit in zip(self.states, context.units, strict=True):
             st.unit = unit
         self.context, self.phase = context, PlanPhase.PLANNED
+        self.replicas = context.replicas
         what = _class_name(self.root.modules[0])
         if self.plan is not None:
             _log.info(

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from ..comm import comm_phase
-from ..replica_sync import PendingBroadcast, ReplicaPlace, held_pieces, issue_broadcast
+from ..replica_sync import PendingBroadcast, held_pieces, issue_broadcast
 from .collectives import (
     PendingGather,
     PendingReduce,
@@ -247,8 +247,7 @@ class ShardedUnit:
             return
         assert sync is not None
         self._replica_generation = sync.generation
-        place = ReplicaPlace(self.groups.replicate_rank, self.groups.replicate_size, self.groups.replicate_group, sync)
-        self._replica_in_flight = issue_broadcast(place, held_pieces([h.sharded for h in self.handles]))
+        self._replica_in_flight = issue_broadcast(sync, held_pieces([h.sharded for h in self.handles]))
 
     def land_replica_sync(self) -> None:
         """The stepped values in this rank's pieces: the due broadcast issued (if not yet) and

@@ -64,11 +64,8 @@ __all__ = [
     "CostSpec",
     "OptimizerEntry",
     "OptimizerFactory",
-    "PreconditionerEntry",
     "available_cost_models",
     "available_optimizers",
-    "available_preconditioners",
-    "get_cost_model",
     "lookup",
     "register_cost_model",
     "register_optimizer",
@@ -121,9 +118,6 @@ class OptimizerEntry:
                 )
             self.factory = _import_target(self.target, spelled or self.name, what, self.source)
         return self.factory
-
-
-PreconditionerEntry = OptimizerEntry  # the entry's first name, kept for code that imports it
 
 
 def _builtin(name: str, target: str, cost: CostModel) -> OptimizerEntry:
@@ -312,9 +306,6 @@ def available_optimizers() -> list[str]:
     return sorted(with_optimizer | set(_entry_points()))
 
 
-available_preconditioners = available_optimizers  # the first name, kept
-
-
 def available_cost_models() -> list[str]:
     """Every name the planner can price (each registered optimizer, and costs registered alone)."""
     return sorted(set(_entries) | set(_entry_points()))
@@ -363,6 +354,3 @@ def resolve_cost(spec: CostSpec | None, *, built: object | None = None) -> CostM
         f"preconditioner= must be a registered name, a CostModel or an optimizer class, got "
         f"{type(spec).__name__} {spec!r}"
     )
-
-
-get_cost_model = resolve_cost  # the first name, kept: the same function
