@@ -462,9 +462,9 @@ def learn_list(cls: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None
 
 class _Table(dict):
     """A mesh's recorded decisions. A mesh pickled or deep-copied (``torch.save`` of a state
-    dict, ``copy.deepcopy`` of a model) takes an empty ``OrderedDict`` instead: decisions are
-    this process's, and ``torch.load(weights_only=True)`` (or a process without this package)
-    accepts an ``OrderedDict``."""
+    dict, ``copy.deepcopy`` of a model) takes an empty OrderedDict from the standard library
+    instead: decisions are this process's, and ``torch.load(weights_only=True)`` (or a process
+    without this package) accepts that type."""
 
     def __reduce__(self) -> Any:
         return (collections.OrderedDict, ())
