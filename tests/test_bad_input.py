@@ -370,7 +370,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     refused(
         "different_models",
         ValueError,
-        r"ranks disagree on the sharding plan \(rank 0 vs rank 1\)"
+        r"rank 0 and rank 1 disagree on the sharding plan"
         r": parameter 'layers\.0\.mlp\.fc\.weight' differs \(shape: \[64, 16\] vs \[32, 16\]",
         lambda: model(*_batch(0, rank)),
     )

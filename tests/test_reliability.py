@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 
@@ -216,3 +217,116 @@ def test_long_run_is_flat_and_equals_a_restarted_run(tmp_path) -> None:
 # per step fails it. Measured at W=4 over two runs: +0 to +304 KiB per segment (most after the
 # save, none in the restarted run); the save itself +1.47 to +1.60 MiB, once.
 RSS_BOUND = 1 << 20
+
+
+# -- ranks that disagree fail fast, by name ----------------------------------------------------
+# A configuration or mesh difference must fail on every rank within seconds, not at the
+# process-group timeout (set to 60 s here, so a hang would show as a failure of the bound).
+AGREE_TIMEOUT_S = 60.0
+FAIL_FAST_S = 10.0  # the contract (issue 43): within 10 s; measured well under 1 s when idle
+
+
+def _attempt(fn) -> dict:
+    """Run ``fn`` once every rank is ready (a barrier) and return what it raised (type, text)
+    and how long it took to."""
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def _sharded(mesh=None) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _disagree_job(rank: int, W: int, case: str) -> dict:
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = init_device_mesh("cpu", (W,), mesh_dim_names=("shard",))  # every rank builds both
+    hsdp = init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard"))
+    odd = rank == W - 1  # the rank that differs
+    opts = dict(OPTS)
+    # warm (imports, first construction: seconds on a loaded machine), so the time measured
+    # below is the failure's; every rank alike
+    OwnerRoutedOptimizer(_sharded(flat), **OPTS)
+    OwnerRoutedOptimizer(torch.nn.Linear(4, 4, bias=False), matrix="shampoo", process_group=dist.new_group([rank]))
+    model = _sharded(flat)
+    if case == "optimizer":
+        opts["matrix"] = "shampoo" if odd else "muon"
+        opts["matrix_options"] = {"lr": 0.02} if odd else OPTS["matrix_options"]
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "options":
+        opts["matrix_options"] = {**OPTS["matrix_options"], "lr": 0.03 if odd else 0.02}
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "roles":
+        roles = {"lm_head.weight": "tail" if odd else "matrix"}
+        return _attempt(lambda: OwnerRoutedOptimizer(model, roles=roles, **opts))
+    if case == "skip_flag":
+        return _attempt(lambda: OwnerRoutedOptimizer(model, skip_nonfinite_grads=odd, **opts))
+    if case == "tail_after_forward":  # the plan was fixed by a forward: the optimizer agrees alone
+        model(*_batch(0, rank, W))
+        opts["tail"] = "adam" if odd else "adamw"
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "mesh_optimizer":  # rank W-1 on a (W, 1) HSDP mesh of the same ranks
+        model = _sharded(hsdp if odd else flat)
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "mesh_forward":
+        model = _sharded(hsdp if odd else flat)
+        return _attempt(lambda: model(*_batch(0, rank, W)))
+    if case == "agree":  # the same configuration everywhere: trains as before
+        opt = OwnerRoutedOptimizer(model, **opts)
+        model(*_batch(0, rank, W)).backward()
+        opt.step()
+        return {"error": None, "elapsed": 0.0}
+    raise AssertionError(case)
+
+
+# case -> (world size, the error every rank raises, as a regular expression)
+DISAGREEMENTS = {
+    "optimizer": (
+        2,
+        r"ValueError: OwnerRoutedOptimizer: rank 0 and rank 1 disagree on the matrix optimizer: "
+        r"matrix_owner_optim\.preconditioners\.muon\.Muon on rank 0, "
+        r"matrix_owner_optim\.preconditioners\.shampoo\.Shampoo on rank 1\. "
+        r"Build OwnerRoutedOptimizer with the same arguments on every rank\.",
+    ),
+    "options": (3, r"rank 0 and rank 2 disagree on the matrix_options: \{'lr': 0\.02, 'ns_dtype'.* on rank 0, "),
+    "roles": (3, r"rank 0 and rank 2 disagree on the roles: \[\('lm_head\.weight', 'matrix'\)\] on rank 0, \[\('lm_head\.weight', 'tail'\)\]"),
+    "skip_flag": (2, r"rank 0 and rank 1 disagree on the skip_nonfinite_grads: False on rank 0, True on rank 1"),
+    "tail_after_forward": (
+        2,
+        r"OwnerRoutedOptimizer: rank 0 and rank 1 disagree on the tail optimizer: torch\.optim\.adamw\.AdamW on "
+        r"rank 0, torch\.optim\.adam\.Adam on rank 1",
+    ),
+    "mesh_optimizer": (
+        2,
+        r"ValueError: fully_shard: rank 0 and rank 1 disagree on the mesh shape: \(2,\) on rank 0, \(2, 1\) on "
+        r"rank 1\. Pass the same mesh \(shape, dim names and ranks\) to fully_shard on every rank\.",
+    ),
+    "mesh_forward": (3, r"fully_shard: rank 0 and rank 2 disagree on the mesh shape: \(3,\) on rank 0, \(3, 1\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DISAGREEMENTS))
+def test_ranks_that_disagree_fail_on_every_rank_within_seconds(case: str) -> None:
+    W, pattern = DISAGREEMENTS[case]
+    results = spawn_ranks(_disagree_job, W, case, timeout_s=AGREE_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        print(f"\n{case} W={W}: rank {rank} raised after {seen['elapsed']:.2f} s: {seen['error']}")
+        assert seen["error"] is not None and re.search(pattern, seen["error"]), (rank, seen)
+        assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
+    assert len({seen["error"] for seen in results}) == 1, results  # the same words on every rank
+
+
+def test_ranks_that_agree_train() -> None:
+    assert spawn_ranks(_disagree_job, 2, "agree", timeout_s=AGREE_TIMEOUT_S) == [{"error": None, "elapsed": 0.0}] * 2

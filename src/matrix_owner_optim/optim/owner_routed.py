@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..agreement import agree_before_planning, optimizer_fields
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
 from ..owner_dtensor import is_owner_dtensor
@@ -171,10 +172,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._group_param_ids: list[list[int]] = []
         self._group_user: list[int] = []  # per parent group: which user group it was split from
         user_groups, self._type_roles = normalize_params(params)
-        # Step 1, collective: fix the sharding plan of every pending fully_shard tree these
-        # parameters belong to, priced by the matrix optimizer's cost (unless a fully_shard call
-        # named one). Every rank builds the optimizer, so every rank fixes the plans alike.
-        self._fix_plans(rp.param for g in user_groups for rp in g.params)
+        # Step 1, collective: every rank agrees on this configuration (agreement.py), and every
+        # pending fully_shard tree of these parameters fixes its plan, priced by the matrix cost
+        agree_before_planning(optimizer_fields(self, user_groups), user_groups, process_group, self._fix_plans)
         # roles for all groups at once (pure): one warning lists every matrix routed by shape alone
         resolve_roles(
             user_groups,
