@@ -269,7 +269,7 @@ def _disagree_job(rank: int, W: int, case: str) -> dict:
         opts["matrix_options"] = {**OPTS["matrix_options"], "lr": 0.03 if odd else 0.02}
         return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
     if case == "roles":
-        roles = {"lm_head.weight": "tail" if odd else "matrix"}
+        roles = {"layers.0.attn.proj.weight": "tail" if odd else "matrix"}
         return _attempt(lambda: OwnerRoutedOptimizer(model, roles=roles, **opts))
     if case == "skip_flag":
         return _attempt(lambda: OwnerRoutedOptimizer(model, skip_nonfinite_grads=odd, **opts))
@@ -301,7 +301,11 @@ DISAGREEMENTS = {
         r"Build OwnerRoutedOptimizer with the same arguments on every rank\.",
     ),
     "options": (3, r"rank 0 and rank 2 disagree on the matrix_options: \{'lr': 0\.02, 'ns_dtype'.* on rank 0, "),
-    "roles": (3, r"rank 0 and rank 2 disagree on the roles: \[\('lm_head\.weight', 'matrix'\)\] on rank 0, \[\('lm_head\.weight', 'tail'\)\]"),
+    "roles": (
+        3,
+        r"rank 0 and rank 2 disagree on the roles: \[\('layers\.0\.attn\.proj\.weight', 'matrix'\)\] on rank 0, "
+        r"\[\('layers\.0\.attn\.proj\.weight', 'tail'\)\] on rank 2",
+    ),
     "skip_flag": (2, r"rank 0 and rank 1 disagree on the skip_nonfinite_grads: False on rank 0, True on rank 1"),
     "tail_after_forward": (
         2,
@@ -330,3 +334,126 @@ def test_ranks_that_disagree_fail_on_every_rank_within_seconds(case: str) -> Non
 
 def test_ranks_that_agree_train() -> None:
     assert spawn_ranks(_disagree_job, 2, "agree", timeout_s=AGREE_TIMEOUT_S) == [{"error": None, "elapsed": 0.0}] * 2
+
+
+# -- refused loads change nothing ----------------------------------------------------------------
+def _snapshot(model: torch.nn.Module, opt: OwnerRoutedOptimizer) -> dict:
+    """What a load could change, as this rank holds it: parameter pieces, the optimizer's state
+    (parent and inner optimizers) and its param groups' values."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {
+        names[id(p)]: {k: local_tensor(v).clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        for p, st in opt.state.items()
+    }
+    inner = [len(o.state) for o in (opt.matrix_optimizer, opt.tail_optimizer) if o is not None]
+    groups = [{k: v for k, v in g.items() if k not in ("params",)} for g in opt.param_groups]
+    params = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "state": state, "inner": inner, "groups": groups}
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    def equal(x, y) -> bool:
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y, strict=True))
+        return x == y
+
+    return equal(a, b)
+
+
+def _load_job(rank: int, W: int, root: str) -> dict:
+    warnings.filterwarnings("ignore")
+    model = _model()
+    opt = OwnerRoutedOptimizer(model, **OPTS)
+    for step in range(2):
+        model(*_batch(step, rank, W)).backward()
+        opt.step()
+        opt.zero_grad()
+    path = os.path.join(root, "ckpt")
+    ckpt.save(path, model, opt)
+    wide = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=16, n_heads=2)
+    deep = GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=8, n_heads=2)
+
+    def built(cfg: GPTConfig = CFG, **kw) -> tuple[GPT, OwnerRoutedOptimizer]:
+        torch.manual_seed(1)
+        m = GPT(cfg)
+        for block in m.layers:
+            fully_shard(block)
+        fully_shard(m)
+        return m, OwnerRoutedOptimizer(m, **{**OPTS, **kw})
+
+    cases = {
+        "shape": lambda: built(wide),  # a model of another width
+        "keys": lambda: built(deep),  # a model with another layer
+        "optimizer": lambda: built(matrix="shampoo", matrix_options={"lr": 0.02}),  # other hyperparameters
+        "roles": lambda: built(roles={"layers.0.attn.proj.weight": "tail"}),  # refused once state exists
+    }
+    out: dict[str, dict] = {}
+    for name, make in cases.items():
+        for stepped in (False, True):
+            m, o = make()
+            if stepped:
+                m(*_batch(0, rank, W)).backward()
+                o.step()
+                o.zero_grad()
+            before = _snapshot(m, o)
+            seen = _attempt(lambda m=m, o=o: ckpt.load(path, m, o))
+            after = _snapshot(m, o)
+            fresh_after = not o.state and not any(
+                "step" in st for inner in (o.matrix_optimizer, o.tail_optimizer) if inner for st in inner.state.values()
+            )
+            out[f"{name}/{'stepped' if stepped else 'fresh'}"] = {
+                **seen,
+                "unchanged": _same_snapshot(before, after),
+                "fresh_after": fresh_after,
+                "state_entries": len(o.state),
+            }
+    # a state dict missing the state of one matrix, which only its owner updates
+    sd = opt.state_dict()
+    dropped = next(i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p.dim() == 2)
+    sd["state"] = {k: v for k, v in sd["state"].items() if k != dropped}
+    m, o = built()
+    before = _snapshot(m, o)
+    seen = _attempt(lambda: o.load_state_dict(sd))
+    out["load_state_dict/fresh"] = {
+        **seen,
+        "unchanged": _same_snapshot(before, _snapshot(m, o)),
+        "fresh_after": not o.state,
+    }
+    return out
+
+
+LOAD_REFUSALS = {
+    "shape": r"CheckpointError: checkpoint '.*ckpt': 'wte\.weight' has shape \(32, 8\) in the checkpoint but \(32, 16\)",
+    "keys": r"CheckpointError: checkpoint '.*ckpt': model keys missing from it: \['model\.layers\.1\.",
+    "optimizer": r"CheckpointError: checkpoint '.*ckpt': param group 0 \(role 'matrix'\) of this optimizer has "
+    r"hyperparameters \[",
+    "roles": r"CheckpointError: checkpoint '.*ckpt' has no optimizer state \['layers\.0\.attn\.proj\.weight\.step', 'layers\.0\.attn\.proj\.weight\.exp_avg'",
+    "load_state_dict": r"KeyError: .*optimizer state dict has no state for .{1,2}layers\.0\.attn\.qkv\.weight.{1,2} \(which",
+}
+
+
+def test_refused_loads_change_nothing_on_any_rank(tmp_path) -> None:
+    """Every rank refuses, with the same words, and model and optimizer are as before on every
+    rank: a fresh optimizer stays fresh (no state entries, no AdamW step), a stepped one as
+    stepped (bitwise)."""
+    results = spawn_ranks(_load_job, 2, str(tmp_path), timeout_s=AGREE_TIMEOUT_S)
+    for case, seen in results[0].items():
+        for rank, r in enumerate(results):
+            got = r[case]
+            print(
+                f"\n{case}: rank {rank} raised after {got['elapsed']:.2f} s, unchanged={got['unchanged']}: {got['error']}"
+            )
+            assert got["error"] is not None and re.search(LOAD_REFUSALS[case.split("/")[0]], got["error"]), (rank, got)
+            assert got["unchanged"], (case, rank)
+            if case.endswith("fresh"):
+                assert got["fresh_after"], (case, rank, got)
+    # the rank that holds that state refused; the other names it and refuses too
+    texts = [r["load_state_dict/fresh"]["error"] for r in results]
+    assert sum("load_state_dict: refused on rank " in t for t in texts) == 1, texts
+    assert set(results[0]) == {
+        f"{c}/{s}" for c in LOAD_REFUSALS if c != "load_state_dict" for s in ("fresh", "stepped")
+    } | {"load_state_dict/fresh"}

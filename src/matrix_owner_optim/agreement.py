@@ -23,8 +23,8 @@ On a mismatch every rank computes the same error from the same gathered records,
 from __future__ import annotations
 
 import contextvars
-import enum
 import dataclasses
+import enum
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -42,8 +42,10 @@ __all__ = [
     "check_plan_agreement",
     "check_sharding_agreement",
     "describe",
+    "agree_verdict",
     "mesh_view",
     "optimizer_fields",
+    "optimizer_groups",
 ]
 
 # The optimizer configuration a constructor has pending while it fixes plans (agreed with them).
@@ -195,11 +197,16 @@ class _Configured(Protocol):
     """What :func:`optimizer_fields` reads of an ``OwnerRoutedOptimizer`` being built: its two
     role optimizers, roles and views overrides, layout configuration and non-finite switch."""
 
-    _kinds: Mapping[Any, Any]
-    _overrides: Any
-    _views: Any
-    _config: Any
-    skip_nonfinite_grads: bool
+    @property
+    def _kinds(self) -> Mapping[Any, Any]: ...
+    @property
+    def _overrides(self) -> Any: ...
+    @property
+    def _views(self) -> Any: ...
+    @property
+    def _config(self) -> Any: ...
+    @property
+    def skip_nonfinite_grads(self) -> bool: ...
 
 
 def optimizer_fields(optimizer: _Configured, user_groups: Sequence[Any]) -> dict[str, str]:
@@ -261,7 +268,7 @@ def check_sharding_agreement(plan: ShardingPlan, group: Any, replicate_group: An
         _raise_conflict(conflict, who, remedies, detail)
 
 
-def _optimizer_group(params: Iterable[torch.Tensor], process_group: Any) -> list[Any]:
+def optimizer_groups(params: Iterable[torch.Tensor], process_group: Any) -> list[Any]:
     """The groups an optimizer's configuration is agreed over when no plan carried it: the
     given ``process_group``; else the whole group of the mesh its owner-sharded parameters were
     planned over; else (plain tensors, DDP) the world group."""
@@ -288,7 +295,7 @@ def agree_before_planning(
     """Run ``fix_plans`` on the parameters of ``user_groups`` (it fixes the plans of pending
     ``fully_shard`` trees, collective) with ``fields`` pending, so each plan fixed then is agreed
     together with them; if it fixed none, agree ``fields`` over the optimizer's ranks
-    (:func:`_optimizer_group`). Raises ``ValueError`` on every rank, ``who`` and ``remedy``
+    (:func:`optimizer_groups`). Raises ``ValueError`` on every rank, ``who`` and ``remedy``
     wording it, at the first difference."""
     params = [rp.param for g in user_groups for rp in g.params]
     pending = _Pending(dict(fields), who, remedy)
@@ -300,7 +307,7 @@ def agree_before_planning(
     if pending.agreed or not _distributed() or dist.get_world_size() == 1:
         return
     everyone = frozenset(range(dist.get_world_size()))
-    for g in _optimizer_group(params, process_group):
+    for g in optimizer_groups(params, process_group):
         if dist.get_world_size(g) == 1:
             continue
         mine = _Record(dist.get_rank(), dict(fields), {f: everyone for f in fields})
@@ -325,3 +332,31 @@ def check_plan_agreement(plan: ShardingPlan, group: Any = None, *, who: str, wha
         if digests[other] != digests[0]:
             detail = plans[0].first_difference(plans[other]) or "digests differ"
             raise ValueError(f"{who}: ranks disagree on the {what} (rank 0 vs rank {other}): {detail}. {remedy}")
+
+
+_REBUILT = {"KeyError": KeyError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: str) -> None:
+    """Make a refusal every rank's: one all-gather of this rank's ``error`` (None: it would go
+    ahead) over each of ``groups``; if any rank refused, every rank raises before it changes
+    anything, its own error where it has one, else the first refusing rank's, named (as the
+    same exception type for ``KeyError``, ``ValueError`` and ``TypeError``, else
+    ``RuntimeError``). In one process, and over a one-rank group, ``error`` is simply raised."""
+    verdicts: list[tuple[int, str, str] | None] = []
+    mine = None
+    if error is not None:  # a KeyError's str() is its message quoted: send the message
+        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        mine = (dist.get_rank() if _distributed() else 0, type(error).__name__, str(text))
+    if _distributed():
+        for g in groups:
+            if dist.get_world_size(g) > 1:
+                verdicts.extend(comm.all_gather_object(mine, group=g, name="verdict_agreement"))
+    if error is not None:
+        raise error
+    refused = next((v for v in verdicts if v is not None), None)
+    if refused is not None:
+        rank, kind, text = refused
+        raise _REBUILT.get(kind, RuntimeError)(
+            f"{who}: refused on rank {rank} ({kind}: {text}); nothing was changed on any rank"
+        )

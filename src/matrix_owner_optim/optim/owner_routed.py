@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from copy import deepcopy
 from typing import Any
 
 import torch
@@ -515,18 +514,17 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        by_param = {id(rp.param): rp for rp in self._routed}
-        saved_groups = sd_.upgrade_saved_groups(
-            deepcopy(state_dict["param_groups"]),
+        saved_groups, loaded = sd_.agreed_local_state(  # every rank's checks agreed, then changes
+            state_dict,
             groups,
-            [[by_param[id(p)] for p in g["params"]] for g in groups],
+            self._routed,
             self._group_user,
+            self._layout_of(),
+            self.state,
+            self._label,
+            self._process_group,
         )
-        sd_.check_saved_groups(groups, saved_groups)
         saved_state = state_dict["state"]
-        loaded = sd_.local_state(
-            saved_state, groups, saved_groups, self._routed, self._layout_of(), self.state, self._label
-        )
         needed = [set(self._kinds[OptimizerKind(g["optimizer"])].defaults) for g in groups]
         sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there
         for rp in self._routed:
