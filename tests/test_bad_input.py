@@ -512,7 +512,7 @@ def _nonfinite_check(rank: int, W: int) -> dict[str, int]:
         state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
         with CommCounter() as cc:
             opt.step()
-        assert cc.by_op("optimizer") == {"nonfinite_check": 1}, cc.by_op()  # one scalar all-reduce
+        assert cc.by_op("optimizer") == {"nonfinite_check": 1}, cc.by_op()  # one all-reduce (flag, step count)
         assert opt.last_step_skipped, (rank, poisoned_by)
         assert _same(_params(model), before)
         for p, s in opt.state.items():

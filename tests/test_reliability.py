@@ -441,7 +441,7 @@ def test_refused_loads_change_nothing_on_any_rank(tmp_path) -> None:
     rank: a fresh optimizer stays fresh (no state entries, no AdamW step), a stepped one as
     stepped (bitwise)."""
     results = spawn_ranks(_load_job, 2, str(tmp_path), timeout_s=AGREE_TIMEOUT_S)
-    for case, seen in results[0].items():
+    for case in results[0]:
         for rank, r in enumerate(results):
             got = r[case]
             print(
@@ -457,3 +457,32 @@ def test_refused_loads_change_nothing_on_any_rank(tmp_path) -> None:
     assert set(results[0]) == {
         f"{c}/{s}" for c in LOAD_REFUSALS if c != "load_state_dict" for s in ("fresh", "stepped")
     } | {"load_state_dict/fresh"}
+
+
+# -- steps checked together ----------------------------------------------------------------------
+def _step_skew_job(rank: int, W: int) -> dict:
+    """Rank W-1 takes one step with its non-finite check off (skip_nonfinite_grads set on that
+    rank only): its next check meets the others' at another step number."""
+    warnings.filterwarnings("ignore")
+    model = _model()
+    opt = OwnerRoutedOptimizer(model, skip_nonfinite_grads=True, **OPTS)
+    model(*_batch(0, rank, W)).backward()
+    opt.step()  # step 1, checked everywhere
+    if rank == W - 1:
+        opt.skip_nonfinite_grads = False
+        opt.step()  # step 2 here, unchecked
+        opt.skip_nonfinite_grads = True
+    return _attempt(opt.step)  # step 2 on the others, step 3 here: the checks meet
+
+
+def test_ranks_at_different_steps_fail_by_name() -> None:
+    results = spawn_ranks(_step_skew_job, 3, timeout_s=AGREE_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        print(f"\nrank {rank} raised after {seen['elapsed']:.2f} s: {seen['error']}")
+        at = 3 if rank == 2 else 2
+        assert seen["error"] is not None and re.search(
+            rf"RuntimeError: OwnerRoutedOptimizer\.step\(\): the ranks of process_group are at different steps: "
+            rf"rank {rank} is at step {at}, the group's range from 2 to 3",
+            seen["error"],
+        ), (rank, seen)
+        assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)

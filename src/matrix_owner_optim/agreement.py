@@ -26,6 +26,7 @@ import contextvars
 import dataclasses
 import enum
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ __all__ = [
     "check_plan_agreement",
     "check_sharding_agreement",
     "describe",
+    "agree_nonfinite",
     "agree_verdict",
     "mesh_view",
     "optimizer_fields",
@@ -360,3 +362,43 @@ def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: st
         raise _REBUILT.get(kind, RuntimeError)(
             f"{who}: refused on rank {rank} ({kind}: {text}); nothing was changed on any rank"
         )
+
+
+# step() calls per optimizer, counted from its first checked step on (a step pre-hook): the
+# number that rides in the non-finite check
+_STEP_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEP_CALLS[optimizer] = _STEP_CALLS.get(optimizer, 0) + 1
+
+
+def agree_nonfinite(
+    owner: torch.optim.Optimizer, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()"
+) -> bool:
+    """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here), from one
+    all-reduce (max) of three integers: the flag, this step's number and its negation, so every
+    rank also learns the group's highest and lowest step number at no extra round trip.
+
+    Steps are ``owner.step()`` calls counted from its first checked step on (checked or not
+    since: a rank that turned the check off for a step is a step ahead when it checks again).
+    Ranks at different steps raise ``RuntimeError`` on every rank, naming the numbers, instead
+    of pairing one step's check with another's."""
+    if owner not in _STEP_CALLS:
+        _STEP_CALLS[owner] = 1  # this call; the hook counts the later ones
+        owner.register_step_pre_hook(_count_step)
+    step = _STEP_CALLS[owner]
+    if not _distributed() or dist.get_world_size(group) == 1:
+        return bool(flag.item())
+    payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)
+    comm.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
+    found, highest, lowest = (int(v) for v in payload.tolist())
+    lowest = -lowest
+    if highest != lowest:
+        raise RuntimeError(
+            f"{who}: the ranks of process_group are at different steps: rank {dist.get_rank()} is at step {step}, "
+            f"the group's range from {lowest} to {highest} (step() calls since the first checked one). A rank "
+            "called step() more or fewer times than the others, or checked a step the others did not "
+            "(skip_nonfinite_grads set on some ranks only); every rank must step, and check, together"
+        )
+    return bool(found)

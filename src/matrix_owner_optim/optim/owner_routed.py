@@ -29,10 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import comm
-from ..agreement import agree_before_planning, optimizer_fields
+from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
 from ..owner_dtensor import is_owner_dtensor
@@ -415,8 +413,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _any_nonfinite_grad(self) -> bool:
         """Whether any rank holds a NaN or infinite gradient of a parameter it updates: a local
         max-abs per tensor (NaN propagates; no overflow, unlike a sum of squares), then one
-        scalar all-reduce (max) over ``process_group`` in a multi-rank job, so every rank
-        returns the same answer."""
+        all-reduce (max) over ``process_group`` in a multi-rank job, so every rank returns the
+        same answer; it carries the step count too (``agreement.agree_nonfinite``)."""
         grads: list[torch.Tensor] = []
         for rp in self._routed:
             g = rp.param.grad
@@ -434,10 +432,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for gs in by_dtype.values():
                 peak = torch.stack(torch._foreach_norm(gs, math.inf)).float().max().to(device)
                 flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
-        group = self._process_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
-        return bool(flag.item())
+        return agree_nonfinite(self, flag, self._process_group)  # the step count rides along, checked
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
