@@ -68,7 +68,8 @@ def link_active_environment() -> None:
         text=True,
         check=True,
     ).stdout.strip()
-    line = f"import site; [site.addsitedir(d) for d in {active_site_dirs()!r}]\n"
+    # one line, run by site.py with exec (a comprehension there would not see `site`)
+    line = f"import site; list(map(site.addsitedir, {active_site_dirs()!r}))\n"
     (Path(where) / LINK).write_text(line)
 
 

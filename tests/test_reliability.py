@@ -486,3 +486,30 @@ def test_ranks_at_different_steps_fail_by_name() -> None:
             seen["error"],
         ), (rank, seen)
         assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
+
+
+# -- the newcomer's path: torchtune's venv sees the active environment ---------------------------
+def test_torchtune_venv_sees_the_active_environment(tmp_path, monkeypatch) -> None:
+    """The link ``_torchtune_env`` writes makes a venv built without the system site see the
+    packages of the environment running the tests (a venv's own, not only the base
+    interpreter's), after its own; a bare venv without it does not."""
+    import subprocess
+    import sys
+    import venv
+
+    import _torchtune_env
+
+    monkeypatch.setattr(_torchtune_env, "VENV", tmp_path / "tt")
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(tmp_path / "tt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # what the venv itself sees
+    probe = "import sys, torch; print(torch.__file__); print(sys.path)"
+    bare = subprocess.run([str(_torchtune_env.python()), "-c", probe], capture_output=True, text=True, env=env)
+    assert bare.returncode != 0 and "No module named 'torch'" in bare.stderr, bare
+    _torchtune_env.link_active_environment()
+    seen = subprocess.run([str(_torchtune_env.python()), "-c", probe], capture_output=True, text=True, env=env)
+    assert seen.returncode == 0, seen.stderr
+    where, path = seen.stdout.splitlines()
+    assert any(where.startswith(d) for d in _torchtune_env.active_site_dirs()), (where, sys.prefix)
+    own = next(i for i, p in enumerate(eval(path)) if p.startswith(str(tmp_path / "tt")))
+    first_active = min(i for i, p in enumerate(eval(path)) if p in _torchtune_env.active_site_dirs())
+    assert own < first_active  # the venv's own pins win over the active environment's
