@@ -26,7 +26,6 @@ import contextvars
 import dataclasses
 import enum
 import re
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -364,13 +363,11 @@ def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: st
         )
 
 
-# step() calls per optimizer, counted from its first checked step on (a step pre-hook): the
-# number that rides in the non-finite check
-_STEP_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_STEP_ATTR = "_moo_step_calls"  # on the optimizer: its step() calls since its first checked step
 
 
 def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _STEP_CALLS[optimizer] = _STEP_CALLS.get(optimizer, 0) + 1
+    setattr(optimizer, _STEP_ATTR, getattr(optimizer, _STEP_ATTR, 0) + 1)
 
 
 def agree_nonfinite(
@@ -384,10 +381,10 @@ def agree_nonfinite(
     since: a rank that turned the check off for a step is a step ahead when it checks again).
     Ranks at different steps raise ``RuntimeError`` on every rank, naming the numbers, instead
     of pairing one step's check with another's."""
-    if owner not in _STEP_CALLS:
-        _STEP_CALLS[owner] = 1  # this call; the hook counts the later ones
+    if not hasattr(owner, _STEP_ATTR):
+        setattr(owner, _STEP_ATTR, 1)  # this call; the hook counts the later ones
         owner.register_step_pre_hook(_count_step)
-    step = _STEP_CALLS[owner]
+    step = int(getattr(owner, _STEP_ATTR))
     if not _distributed() or dist.get_world_size(group) == 1:
         return bool(flag.item())
     payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)
