@@ -362,7 +362,7 @@ def _process_group_cases(rank: int, W: int) -> dict[str, str]:
     refused(
         "different_models",
         ValueError,
-        r"ranks disagree on the sharding plan \(rank 0 vs rank 1\)"
+        r"rank 0 and rank 1 disagree on the sharding plan"
         r": parameter 'layers\.0\.mlp\.fc\.weight' differs \(shape: \[64, 16\] vs \[32, 16\]",
         lambda: model(*_batch(0, rank)),
     )
@@ -502,7 +502,7 @@ def _nonfinite_check(rank: int, W: int) -> dict[str, int]:
         state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
         with CommCounter() as cc:
             opt.step()
-        assert cc.by_op("optimizer") == {"nonfinite_check": 1}, cc.by_op()  # one scalar all-reduce
+        assert cc.by_op("optimizer") == {"nonfinite_check": 1}, cc.by_op()  # one all-reduce (flag, step count)
         assert opt.last_step_skipped, (rank, poisoned_by)
         assert _same(_params(model), before)
         for p, s in opt.state.items():

@@ -127,3 +127,109 @@ def test_one_entry_holds_the_factory_and_its_cost() -> None:
         register_preconditioner("moo_priced", Half, cost_model=object(), overwrite=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no cost model for preconditioner 'moo_nowhere'"):
         resolve_cost("moo_nowhere")
+
+
+def test_an_entry_point_whose_module_raises_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception while a plug-in is imported comes back as ImportError naming the entry
+    point, its distribution and target, with the plug-in's own error chained."""
+    (tmp_path / "moo_broken_plugin.py").write_text("raise RuntimeError('CUDA kernels not built')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "moo_broken_plugin", raising=False)
+    _write_dist(tmp_path, "moo-broken-plugin", "moo_broken_plugin", {"moo_broken": "Broken"})
+    with pytest.raises(ImportError) as info:
+        OwnerRoutedOptimizer(torch.nn.Linear(3, 3), matrix="moo_broken")
+    msg = str(info.value)
+    assert msg.startswith(
+        "matrix optimizer 'moo_broken' comes from entry point of 'moo-broken-plugin' ('moo_broken_plugin:Broken', "
+        "entry-point group 'matrix_owner_optim.preconditioners'), whose import raised RuntimeError: CUDA kernels not built."
+    ), msg
+    assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == "CUDA kernels not built"
+    # a missing attribute is still worded by the registry, as before
+    (tmp_path / "moo_fine_plugin.py").write_text("X = 1\n")
+    _write_dist(tmp_path, "moo-fine-plugin", "moo_fine_plugin", {"moo_missing": "Nothing"})
+    with pytest.raises(ValueError, match=r"comes from entry point of 'moo-fine-plugin' 'moo_fine_plugin:Nothing'"):
+        resolve_optimizer("moo_missing")
+
+
+# -- third-party optimizers whose groups need flags -------------------------------------------------
+# The W=2 run sums each gradient in another order (two half-batch means averaged); the bound is
+# this factor times the noise floor that order change alone makes in one process, measured per
+# optimizer in the test (the same run with the batch's two halves backpropagated separately).
+FLOOR_FACTOR = 4.0
+MUON_FAMILY = ("Muon", "AdaMuon", "NorMuon")  # pytorch-optimizer 4.1.0: each group needs use_muon
+STEPS = 4
+
+
+def _gpt():
+    from matrix_owner_optim.toolbox.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=16, n_heads=2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g)
+
+
+def _one_process(name: str, halves: bool = False) -> dict[str, torch.Tensor]:
+    """The optimizer as its documentation says to use it: the matrices in a use_muon=True group
+    (the ones OwnerRoutedOptimizer routes to the matrix role), the rest to torch's AdamW."""
+    import pytorch_optimizer
+
+    model = _gpt()
+    matrices = {r["name"] for r in OwnerRoutedOptimizer(_gpt()).routes() if r["role"] == "matrix"}
+    named = dict(model.named_parameters())
+    opts = [
+        getattr(pytorch_optimizer, name)(
+            [{"params": [p for n, p in named.items() if n in matrices], "use_muon": True}]
+        ),
+        torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=1e-3),
+    ]
+    for step in range(STEPS):
+        idx, tgt = _batch(step)
+        if halves:  # the summation order the two ranks make: each half's mean, then their mean
+            for i in range(2):
+                (0.5 * model(idx[i : i + 1], tgt[i : i + 1])).backward()
+        else:
+            model(idx, tgt).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sharded_job(rank: int, W: int, name: str) -> dict[str, torch.Tensor]:
+    import pytorch_optimizer
+
+    from matrix_owner_optim import fully_shard
+
+    model = _gpt()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    opt = OwnerRoutedOptimizer(model, matrix=getattr(pytorch_optimizer, name), tail_options={"lr": 1e-3})
+    assert all(g["use_muon"] is True for g in opt.param_groups if g["optimizer"] == "matrix")
+    for step in range(STEPS):
+        idx, tgt = _batch(step)
+        model(idx[rank : rank + 1], tgt[rank : rank + 1]).backward()  # each rank half the batch
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", MUON_FAMILY)
+def test_pytorch_optimizer_muon_family_trains_like_one_process(name: str) -> None:
+    """``matrix=pytorch_optimizer.<name>``: every matrix group gets ``use_muon=True`` (what the
+    optimizer documents for hidden matrices) and W=2 owner-sharded training matches one process
+    with the documented groups."""
+    from _ranks import spawn_ranks
+
+    ref, reordered = _one_process(name), _one_process(name, halves=True)
+    floor = max((reordered[n] - p).abs().max().item() for n, p in ref.items())
+    assert floor > 0  # the order change is visible, so the bound below is measured, not zero
+    for rank, got in enumerate(spawn_ranks(_sharded_job, 2, name)):
+        worst = max((p - ref[n]).abs().max().item() for n, p in got.items())
+        print(f"\n{name} rank {rank}: max |diff| {worst:.2e}, noise floor {floor:.2e} ({worst / floor:.2f}x)")
+        assert worst <= FLOOR_FACTOR * floor, (name, rank, worst, floor)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 
@@ -213,3 +214,295 @@ def test_long_run_is_flat_and_equals_a_restarted_run(tmp_path) -> None:
 # per step fails it. Measured at W=4 over two runs: +0 to +304 KiB per segment (most after the
 # save, none in the restarted run); the save itself +1.47 to +1.60 MiB, once.
 RSS_BOUND = 1 << 20
+
+
+# -- ranks that disagree fail fast, by name ----------------------------------------------------
+# A configuration or mesh difference must fail on every rank within seconds, not at the
+# process-group timeout (set to 60 s here, so a hang would show as a failure of the bound).
+AGREE_TIMEOUT_S = 60.0
+FAIL_FAST_S = 10.0  # the contract (issue 43): within 10 s; measured well under 1 s when idle
+
+
+def _attempt(fn) -> dict:
+    """Run ``fn`` once every rank is ready (a barrier) and return what it raised (type, text)
+    and how long it took to."""
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "elapsed": time.monotonic() - start}
+
+
+def _sharded(mesh=None) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fully_shard_model(model, mesh=mesh)
+    return model
+
+
+def _disagree_job(rank: int, W: int, case: str) -> dict:
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = init_device_mesh("cpu", (W,), mesh_dim_names=("shard",))  # every rank builds both
+    hsdp = init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard"))
+    odd = rank == W - 1  # the rank that differs
+    opts = dict(OPTS)
+    # warm (imports, first construction: seconds on a loaded machine), so the time measured
+    # below is the failure's; every rank alike
+    OwnerRoutedOptimizer(_sharded(flat), **OPTS)
+    OwnerRoutedOptimizer(torch.nn.Linear(4, 4, bias=False), matrix="shampoo", process_group=dist.new_group([rank]))
+    model = _sharded(flat)
+    if case == "optimizer":
+        opts["matrix"] = "shampoo" if odd else "muon"
+        opts["matrix_options"] = {"lr": 0.02} if odd else OPTS["matrix_options"]
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "options":
+        opts["matrix_options"] = {**OPTS["matrix_options"], "lr": 0.03 if odd else 0.02}
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "roles":
+        roles = {"layers.0.attn.proj.weight": "tail" if odd else "matrix"}
+        return _attempt(lambda: OwnerRoutedOptimizer(model, roles=roles, **opts))
+    if case == "skip_flag":
+        return _attempt(lambda: OwnerRoutedOptimizer(model, skip_nonfinite_grads=odd, **opts))
+    if case == "tail_after_forward":  # the plan was fixed by a forward: the optimizer agrees alone
+        model(*_batch(0, rank, W))
+        opts["tail"] = "adam" if odd else "adamw"
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "mesh_optimizer":  # rank W-1 on a (W, 1) HSDP mesh of the same ranks
+        model = _sharded(hsdp if odd else flat)
+        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+    if case == "mesh_forward":
+        model = _sharded(hsdp if odd else flat)
+        return _attempt(lambda: model(*_batch(0, rank, W)))
+    if case == "agree":  # the same configuration everywhere: trains as before
+        opt = OwnerRoutedOptimizer(model, **opts)
+        model(*_batch(0, rank, W)).backward()
+        opt.step()
+        return {"error": None, "elapsed": 0.0}
+    raise AssertionError(case)
+
+
+# case -> (world size, the error every rank raises, as a regular expression)
+DISAGREEMENTS = {
+    "optimizer": (
+        2,
+        r"ValueError: OwnerRoutedOptimizer: rank 0 and rank 1 disagree on the matrix optimizer: "
+        r"matrix_owner_optim\.preconditioners\.muon\.Muon on rank 0, "
+        r"matrix_owner_optim\.preconditioners\.shampoo\.Shampoo on rank 1\. "
+        r"Build OwnerRoutedOptimizer with the same arguments on every rank\.",
+    ),
+    "options": (3, r"rank 0 and rank 2 disagree on the matrix_options: \{'lr': 0\.02, 'ns_dtype'.* on rank 0, "),
+    "roles": (
+        3,
+        r"rank 0 and rank 2 disagree on the roles: \[\('layers\.0\.attn\.proj\.weight', 'matrix'\)\] on rank 0, "
+        r"\[\('layers\.0\.attn\.proj\.weight', 'tail'\)\] on rank 2",
+    ),
+    "skip_flag": (2, r"rank 0 and rank 1 disagree on the skip_nonfinite_grads: False on rank 0, True on rank 1"),
+    "tail_after_forward": (
+        2,
+        r"OwnerRoutedOptimizer: rank 0 and rank 1 disagree on the tail optimizer: torch\.optim\.adamw\.AdamW on "
+        r"rank 0, torch\.optim\.adam\.Adam on rank 1",
+    ),
+    "mesh_optimizer": (
+        2,
+        r"ValueError: fully_shard: rank 0 and rank 1 disagree on the mesh shape: \(2,\) on rank 0, \(2, 1\) on "
+        r"rank 1\. Pass the same mesh \(shape, dim names and ranks\) to fully_shard on every rank\.",
+    ),
+    "mesh_forward": (3, r"fully_shard: rank 0 and rank 2 disagree on the mesh shape: \(3,\) on rank 0, \(3, 1\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DISAGREEMENTS))
+def test_ranks_that_disagree_fail_on_every_rank_within_seconds(case: str) -> None:
+    W, pattern = DISAGREEMENTS[case]
+    results = spawn_ranks(_disagree_job, W, case, timeout_s=AGREE_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        print(f"\n{case} W={W}: rank {rank} raised after {seen['elapsed']:.2f} s: {seen['error']}")
+        assert seen["error"] is not None and re.search(pattern, seen["error"]), (rank, seen)
+        assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
+    assert len({seen["error"] for seen in results}) == 1, results  # the same words on every rank
+
+
+def test_ranks_that_agree_train() -> None:
+    assert spawn_ranks(_disagree_job, 2, "agree", timeout_s=AGREE_TIMEOUT_S) == [{"error": None, "elapsed": 0.0}] * 2
+
+
+# -- refused loads change nothing ----------------------------------------------------------------
+def _snapshot(model: torch.nn.Module, opt: OwnerRoutedOptimizer) -> dict:
+    """What a load could change, as this rank holds it: parameter pieces, the optimizer's state
+    (parent and inner optimizers) and its param groups' values."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {
+        names[id(p)]: {k: local_tensor(v).clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        for p, st in opt.state.items()
+    }
+    inner = [len(o.state) for o in (opt.matrix_optimizer, opt.tail_optimizer) if o is not None]
+    groups = [{k: v for k, v in g.items() if k not in ("params",)} for g in opt.param_groups]
+    params = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "state": state, "inner": inner, "groups": groups}
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    def equal(x, y) -> bool:
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y, strict=True))
+        return x == y
+
+    return equal(a, b)
+
+
+def _load_job(rank: int, W: int, root: str) -> dict:
+    warnings.filterwarnings("ignore")
+    model = _model()
+    opt = OwnerRoutedOptimizer(model, **OPTS)
+    for step in range(2):
+        model(*_batch(step, rank, W)).backward()
+        opt.step()
+        opt.zero_grad()
+    path = os.path.join(root, "ckpt")
+    ckpt.save(path, model, opt)
+    wide = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, d_model=16, n_heads=2)
+    deep = GPTConfig(vocab_size=32, seq_len=8, n_layers=2, d_model=8, n_heads=2)
+
+    def built(cfg: GPTConfig = CFG, **kw) -> tuple[GPT, OwnerRoutedOptimizer]:
+        torch.manual_seed(1)
+        m = GPT(cfg)
+        fully_shard_model(m)
+        return m, OwnerRoutedOptimizer(m, **{**OPTS, **kw})
+
+    cases = {
+        "shape": lambda: built(wide),  # a model of another width
+        "keys": lambda: built(deep),  # a model with another layer
+        "optimizer": lambda: built(matrix="shampoo", matrix_options={"lr": 0.02}),  # other hyperparameters
+        "roles": lambda: built(roles={"layers.0.attn.proj.weight": "tail"}),  # refused once state exists
+    }
+    out: dict[str, dict] = {}
+    for name, make in cases.items():
+        for stepped in (False, True):
+            m, o = make()
+            if stepped:
+                m(*_batch(0, rank, W)).backward()
+                o.step()
+                o.zero_grad()
+            before = _snapshot(m, o)
+            seen = _attempt(lambda m=m, o=o: ckpt.load(path, m, o))
+            after = _snapshot(m, o)
+            fresh_after = not o.state and not any(
+                "step" in st for inner in (o.matrix_optimizer, o.tail_optimizer) if inner for st in inner.state.values()
+            )
+            out[f"{name}/{'stepped' if stepped else 'fresh'}"] = {
+                **seen,
+                "unchanged": _same_snapshot(before, after),
+                "fresh_after": fresh_after,
+                "state_entries": len(o.state),
+            }
+    # a state dict missing the state of one matrix, which only its owner updates
+    sd = opt.state_dict()
+    dropped = next(i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p.dim() == 2)
+    sd["state"] = {k: v for k, v in sd["state"].items() if k != dropped}
+    m, o = built()
+    before = _snapshot(m, o)
+    seen = _attempt(lambda: o.load_state_dict(sd))
+    out["load_state_dict/fresh"] = {
+        **seen,
+        "unchanged": _same_snapshot(before, _snapshot(m, o)),
+        "fresh_after": not o.state,
+    }
+    return out
+
+
+LOAD_REFUSALS = {
+    "shape": r"CheckpointError: checkpoint '.*ckpt': 'wte\.weight' has shape \(32, 8\) in the checkpoint but \(32, 16\)",
+    "keys": r"CheckpointError: checkpoint '.*ckpt': model keys missing from it: \['model\.layers\.1\.",
+    "optimizer": r"CheckpointError: checkpoint '.*ckpt': param group 0 \(role 'matrix'\) of this optimizer has "
+    r"hyperparameters \[",
+    "roles": r"CheckpointError: checkpoint '.*ckpt' has no optimizer state \['layers\.0\.attn\.proj\.weight\.step', 'layers\.0\.attn\.proj\.weight\.exp_avg'",
+    "load_state_dict": r"KeyError: .*optimizer state dict has no state for .{1,2}layers\.0\.attn\.qkv\.weight.{1,2} \(which",
+}
+
+
+def test_refused_loads_change_nothing_on_any_rank(tmp_path) -> None:
+    """Every rank refuses, with the same words, and model and optimizer are as before on every
+    rank: a fresh optimizer stays fresh (no state entries, no AdamW step), a stepped one as
+    stepped (bitwise)."""
+    results = spawn_ranks(_load_job, 2, str(tmp_path), timeout_s=AGREE_TIMEOUT_S)
+    for case in results[0]:
+        for rank, r in enumerate(results):
+            got = r[case]
+            print(
+                f"\n{case}: rank {rank} raised after {got['elapsed']:.2f} s, unchanged={got['unchanged']}: {got['error']}"
+            )
+            assert got["error"] is not None and re.search(LOAD_REFUSALS[case.split("/")[0]], got["error"]), (rank, got)
+            assert got["unchanged"], (case, rank)
+            if case.endswith("fresh"):
+                assert got["fresh_after"], (case, rank, got)
+    # the rank that holds that state refused; the other names it and refuses too
+    texts = [r["load_state_dict/fresh"]["error"] for r in results]
+    assert sum("load_state_dict: refused on rank " in t for t in texts) == 1, texts
+    assert set(results[0]) == {
+        f"{c}/{s}" for c in LOAD_REFUSALS if c != "load_state_dict" for s in ("fresh", "stepped")
+    } | {"load_state_dict/fresh"}
+
+
+# -- steps checked together ----------------------------------------------------------------------
+def _step_skew_job(rank: int, W: int) -> dict:
+    """Rank W-1 takes one step with its non-finite check off (skip_nonfinite_grads set on that
+    rank only): its next check meets the others' at another step number."""
+    warnings.filterwarnings("ignore")
+    model = _model()
+    opt = OwnerRoutedOptimizer(model, skip_nonfinite_grads=True, **OPTS)
+    model(*_batch(0, rank, W)).backward()
+    opt.step()  # step 1, checked everywhere
+    if rank == W - 1:
+        opt.skip_nonfinite_grads = False
+        opt.step()  # step 2 here, unchecked
+        opt.skip_nonfinite_grads = True
+    return _attempt(opt.step)  # step 2 on the others, step 3 here: the checks meet
+
+
+def test_ranks_at_different_steps_fail_by_name() -> None:
+    results = spawn_ranks(_step_skew_job, 3, timeout_s=AGREE_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        print(f"\nrank {rank} raised after {seen['elapsed']:.2f} s: {seen['error']}")
+        at = 3 if rank == 2 else 2
+        assert seen["error"] is not None and re.search(
+            rf"RuntimeError: OwnerRoutedOptimizer\.step\(\): the ranks of process_group are at different steps: "
+            rf"rank {rank} is at step {at}, the group's range from 2 to 3",
+            seen["error"],
+        ), (rank, seen)
+        assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
+
+
+# -- the newcomer's path: torchtune's venv sees the active environment ---------------------------
+def test_torchtune_venv_sees_the_active_environment(tmp_path, monkeypatch) -> None:
+    """The link ``_torchtune_env`` writes makes a venv built without the system site see the
+    packages of the environment running the tests (a venv's own, not only the base
+    interpreter's), after its own; a bare venv without it does not."""
+    import subprocess
+    import sys
+    import venv
+
+    import _torchtune_env
+
+    monkeypatch.setattr(_torchtune_env, "VENV", tmp_path / "tt")
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(tmp_path / "tt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # what the venv itself sees
+    probe = "import sys, torch; print(torch.__file__); print(sys.path)"
+    bare = subprocess.run([str(_torchtune_env.python()), "-c", probe], capture_output=True, text=True, env=env)
+    assert bare.returncode != 0 and "No module named 'torch'" in bare.stderr, bare
+    _torchtune_env.link_active_environment()
+    seen = subprocess.run([str(_torchtune_env.python()), "-c", probe], capture_output=True, text=True, env=env)
+    assert seen.returncode == 0, seen.stderr
+    where, path = seen.stdout.splitlines()
+    assert any(where.startswith(d) for d in _torchtune_env.active_site_dirs()), (where, sys.prefix)
+    own = next(i for i, p in enumerate(eval(path)) if p.startswith(str(tmp_path / "tt")))
+    first_active = min(i for i, p in enumerate(eval(path)) if p in _torchtune_env.active_site_dirs())
+    assert own < first_active  # the venv's own pins win over the active environment's

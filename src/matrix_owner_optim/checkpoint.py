@@ -30,6 +30,7 @@ import contextlib
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import comm
+from .agreement import agree_verdict
 
 __all__ = ["save", "load", "CheckpointError", "MODEL_KEY", "OPTIM_KEY"]
 
@@ -269,29 +271,13 @@ def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str
             )
 
 
-def load(
-    path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    strict: bool = True,
-    process_group: Any = None,
-) -> list[str]:
-    """Load a checkpoint written by :func:`save` (any world size and layout) into ``model`` (and
-    ``optimizer``) as this rank holds them; collective when distributed.
-
-    Raises :class:`CheckpointError` naming the file, the fqn and both shapes for a shape that
-    does not match, and for model entries missing from the checkpoint (or, with ``strict``,
-    checkpoint model entries the model lacks); every rank checks before any tensor is read, so
-    all fail alike. ``strict=False`` skips those keys and returns them (model keys missing from
-    the checkpoint, then checkpoint model entries the model has no parameter or buffer for).
-    """
-    path = _resolve(os.fspath(path).rstrip(os.sep) or os.sep)
-    saved = _metadata(path).state_dict_metadata
-    with _quiet():
-        state = _state(model, optimizer, strict)
+def _check_model(
+    path: str, here: dict[str, Any], saved: Mapping[str, Any], strict: bool
+) -> tuple[list[str], list[str]]:
+    """Refuse model entries whose shape differs from the checkpoint's, and (with ``strict``)
+    model keys missing from it or checkpoint model entries the model lacks; returns both lists
+    (prefixed keys)."""
     prefix = MODEL_KEY + "."
-    here = {prefix + k: v for k, v in state[MODEL_KEY].items()}
     for key, value in here.items():
         meta = saved.get(key)
         if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
@@ -308,30 +294,105 @@ def load(
             f"checkpoint {path!r}: model keys missing from it: {missing}; model entries this model has no "
             f"parameter or buffer for: {unexpected}; pass strict=False to skip them explicitly"
         )
-    if optimizer is not None and not any(k.startswith(OPTIM_KEY + ".") for k in saved):
-        if strict:
+    return missing, unexpected
+
+
+def _check_optimizer_state(path: str, optim: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Refuse an optimizer keeping state the checkpoint lacks (other optimizers or roles)."""
+    absent = [
+        f"{fqn}.{name}"
+        for fqn, st in optim["state"].items()
+        for name in st
+        if f"{OPTIM_KEY}.state.{fqn}.{name}" not in saved
+    ]
+    if absent:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no optimizer state {absent[:4]}{' ...' if len(absent) > 4 else ''} "
+            "that this optimizer keeps; build it with the same optimizers, param groups and roles "
+            "(e.g. OwnerRoutedOptimizer(model, ...) on every layout, so names give the roles)"
+        )
+
+
+def _checked(error_of: Callable[[], None]) -> CheckpointError | None:
+    try:
+        error_of()
+    except CheckpointError as exc:
+        return exc
+    return None
+
+
+def _is_fresh(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch's ``get/set_optimizer_state_dict`` would initialise ``optimizer`` (no state
+    and no gradient: it then takes a zero-learning-rate step to create the state)."""
+    return not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+) -> list[str]:
+    """Load a checkpoint written by :func:`save` (any world size and layout) into ``model`` (and
+    ``optimizer``) as this rank holds them; collective when distributed.
+
+    Raises :class:`CheckpointError` naming the file, the fqn and both shapes for a shape that
+    does not match, and for model entries missing from the checkpoint (or, with ``strict``,
+    checkpoint model entries the model lacks); ``strict=False`` skips those keys and returns
+    them (model keys missing from the checkpoint, then checkpoint model entries the model has
+    no parameter or buffer for).
+
+    A refused load changes nothing, on any rank: every check runs before any tensor is read,
+    and the ranks agree on the verdict (an all-gather) before going on, so a refusal on one
+    rank is every rank's. A fresh optimizer (no state, no gradients) stays fresh: torch's
+    helper initialises its state with a zero-learning-rate step before the optimizer checks
+    can run; a refusal then puts it back to its state before the call (none).
+    """
+    path = _resolve(os.fspath(path).rstrip(os.sep) or os.sep)
+    saved = _metadata(path).state_dict_metadata
+    options = StateDictOptions(strict=strict)
+    groups = [process_group]
+    who = f"checkpoint.load({path!r})"
+    with _quiet():
+        model_state = get_model_state_dict(model, options=options)
+    here = {MODEL_KEY + "." + k: v for k, v in model_state.items()}
+    with_optim = optimizer is not None and (strict or any(k.startswith(OPTIM_KEY + ".") for k in saved))
+
+    def before_init() -> None:  # what can be refused without the optimizer's state
+        _check_model(path, here, saved, strict)
+        if optimizer is not None and strict and not any(k.startswith(OPTIM_KEY + ".") for k in saved):
             raise CheckpointError(
                 f"checkpoint {path!r} holds no optimizer state (it was saved without an "
                 "optimizer); load the model alone or pass strict=False"
             )
-        del state[OPTIM_KEY]
-    if strict and OPTIM_KEY in state:
-        absent = [
-            f"{fqn}.{name}"
-            for fqn, st in state[OPTIM_KEY]["state"].items()
-            for name in st
-            if f"{OPTIM_KEY}.state.{fqn}.{name}" not in saved
-        ]
-        if absent:
-            raise CheckpointError(
-                f"checkpoint {path!r} has no optimizer state {absent[:4]}{' ...' if len(absent) > 4 else ''} "
-                "that this optimizer keeps; build it with the same optimizers, param groups and roles "
-                "(e.g. OwnerRoutedOptimizer(model, ...) on every layout, so names give the roles)"
-            )
-    if strict and OPTIM_KEY in state:
-        _check_param_groups(path, state[OPTIM_KEY].get("param_groups", []), saved)
+        if with_optim and strict:
+            assert optimizer is not None
+            _check_param_groups(path, optimizer.param_groups, saved)
+
+    agree_verdict(_checked(before_init), groups, who=who)
+    missing, unexpected = _check_model(path, here, saved, strict)
+    state: dict[str, Any] = {MODEL_KEY: model_state}
+    if with_optim:
+        assert optimizer is not None
+        fresh = optimizer.state_dict() if _is_fresh(optimizer) else None
+        with _quiet():
+            state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer, options=options)  # initialises a fresh one
+
+        def after_init() -> None:
+            if strict:
+                _check_optimizer_state(path, state[OPTIM_KEY], saved)
+                _check_param_groups(path, state[OPTIM_KEY].get("param_groups", []), saved)
+
+        try:
+            agree_verdict(_checked(after_init), groups, who=who)
+        except Exception:
+            if fresh is not None:  # as it was: no state (every rank refuses, so every rank does this)
+                optimizer.load_state_dict(fresh)
+            raise
     for key in missing:
-        del state[MODEL_KEY][key[len(prefix) :]]
+        del state[MODEL_KEY][key[len(MODEL_KEY) + 1 :]]
     with _quiet():
         dcp.load(
             state,
@@ -339,7 +400,6 @@ def load(
             planner=DefaultLoadPlanner(allow_partial_load=not strict),
             **_dcp_kwargs(process_group),
         )
-        options = StateDictOptions(strict=strict)
         set_model_state_dict(model, state[MODEL_KEY], options=options)
         if OPTIM_KEY in state:
             set_optimizer_state_dict(model, optimizer, state[OPTIM_KEY], options=options)  # type: ignore[arg-type]

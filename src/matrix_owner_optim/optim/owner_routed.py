@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from copy import deepcopy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import comm
+from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
 from ..owner_dtensor import is_owner_dtensor
@@ -172,9 +170,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._group_param_ids: list[list[int]] = []
         self._group_user: list[int] = []  # per parent group: which user group it was split from
         user_groups, self._type_roles = normalize_params(params)
-        # Step 1, collective: fix the plan of every pending fully_shard tree these parameters belong
-        # to, priced by the matrix optimizer's cost unless a call named one (every rank alike).
-        self._fix_plans(rp.param for g in user_groups for rp in g.params)
+        # Step 1, collective: every rank agrees on this configuration (agreement.py), and every
+        # pending fully_shard tree of these parameters fixes its plan, priced by the matrix cost
+        agree_before_planning(optimizer_fields(self, user_groups), user_groups, process_group, self._fix_plans)
         # roles for all groups at once (pure): one warning lists every matrix routed by shape alone
         resolve_roles(
             user_groups,
@@ -415,8 +413,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _any_nonfinite_grad(self) -> bool:
         """Whether any rank holds a NaN or infinite gradient of a parameter it updates: a local
         max-abs per tensor (NaN propagates; no overflow, unlike a sum of squares), then one
-        scalar all-reduce (max) over ``process_group`` in a multi-rank job, so every rank
-        returns the same answer."""
+        all-reduce (max) over ``process_group`` in a multi-rank job, so every rank returns the
+        same answer; it carries the step count too (``agreement.agree_nonfinite``)."""
         grads: list[torch.Tensor] = []
         for rp in self._routed:
             g = rp.param.grad
@@ -434,10 +432,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for gs in by_dtype.values():
                 peak = torch.stack(torch._foreach_norm(gs, math.inf)).float().max().to(device)
                 flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
-        group = self._process_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
-        return bool(flag.item())
+        return agree_nonfinite(self, flag, self._process_group)  # the step count rides along, checked
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
@@ -514,18 +509,17 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        by_param = {id(rp.param): rp for rp in self._routed}
-        saved_groups = sd_.upgrade_saved_groups(
-            deepcopy(state_dict["param_groups"]),
+        saved_groups, loaded = sd_.agreed_local_state(  # every rank's checks agreed, then changes
+            state_dict,
             groups,
-            [[by_param[id(p)] for p in g["params"]] for g in groups],
+            self._routed,
             self._group_user,
+            self._layout_of(),
+            self.state,
+            self._label,
+            self._process_group,
         )
-        sd_.check_saved_groups(groups, saved_groups)
         saved_state = state_dict["state"]
-        loaded = sd_.local_state(
-            saved_state, groups, saved_groups, self._routed, self._layout_of(), self.state, self._label
-        )
         needed = [set(self._kinds[OptimizerKind(g["optimizer"])].defaults) for g in groups]
         sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there
         for rp in self._routed:

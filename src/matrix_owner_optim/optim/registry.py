@@ -11,12 +11,17 @@ which ``planning.catalog.resolve_cost`` prices the plan).
 
 from __future__ import annotations
 
+import importlib.metadata
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 from ..planning.catalog import (
     BUILTINS,
     ENTRY_POINT_GROUP,
     PRECONDITIONER_ENTRY_POINT_GROUP,
+    OptimizerEntry,
     OptimizerFactory,
     available_optimizers,
     lookup,
@@ -27,11 +32,13 @@ from ..planning.catalog import (
 __all__ = [
     "BUILTINS",
     "ENTRY_POINT_GROUP",
+    "GROUP_FLAGS",
     "PRECONDITIONER_ENTRY_POINT_GROUP",
     "ChosenOptimizer",
     "OptimizerFactory",
     "available_optimizers",
     "choose_optimizer",
+    "group_flags",
     "register_optimizer",
     "register_preconditioner",
     "resolve_optimizer",
@@ -68,7 +75,63 @@ def choose_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> C
             "matrix_owner_optim.register_optimizer or the entry-point group "
             f"{ENTRY_POINT_GROUP!r}."
         )
-    return ChosenOptimizer(spec, entry.load(what, spec), spec)
+    return ChosenOptimizer(spec, _load(entry, what, spec), spec)
+
+
+def _load(entry: OptimizerEntry, what: str, spec: str) -> OptimizerFactory:
+    """``entry``'s factory; an exception its import raised (the plug-in's own code, or code it
+    imports, failing) is re-raised as ``ImportError`` naming the entry point, its distribution
+    and the target, the original chained. Errors the registry words itself (a missing module or
+    attribute, a target that is not callable) already name them and pass as they are."""
+    try:
+        return entry.load(what, spec)
+    except (ValueError, TypeError) as exc:
+        if entry.source in str(exc):
+            raise
+        cause: Exception = exc
+    except Exception as exc:  # a plug-in's module may raise anything while it is imported
+        cause = exc
+    where = ", ".join([repr(entry.target), *(f"entry-point group {g!r}" for g in _groups_declaring(entry.target))])
+    raise ImportError(
+        f"{what} optimizer {spec!r} comes from {entry.source} ({where}), whose import raised "
+        f"{type(cause).__name__}: {cause}. The error is in that distribution (or what it imports): fix or "
+        "upgrade it, or uninstall it to drop the name"
+    ) from cause
+
+
+def _groups_declaring(target: str | None) -> list[str]:
+    """The entry-point groups of this package holding an entry point for ``target``."""
+    want = (target or "").replace(" ", "")
+    return [
+        group
+        for group in (ENTRY_POINT_GROUP, PRECONDITIONER_ENTRY_POINT_GROUP)
+        if any(ep.value.replace(" ", "") == want for ep in importlib.metadata.entry_points(group=group))
+    ]
+
+
+# Optimizers whose param groups must carry a flag, and what the package sets in the groups it
+# builds for each role: the values the optimizer documents. pytorch-optimizer's Muon family
+# steps a group with ``use_muon=True`` as Muon (its "hidden weight matrices") and one with
+# ``use_muon=False`` as AdamW (embeddings, heads, biases, gains).
+_MUON_FAMILY = MappingProxyType({"matrix": MappingProxyType({"use_muon": True}), "tail": {"use_muon": False}})
+GROUP_FLAGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType(
+    {
+        "pytorch_optimizer.optimizer.muon.muon.Muon": _MUON_FAMILY,
+        "pytorch_optimizer.optimizer.muon.adamuon.AdaMuon": _MUON_FAMILY,
+        "pytorch_optimizer.optimizer.muon.normuon.NorMuon": _MUON_FAMILY,
+    }
+)
+
+
+def group_flags(factory: OptimizerFactory, role: str) -> dict[str, Any]:
+    """The flags every param group of ``role`` (``"matrix"`` or ``"tail"``) gets for
+    ``factory`` (:data:`GROUP_FLAGS`, matched by class path along its MRO, so a subclass gets
+    them too); empty for optimizers that need none."""
+    for cls in getattr(factory, "__mro__", (factory,)):
+        flags = GROUP_FLAGS.get(f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}")
+        if flags is not None:
+            return dict(flags.get(role, {}))
+    return {}
 
 
 def resolve_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> OptimizerFactory:

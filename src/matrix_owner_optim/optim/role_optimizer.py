@@ -28,7 +28,7 @@ from ..planning.catalog import resolve_cost
 from ..planning.cost import CostModel
 from .layout_of import layout_of
 from .layouts import LayoutConfig, UpdateLayout
-from .registry import ChosenOptimizer, OptimizerFactory
+from .registry import ChosenOptimizer, OptimizerFactory, group_flags
 from .routing import RoutedParam
 
 __all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
@@ -158,8 +158,9 @@ def probe_defaults(
     """The hyperparameters ``factory`` fills into a group, and the optimizer it built to tell
     (on a probe tensor, so that its configured ``cost_model`` can price the plan)."""
     probe_param = torch.nn.Parameter(torch.zeros(2, 2))
+    flags = group_flags(factory, what)  # a flag its groups must carry (pytorch-optimizer's Muon family)
     try:
-        probe = factory([probe_param], **options)
+        probe = factory([{"params": [probe_param], **flags}] if flags else [probe_param], **options)
     except (TypeError, ValueError) as exc:  # an unknown keyword, or a value the optimizer refuses
         raise ValueError(
             f"{what}_options {dict(options)!r} are not accepted by {factory!r}: {exc}. Pass only "

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
+from ..agreement import agree_verdict, optimizer_groups
 from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
 from ..pieces import placement_of
 from ..replica_sync import hold_on_step_replica, replicas_of, steps_here
@@ -30,6 +31,7 @@ from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
 from .routing import RoutedParam
 
 __all__ = [
+    "agreed_local_state",
     "as_pieces",
     "check_saved_groups",
     "gather_owner_state",
@@ -325,3 +327,38 @@ def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, An
         g.update(sg)
         g["params"] = params_
         g.update(live)  # saved names win, as in torch
+
+
+def agreed_local_state(
+    state_dict: Mapping[str, Any],
+    groups: list[dict[str, Any]],
+    routed: list[RoutedParam],
+    user_group: list[int],
+    layout_of: LayoutOf,
+    current: Mapping[torch.Tensor, Any],
+    label: Callable[[RoutedParam], str],
+    process_group: Any,
+) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """``load_state_dict``'s checks, agreed by every rank before any of them changes anything:
+    the saved groups in this version's form (:func:`upgrade_saved_groups`), checked
+    (:func:`check_saved_groups`), and this rank's state (:func:`local_state`). A refusal on any
+    rank (a param group that does not match, state missing for a parameter one rank updates)
+    is raised on every rank of the optimizer's groups (``agreement.optimizer_groups``), so no
+    rank loads while another refuses; returns (saved groups, this rank's state)."""
+    by_param = {id(rp.param): rp for rp in routed}
+    error: Exception | None = None
+    saved_groups: list[dict[str, Any]] = []
+    loaded: dict[int, dict[str, Any]] = {}
+    try:
+        saved_groups = upgrade_saved_groups(
+            deepcopy(state_dict["param_groups"]),
+            groups,
+            [[by_param[id(p)] for p in g["params"]] for g in groups],
+            user_group,
+        )
+        check_saved_groups(groups, saved_groups)
+        loaded = local_state(state_dict["state"], groups, saved_groups, routed, layout_of, current, label)
+    except (KeyError, ValueError, TypeError) as exc:
+        error = exc
+    agree_verdict(error, optimizer_groups([rp.param for rp in routed], process_group), who="load_state_dict")
+    return saved_groups, loaded

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..agreement import check_plan_agreement
+from ..agreement import check_sharding_agreement
 from ..lazy_plan import unlink_lazy_plan
 from ..owner_dtensor import OwnerDTensor
 from ..pieces import placement_of
@@ -104,11 +104,10 @@ def build_context(
         plan = assign_step_replicas(plan, specs, replicate_size, cost=cost)
     # (a plan given without step replicas keeps every replica stepping what it holds)
     _check_unit_dtypes(specs, states)  # every rank alike, before anything changes
-    check_plan_agreement(  # the first collective, before any data moves
+    check_sharding_agreement(  # the first collective (mesh, optimizer, plan), before any data moves
         plan,
         group,
-        who="fully_shard",
-        what="sharding plan",
+        replicate_group,
         remedy="Every rank must build the plan from the same model, roles and world size "
         "(pass the same plan= / roles on all ranks).",
     )
