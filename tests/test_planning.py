@@ -125,7 +125,7 @@ def test_big_gpt_balance_at_w8() -> None:
 def test_every_rank_gets_an_even_share_of_each_shape(world_size: int) -> None:
     """The bench's GPT 4x256 with a unit per block: its tall ``mlp.fc`` (1024x256) and wide
     ``mlp.proj`` (256x1024) cost the same, and placed in model order every tall one landed on
-    one rank at W=2 (the slow rank of the optimizer step: planner._even_shapes). Each rank now
+    one rank at W=2 (the slow rank of the optimizer step: shape_counts.even_shapes). Each rank now
     holds as many of each shape as any other, each block's matrices still spread over ranks,
     and the loads (bytes, FLOPs per rank) are the ones the placement alone gives."""
     model = GPT(GPTConfig(vocab_size=14, seq_len=32, n_layers=4, d_model=256, n_heads=4), device="meta")

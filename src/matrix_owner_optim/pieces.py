@@ -53,7 +53,7 @@ def placement_of(shard: MatrixShard, shape: Sequence[int] | None = None) -> Any:
     parameter's): planned row ranges of a split stack, ``Shard(0)`` row blocks, or held whole by
     the owner (a scalar: ``Partial`` with zeros elsewhere)."""
     if shard.is_split:
-        return OwnerShard(0, [shard.row_range(r) for r in range(shard.world_size)])
+        return OwnerShard(0, shard.row_ranges())
     if shard.role is Role.ROWS:
         return Shard(0)
     assert shard.owner is not None

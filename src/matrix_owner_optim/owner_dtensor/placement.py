@@ -9,7 +9,10 @@ all-to-all (several).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -40,7 +43,9 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def owned_ranges(rows: int, owner: int, world_size: int) -> tuple[tuple[int, int], ...]:
     """Row ranges of a tensor of ``rows`` rows held whole by ``owner``."""
-    return tuple((0, rows) if r == owner else (rows, rows) for r in range(world_size))
+    ranges = [(rows, rows)] * world_size  # one list multiply, not a Python loop over ranks
+    ranges[owner] = (0, rows)
+    return tuple(ranges)
 
 
 class OwnerShard(Shard):
@@ -54,17 +59,27 @@ class OwnerShard(Shard):
 
     def __init__(self, dim: int, ranges: Sequence[tuple[int, int]]) -> None:
         super().__init__(dim)
-        object.__setattr__(self, "ranges", tuple((int(a), int(b)) for a, b in ranges))
+        pairs = tuple(ranges)
+        # (int, int) pairs as given are kept (checked in C loops: W ranges per tensor); others
+        # are converted
+        if (
+            set(map(type, pairs)) - {tuple}
+            or set(map(len, pairs)) - {2}
+            or set(map(type, chain.from_iterable(pairs))) - {int}
+        ):
+            pairs = tuple((int(a), int(b)) for a, b in pairs)
+        object.__setattr__(self, "ranges", pairs)
 
     @property
     def holder(self) -> int | None:
         """The one rank holding every row, or None when rows are split over several ranks."""
-        full = [r for r, (a, b) in enumerate(self.ranges) if b > a]
-        if len(full) == 1:
-            return full[0]
-        if not full:  # zero rows: the owner is recorded as the rank whose range starts at 0
-            starts = [r for r, (a, _) in enumerate(self.ranges) if a == 0]
-            return starts[0] if starts else 0
+        starts = list(map(itemgetter(0), self.ranges))
+        full = list(map(operator.lt, starts, map(itemgetter(1), self.ranges)))
+        held = full.count(True)
+        if held == 1:
+            return full.index(True)
+        if not held:  # zero rows: the owner is recorded as the rank whose range starts at 0
+            return starts.index(0) if 0 in starts else 0
         return None
 
     def __eq__(self, other: object) -> bool:

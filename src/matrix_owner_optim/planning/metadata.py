@@ -11,10 +11,12 @@ world size in one process.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -150,11 +152,28 @@ class MatrixShard:
         ``ceil(rows / W)`` per rank, the last ranks possibly short or empty.
         """
         if self.is_split:
-            start, stop, _ = next(r for r in self.row_owners if r[2] == rank)
+            # the planner lists one range per rank in rank order: read it at its index (O(1));
+            # any other order is searched once into a table kept on the record
+            if rank < len(self.row_owners) and self.row_owners[rank][2] == rank:
+                start, stop, _ = self.row_owners[rank]
+                return start, stop
+            start, stop = self._ranges_by_rank[rank]
             return start, stop
         if self.role is not Role.ROWS:
             raise ValueError(f"{self.fqn}: row_range is only defined for role 'rows' and split stacks")
         return chunk_row_range(self.shape[0] if self.shape else 1, self.world_size, rank)
+
+    def row_ranges(self) -> list[tuple[int, int]]:
+        """Rows ``[start, stop)`` of every rank, in rank order (a split stack's or a ``rows``
+        tensor's), read off ``row_owners`` in one pass where they are listed in rank order."""
+        owners = self.row_owners
+        if owners and list(map(itemgetter(2), owners)) == list(range(self.world_size)):  # C loops
+            return list(zip(map(itemgetter(0), owners), map(itemgetter(1), owners), strict=True))
+        return [self.row_range(r) for r in range(self.world_size)]
+
+    @functools.cached_property
+    def _ranges_by_rank(self) -> dict[int, tuple[int, int]]:
+        return {q: (a, b) for a, b, q in self.row_owners}
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the tensor this rank keeps resident when sharded."""
@@ -174,6 +193,10 @@ class MatrixShard:
         return n
 
     def to_json(self) -> dict[str, Any]:
+        return self._json(lists=True)
+
+    def _json(self, *, lists: bool) -> dict[str, Any]:
+        row_owners: Any = [list(r) for r in self.row_owners] if lists else self.row_owners
         return {
             "fqn": self.fqn,
             "shape": list(self.shape),
@@ -183,7 +206,7 @@ class MatrixShard:
             "unit": self.unit,
             "aliases": list(self.aliases),
             "requires_grad": self.requires_grad,
-            **({"row_owners": [list(r) for r in self.row_owners]} if self.row_owners else {}),
+            **({"row_owners": row_owners} if self.row_owners else {}),
             **({"step_replica": self.step_replica} if self.step_replica is not None else {}),
         }
 
@@ -252,8 +275,10 @@ class ShardingPlan:
         head: dict[str, Any] = {"world_size": self.world_size}
         if self.replicate_size > 1:
             head["replicate_size"] = self.replicate_size
+        # the same JSON as canonical()'s, with row_owners kept as tuples (JSON arrays alike):
+        # no per-rank list per split stack
         payload = json.dumps(
-            {**head, "shards": self.canonical()},
+            {**head, "shards": [s._json(lists=False) for s in self.shards.values()]},
             sort_keys=True,
             separators=(",", ":"),
         )

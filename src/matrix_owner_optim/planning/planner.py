@@ -6,7 +6,7 @@ load every rank alike. Items are placed largest first onto the rank whose result
 smallest, measured as the larger of its normalised bytes and normalised FLOPs (a two-resource
 LPT), then a bounded local search moves or swaps items off the most loaded rank while that
 lowers the maximum; last, matrices of one unit that cost the same but differ in shape trade
-owners so that every rank holds as even a share of each shape as it can (``_even_shapes``: the
+owners so that every rank holds as even a share of each shape as it can (``shape_counts.even_shapes``: the
 matrix optimizer's batches, at no cost to either balance). Ties break on item index and rank, so
 every process computes the same plan.
 """
@@ -32,7 +32,9 @@ from .cost import (
     row_block_of,
 )
 from .metadata import MatrixShard, RankLoad, Role, ShardingPlan, chunk_row_sizes, recorded_unit_prefixes
+from .refine import refine
 from .roles import TensorSpec, specs_from_module
+from .shape_counts import even_shapes
 from .views import MatrixView, default_matrix_view
 
 __all__ = ["plan_tensors", "plan_model", "tensor_resident_bytes", "tensor_flops"]
@@ -67,7 +69,7 @@ class _Item:
     is_matrix: bool
     members: int = 1
     score: float = 0.0
-    unit: int = -1  # a matrix's fully_shard unit (its shape evens out within one: _even_shapes)
+    unit: int = -1  # a matrix's fully_shard unit (its shape evens out within one: even_shapes)
     shape: tuple[int, ...] = ()  # a matrix's (a band's, an expert's) shape
 
 
@@ -292,7 +294,7 @@ def _place(
     level: Callable[[float, float], tuple[float, float]],
     refine_iterations: int,
 ) -> list[_Rank]:
-    """LPT (largest first onto the rank whose resulting level is lowest), then :func:`_refine`.
+    """LPT (largest first onto the rank whose resulting level is lowest), then :func:`.refine.refine`.
 
     A heap keyed by the rank's current level finds candidates fast at W=1024; the exact choice
     checks the few lowest ranks, since the level after adding depends on the item."""
@@ -317,51 +319,9 @@ def _place(
                 heapq.heappush(heap, (level(ranks[r].bytes, ranks[r].flops), r))
             else:
                 heapq.heappush(heap, e)
-    _refine(ranks, items, level, refine_iterations)
-    _even_shapes(ranks, items)
+    refine(ranks, items, level, refine_iterations)  # refine.py: moves and swaps off the busiest
+    even_shapes(ranks, items)  # shape_counts.py: each rank an even share of every shape
     return ranks
-
-
-def _even_shapes(ranks: list[_Rank], items: list[_Item]) -> None:
-    """Even out how many matrices of each shape every rank owns, at no cost to balance or to
-    each unit's spread: two matrices of one unit with equal bytes and FLOPs but different
-    shapes (an MLP's tall ``fc`` and wide ``proj``) trade owners while that lowers the sum over
-    ranks and shapes of the squared counts. Their ranks' loads and the unit's per-rank bytes
-    (its gather and reduce segments) stay as they are.
-
-    Why: the matrix optimizer batches same-shape matrices (one stacked Newton-Schulz per shape)
-    and kernels' speed differs by shape beyond FLOPs. Placed model-order, a GPT's ``fc`` /
-    ``proj`` pairs put all four tall MLP matrices on one rank at W=2, which then took 22.3 ms
-    per optimizer step against the other rank's 19.6 ms (a tall stack's Newton-Schulz iterates
-    through transposed operands, as torch.optim.Muon's does: 12% slower on CPU)."""
-    owner = {i: r for r, rk in enumerate(ranks) for i in rk.items}
-    count: dict[tuple[int, tuple[int, ...]], int] = {}
-    groups: dict[tuple[int, float, float], list[_Item]] = {}
-    for it in items:
-        if it.is_matrix and it.shape and it.index in owner:
-            count[(owner[it.index], it.shape)] = count.get((owner[it.index], it.shape), 0) + 1
-            groups.setdefault((it.unit, it.bytes, it.flops), []).append(it)
-    for group in groups.values():
-        if len({it.shape for it in group}) < 2:
-            continue
-        for x, a in enumerate(group):
-            for b in group[x + 1 :]:
-                ra, rb = owner[a.index], owner[b.index]
-                if ra == rb or a.shape == b.shape:
-                    continue
-
-                def c(r: int, shape: tuple[int, ...]) -> int:
-                    return count.get((r, shape), 0)
-
-                # the change of sum(count**2) when a moves to rb and b to ra
-                delta = 2 * (c(rb, a.shape) - c(ra, a.shape) + c(ra, b.shape) - c(rb, b.shape)) + 4
-                if delta >= 0:
-                    continue
-                for r, shape, d in ((ra, a.shape, -1), (rb, a.shape, 1), (rb, b.shape, -1), (ra, b.shape, 1)):
-                    count[(r, shape)] = c(r, shape) + d
-                ranks[ra].items[ranks[ra].items.index(a.index)] = b.index
-                ranks[rb].items[ranks[rb].items.index(b.index)] = a.index
-                owner[a.index], owner[b.index] = rb, ra
 
 
 def _splits_by_band(s: TensorSpec, row_block: int) -> bool:
@@ -400,56 +360,6 @@ def _align_bands(ranks: list[_Rank], items: list[_Item], band_of: dict[int, tupl
         there.bytes += a.bytes - b.bytes
         there.flops += a.flops - b.flops
         owner[s], owner[full] = last, owner[s]
-
-
-def _refine(ranks: list[_Rank], items: list[_Item], level, iterations: int) -> None:
-    """Move or swap one item off the most loaded rank while that lowers the pair's maximum."""
-    for _ in range(iterations):
-        levels = [level(r.bytes, r.flops) for r in ranks]
-        hi = max(range(len(ranks)), key=lambda r: (levels[r], -r))
-        best: tuple[tuple[float, float], int, int, int | None] | None = None
-        current = levels[hi]
-        for i in ranks[hi].items:
-            a = items[i]
-            for lo in range(len(ranks)):
-                if lo == hi or levels[lo] >= current:
-                    continue
-                # move a: hi -> lo
-                cand = max(
-                    level(ranks[hi].bytes - a.bytes, ranks[hi].flops - a.flops),
-                    level(ranks[lo].bytes + a.bytes, ranks[lo].flops + a.flops),
-                )
-                if cand < current and (best is None or (cand, i, lo) < best[0:3]):
-                    best = (cand, i, lo, None)
-                # swap a with a smaller b on lo
-                for j in ranks[lo].items:
-                    b = items[j]
-                    if b.score >= a.score:
-                        continue
-                    cand = max(
-                        level(ranks[hi].bytes - a.bytes + b.bytes, ranks[hi].flops - a.flops + b.flops),
-                        level(ranks[lo].bytes + a.bytes - b.bytes, ranks[lo].flops + a.flops - b.flops),
-                    )
-                    if cand < current and (best is None or (cand, i, lo) < best[0:3]):
-                        best = (cand, i, lo, j)
-        if best is None:
-            return
-        _, i, lo, swap_with = best
-        a = items[i]
-        ranks[hi].items.remove(i)
-        ranks[lo].items.append(i)
-        ranks[hi].bytes -= a.bytes
-        ranks[hi].flops -= a.flops
-        ranks[lo].bytes += a.bytes
-        ranks[lo].flops += a.flops
-        if swap_with is not None:
-            b = items[swap_with]
-            ranks[lo].items.remove(swap_with)
-            ranks[hi].items.append(swap_with)
-            ranks[lo].bytes -= b.bytes
-            ranks[lo].flops -= b.flops
-            ranks[hi].bytes += b.bytes
-            ranks[hi].flops += b.flops
 
 
 def plan_model(

@@ -161,10 +161,12 @@ def build_context(
         )
         for u, st in enumerate(states)
     ]
+    enclosing = _parent_units(modules)
+    unit_size = [len(list(unit.module.modules())) for unit in units]
     for u, unit in enumerate(units):
         ms = [i for i, v in enumerate(unit_index) if v == u]
-        parents = {unit_index[p] for p in (_parent_unit(i, modules) for i in ms) if p is not None} - {u}
-        parent = min(parents, key=lambda q: len(list(units[q].module.modules()))) if parents else None
+        parents = {unit_index[p] for p in (enclosing[i] for i in ms) if p is not None} - {u}
+        parent = min(parents, key=lambda q: unit_size[q]) if parents else None
         unit.parent = units[parent] if parent is not None else None
     ctx = ShardingContext(groups, plan, units, settings, nested_modules=nested_modules)
     for st in states:
@@ -347,15 +349,15 @@ def _check_unit_dtypes(specs: list[TensorSpec], states: Sequence[PlannedCall]) -
         one_compute_dtype(unit, dtypes)
 
 
-def _parent_unit(i: int, modules: list[nn.Module]) -> int | None:
-    """Index of the nearest unit module enclosing ``modules[i]`` (None: outermost)."""
-    best: int | None = None
-    best_size = None
-    target = modules[i]
-    for j, m in enumerate(modules):
-        if j == i:
-            continue
-        subtree = list(m.modules())
-        if any(s is target for s in subtree) and (best_size is None or len(subtree) < best_size):
-            best, best_size = j, len(subtree)
-    return best
+def _parent_units(modules: list[nn.Module]) -> list[int | None]:
+    """Per unit module, the index of the nearest unit module enclosing it (None: outermost):
+    the smallest enclosing subtree, the first listed among equals. Each subtree is walked once."""
+    subtrees = [{id(s) for s in m.modules()} for m in modules]
+    found: list[int | None] = []
+    for i, target in enumerate(modules):
+        best: int | None = None
+        for j, subtree in enumerate(subtrees):
+            if j != i and id(target) in subtree and (best is None or len(subtree) < len(subtrees[best])):
+                best = j
+        found.append(best)
+    return found

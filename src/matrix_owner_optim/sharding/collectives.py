@@ -18,9 +18,12 @@ Every call goes through the counted wrappers in :mod:`matrix_owner_optim.comm`.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import repeat
+from operator import itemgetter
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -51,12 +54,49 @@ class SegmentEntry:
     rows: tuple[int, int] | None = None  # row range for ``rows`` tensors; None: whole tensor
 
 
+class _RankEntries(Sequence[tuple[SegmentEntry, ...]]):
+    """Every rank's entries of a :class:`SegmentLayout`, each rank's built when first read
+    (a rank reads its own at start-up; every rank's tensors are walked once, not W times)."""
+
+    def __init__(self, owned: list[list[tuple[int, int]]], rows: list[tuple[int, list[tuple[int, int]], int]]) -> None:
+        self._owned = owned  # per rank: (index, elements) of the tensors it owns, model order
+        self._rows = rows  # per rows tensor: (index, every rank's row range, elements per row)
+        self._built: dict[int, tuple[SegmentEntry, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._owned)
+
+    @overload
+    def __getitem__(self, rank: int) -> tuple[SegmentEntry, ...]: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> list[tuple[SegmentEntry, ...]]: ...
+
+    def __getitem__(self, rank: int | slice) -> tuple[SegmentEntry, ...] | list[tuple[SegmentEntry, ...]]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(len(self))[rank]]
+        r = range(len(self))[rank]  # negative ranks as a tuple reads them; IndexError outside
+        built = self._built.get(r)
+        if built is None:
+            out, at = [], 0
+            for index, n in self._owned[r]:
+                out.append(SegmentEntry(index, at, n))
+                at += n
+            for index, ranges, per_row in self._rows:
+                start, stop = ranges[r]
+                n = (stop - start) * per_row
+                out.append(SegmentEntry(index, at, n, (start, stop)))
+                at += n
+            built = self._built[r] = tuple(out)
+        return built
+
+
 @dataclass(frozen=True)
 class SegmentLayout:
     """Where every rank's segment of a unit puts each tensor (the same on every rank)."""
 
     world_size: int
-    entries: tuple[tuple[SegmentEntry, ...], ...]  # per rank
+    entries: Sequence[tuple[SegmentEntry, ...]]  # per rank
     sizes: tuple[int, ...]  # elements per rank
 
     @property
@@ -67,23 +107,25 @@ class SegmentLayout:
     def build(
         cls, shards: Sequence[MatrixShard], world_size: int, include: Callable[[MatrixShard], bool] = lambda s: True
     ) -> SegmentLayout:
-        """Owned tensors first (model order), then row blocks of ``rows`` tensors."""
-        entries: list[list[SegmentEntry]] = [[] for _ in range(world_size)]
+        """Owned tensors first (model order), then row blocks of ``rows`` tensors. Linear in the
+        tensors; a ``rows`` tensor's W row ranges are summed into the sizes in C loops."""
+        owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
         cursor = [0] * world_size
         for i, s in enumerate(shards):
             if include(s) and not s.holds_rows:
                 if s.owner is None or not 0 <= s.owner < world_size:
                     raise ValueError(f"parameter {s.fqn!r} has owner {s.owner!r} outside world size {world_size}")
-                entries[s.owner].append(SegmentEntry(i, cursor[s.owner], s.numel))
+                owned[s.owner].append((i, s.numel))
                 cursor[s.owner] += s.numel
+        rows: list[tuple[int, list[tuple[int, int]], int]] = []
         for i, s in enumerate(shards):
             if include(s) and s.holds_rows:
-                for r in range(world_size):
-                    start, stop = s.row_range(r)
-                    n = s.local_numel(r)
-                    entries[r].append(SegmentEntry(i, cursor[r], n, (start, stop)))
-                    cursor[r] += n
-        return cls(world_size, tuple(tuple(e) for e in entries), tuple(cursor))
+                per_row = math.prod(int(d) for d in s.shape[1:])  # elements of one row
+                ranges = s.row_ranges()
+                rows.append((i, ranges, per_row))
+                lengths = map(operator.sub, map(itemgetter(1), ranges), map(itemgetter(0), ranges))
+                cursor = list(map(operator.add, cursor, map(operator.mul, lengths, repeat(per_row))))
+        return cls(world_size, _RankEntries(owned, rows), tuple(cursor))
 
 
 def uses_nccl(group: Any, device: torch.device) -> bool:
