@@ -216,9 +216,9 @@ def optimizer_fields(optimizer: _Configured, user_groups: Sequence[Any]) -> dict
     switches, and each user param group's size and options; values as :func:`describe` words
     them."""
     fields: dict[str, str] = {}
-    for role in optimizer._kinds.values():
-        fields[f"{role.kind.value} optimizer"] = describe(role.factory)
-        fields[f"{role.kind.value}_options"] = describe(dict(sorted(role.options.items())))
+    for kind, role in optimizer._kinds.items():  # the kind is the role optimizer's key
+        fields[f"{kind.value} optimizer"] = describe(role.factory)
+        fields[f"{kind.value}_options"] = describe(dict(sorted(role.options.items())))
     fields["roles"] = describe(list(optimizer._overrides.rules))
     fields["matrix_views"] = describe(list(optimizer._views.rules))
     fields["replicated"] = describe(optimizer._config.replicated)
