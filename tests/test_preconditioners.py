@@ -161,6 +161,58 @@ def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) 
     assert all(torch.equal(p, q) for p, q in zip(ps, ours, strict=True))
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_muon_batched_rounds_as_per_matrix_and_per_matrix_as_torch(ns_dtype: torch.dtype, nesterov: bool) -> None:
+    # The batched step (updates written into one stack, buffers reused across iterations) must
+    # round each matrix as the per-matrix path does: a rank stepping a lone matrix per matrix and
+    # a reference batching it with others then agree bitwise (test_sharding_features relies on
+    # it). Wide, tall and square buckets; a float32 and a bfloat16 parameter; 4 steps.
+    shapes = [(48, 32)] * 3 + [(32, 48)] * 3 + [(40, 40)] * 2 + [(24, 16)]
+    gen = torch.Generator().manual_seed(41)
+    p0 = [torch.randn(s, generator=gen) for s in shapes]
+    p0[-2] = p0[-2].bfloat16()  # a bf16 parameter in a float32 bucket's neighbour
+    grads = [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in p0] for _ in range(4)]
+    out = {}
+    for batched in (True, False):
+        ps = [p.clone().requires_grad_() for p in p0]
+        opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, nesterov=nesterov, batched=batched)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        out[batched] = [p.detach() for p in ps]
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False], strict=True))
+    if ns_dtype == torch.bfloat16:  # torch.optim.Muon iterates in bfloat16 only
+        ref = [p.clone().requires_grad_() for p in p0]
+        torch_opt = torch.optim.Muon(ref, lr=0.02, nesterov=nesterov)
+        for step_grads in grads:
+            for p, g in zip(ref, step_grads, strict=True):
+                p.grad = g.clone()
+            torch_opt.step()
+        # (without Nesterov torch scales a bf16 parameter's momentum buffer in place, its
+        # ``.bfloat16()`` being no copy; this package copies, so that one matrix is left out)
+        same = [torch.equal(a, b) for a, b in zip(out[False], ref, strict=True)]
+        assert all(same if nesterov else same[:-2] + same[-1:])
+
+
+def test_newton_schulz_stack_equals_batched_and_single() -> None:
+    from matrix_owner_optim.preconditioners.muon import newton_schulz, newton_schulz_batched
+    from matrix_owner_optim.preconditioners.newton_schulz import newton_schulz_
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(4, 24, 16), (4, 16, 24), (3, 20, 20)]:
+        g = torch.randn(shape, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            stack = g.to(dtype, copy=True)
+            ortho = newton_schulz_(stack, ns_steps=5)  # consumes stack
+            assert ortho.shape == shape and ortho.dtype == dtype
+            assert torch.equal(ortho, newton_schulz_batched(g, ns_dtype=dtype))
+            assert torch.equal(ortho, torch.stack([newton_schulz(m, ns_dtype=dtype) for m in g]))
+    with pytest.raises(ValueError, match="contiguous"):
+        newton_schulz_(torch.randn(2, 3, 4).mT)
+
+
 def test_muon_does_not_modify_momentum_buffer_in_fp32_ns() -> None:
     # ns_dtype == param dtype: the NS input must be copied, not scaled in place.
     p = torch.randn(5, 3, requires_grad=True)

@@ -19,11 +19,16 @@ parameter group at every step, so lr schedulers work)::
 ``lr * 0.2 * sqrt(max(A, B))`` for a parameter of shape ``(A, B)``.
 
 With ``batched=True`` (the default) the matrices of one parameter group that share shape,
-dtype and device go through one stacked Newton-Schulz (:func:`newton_schulz_batched`, batched
-matmuls), as dion and dtensor-muon do; the result equals the per-matrix iteration within float
-round-off (not bitwise: batched and single matmuls may sum in different orders). A shape that
-occurs once takes the per-matrix path, so a single matrix is still bitwise ``torch.optim.Muon``.
-``matrix-owner-optim bench --muon-batching`` times both.
+dtype and device go through one stacked Newton-Schulz (:func:`~.newton_schulz.newton_schulz_`, batched
+matmuls), as dion and dtensor-muon do. Each matrix's Nesterov update is written straight into
+its slice of the stack, already in ``ns_dtype`` (one pass; no per-matrix update tensor, no
+concatenation, no separate cast), and the iteration reuses its buffers. On this package's CPUs
+(oneDNN bfloat16, MKL float32) the batched matmuls round each matrix as the single ones do, so
+the batched step equals the per-matrix one bitwise (tests/test_preconditioners.py); torch does
+not promise it in general. A shape that occurs once takes the per-matrix path, so a single
+matrix is bitwise ``torch.optim.Muon`` by construction. The per-matrix path (``batched=False``)
+is torch's loop: each matrix's momentum, Newton-Schulz and update in turn, while it is in cache.
+``benchmarks/ns_floor.py`` times both against ``torch.optim.Muon`` and the matmul floor.
 
 Stacks and fused blocks: every matrix of a tensor's :class:`~..planning.views.MatrixLayout`
 (the experts of ``[E, 2I, H]``, the q, k, v blocks of a declared fused ``wqkv``) is
@@ -52,10 +57,10 @@ from torch import Tensor
 from ..planning.cost import MUON_COST, FunctionCostModel
 from ..planning.views import MatrixLayout, matrix_layout_of
 from ._common import MatrixOptimizer, as_float
+from .newton_schulz import DEFAULT_NS_COEFFICIENTS, check_ns_args, newton_schulz_
 
 __all__ = ["Muon", "muon", "newton_schulz", "newton_schulz_batched", "adjust_lr", "ns_dtype_name", "resolve_ns_dtype"]
 
-DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
@@ -92,25 +97,11 @@ def newton_schulz(
     ``A = X X^T; B = b A + c A A; X = a X + B X``. Returns a tensor of dtype ``ns_dtype`` and
     ``grad``'s shape; ``grad`` itself is never modified.
     """
-    if ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    check_ns_args(ns_coefficients, ns_steps)
     if grad.ndim != 2:
         raise ValueError(f"Newton-Schulz needs a 2D matrix, got shape {tuple(grad.shape)}")
-    if len(ns_coefficients) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
-    a, b, c = ns_coefficients
-    tall = grad.size(0) > grad.size(1)
     x = grad.to(resolve_ns_dtype(ns_dtype), copy=True)  # copy: never scale the caller's tensor in place
-    if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
-    if tall:
-        x = x.T
-    return x
+    return newton_schulz_(x, ns_coefficients, ns_steps, eps)
 
 
 def newton_schulz_batched(
@@ -123,25 +114,14 @@ def newton_schulz_batched(
     """:func:`newton_schulz` of every matrix of a ``(batch, m, n)`` stack at once.
 
     Same steps per matrix (each normalised by its own Frobenius norm), with batched matmuls
-    (``baddbmm``). Returns a new ``(batch, m, n)`` tensor of dtype ``ns_dtype``.
+    (``baddbmm``). Returns a new ``(batch, m, n)`` tensor of dtype ``ns_dtype``; ``grads`` is
+    not modified.
     """
-    if ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    check_ns_args(ns_coefficients, ns_steps)
     if grads.ndim != 3:
         raise ValueError(f"expected a (batch, m, n) stack, got shape {tuple(grads.shape)}")
-    a, b, c = ns_coefficients
-    tall = grads.size(1) > grads.size(2)
-    x = grads.to(resolve_ns_dtype(ns_dtype), copy=True)
-    if tall:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, gram_update, x, beta=a)
-    if tall:
-        x = x.mT
-    return x
+    stack = grads.to(resolve_ns_dtype(ns_dtype), memory_format=torch.contiguous_format, copy=True)
+    return newton_schulz_(stack, ns_coefficients, ns_steps, eps)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
@@ -305,43 +285,171 @@ def muon(
         raise ValueError("muon: params, grads and momentum_buffers must have the same length")
     if layouts is None:
         layouts = [matrix_layout_of(p) for p in params]
-    ns_args = (ns_coefficients, ns_steps, eps, ns_dtype)
-    # Every matrix of every tensor (see MatrixLayout): one piece per run of same-shape
-    # matrices of a tensor, as a (k, m, n) stack of its updates.
-    pieces: list[tuple[Tensor, MatrixLayout, int, Tensor]] = []
-    for p, grad, buf, layout in zip(params, grads, momentum_buffers, layouts, strict=True):
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if nesterov else buf
+    step = _MuonStep(
+        params,
+        grads,
+        momentum_buffers,
+        layouts,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_lr_fn,
+        ns_args=(ns_coefficients, ns_steps, eps),
+        ns_dtype=resolve_ns_dtype(ns_dtype),
+    )
+    if batched:
+        step.run_batched()
+    else:
+        step.run_per_matrix()
+
+
+# One matrix run of one tensor: (tensor index, run, matrices in the run).
+_Piece = tuple[int, int, int]
+
+
+class _MuonStep:
+    """One Muon step over lists of tensors: the two paths :func:`muon` chooses between.
+
+    Every tensor's momentum is updated once, right before the first of its runs is
+    orthogonalised (while its gradient is in cache), and its weight decay is applied right
+    before the first update lands on it.
+    """
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        bufs: list[Tensor],
+        layouts: list[MatrixLayout],
+        *,
+        lr: float,
+        weight_decay: float,
+        momentum: float,
+        nesterov: bool,
+        adjust_lr_fn: str | None,
+        ns_args: tuple[tuple[float, float, float], int, float],
+        ns_dtype: torch.dtype,
+    ) -> None:
+        self.params, self.grads, self.bufs, self.layouts = params, grads, bufs, layouts
+        self.lr, self.weight_decay, self.momentum, self.nesterov = lr, weight_decay, momentum, nesterov
+        self.adjust_lr_fn, self.ns_args, self.ns_dtype = adjust_lr_fn, ns_args, ns_dtype
+        self.moved = [False] * len(params)  # momentum updated this step
+        self.decayed = [False] * len(params)
+
+    def pieces(self, i: int) -> list[_Piece]:
+        layout = self.layouts[i]
         if layout.single:
-            pieces.append((p, layout, 0, update.view(1, layout.rows, layout.cols)))
+            return [(i, 0, 1)]
+        return [(i, run, count) for run, (count, _, _) in enumerate(layout.matrix_shapes())]
+
+    def shape(self, piece: _Piece) -> tuple[int, int]:
+        layout = self.layouts[piece[0]]
+        return layout.rows if layout.single else layout.runs[piece[1]][2], layout.cols
+
+    def run_view(self, tensor: Tensor, piece: _Piece) -> Tensor:
+        """``tensor`` (a parameter, gradient or buffer of ``piece``'s tensor) as the run's
+        ``(batch, blocks, rows, cols)`` view (``(1, 1, rows, cols)`` for a plain matrix)."""
+        i, run, _ = piece
+        layout = self.layouts[i]
+        if layout.single:
+            return tensor.view(1, 1, layout.rows, layout.cols)
+        return layout.run_views(tensor)[run]
+
+    def move(self, i: int) -> None:
+        """Momentum of tensor ``i`` (once per step): ``B <- lerp(B, g, 1 - momentum)``."""
+        if not self.moved[i]:
+            self.moved[i] = True
+            self.bufs[i].lerp_(self.grads[i], 1 - self.momentum)
+
+    def apply(self, piece: _Piece, ortho: Tensor) -> None:
+        """Land ``piece``'s orthogonalised update ``(matrices, rows, cols)`` on its parameter."""
+        i = piece[0]
+        p = self.params[i]
+        if not self.decayed[i]:  # decoupled weight decay, once per tensor
+            self.decayed[i] = True
+            p.mul_(1 - self.lr * self.weight_decay)
+        if torch.promote_types(ortho.dtype, p.dtype) != p.dtype:  # a wider ns_dtype: round first
+            ortho = ortho.to(p.dtype)  # (else add_ widens it exactly, as torch's Muon relies on)
+        alpha = -adjust_lr(self.lr, self.adjust_lr_fn, self.shape(piece))
+        if self.plain(i):
+            p.add_(ortho[0], alpha=alpha)
         else:
-            for r, run_view in enumerate(layout.run_views(update)):
-                pieces.append((p, layout, r, run_view.flatten(0, 1)))
-    decayed: set[int] = set()
+            target = self.run_view(p, piece)
+            target.add_(ortho.view(target.shape), alpha=alpha)
 
-    def apply(p: Tensor, layout: MatrixLayout, run: int, ortho: Tensor) -> None:
-        if id(p) not in decayed:  # decoupled weight decay, once per tensor
-            decayed.add(id(p))
-            p.mul_(1 - lr * weight_decay)
-        target = p.view(1, 1, layout.rows, layout.cols) if layout.single else layout.run_views(p)[run]
-        target.add_(ortho.view(target.shape).to(p.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, tuple(target.shape[-2:])))
+    def orthogonalise_alone(self, piece: _Piece) -> Tensor:
+        """``piece``'s update through torch's per-matrix Newton-Schulz, ``(matrices, rows, cols)``."""
+        i = piece[0]
+        self.move(i)
+        grad, buf = self.run_view(self.grads[i], piece), self.run_view(self.bufs[i], piece)
+        update = grad.lerp(buf, self.momentum) if self.nesterov else buf
+        each = [self.newton_schulz_alone(u, fresh=self.nesterov) for u in update.flatten(0, 1).unbind(0)]
+        return each[0].unsqueeze(0) if len(each) == 1 else torch.stack(each)
 
-    if not batched:
-        for p, layout, run, updates in pieces:
-            each = [newton_schulz(u, *ns_args) for u in updates.unbind(0)]
-            apply(p, layout, run, each[0] if len(each) == 1 else torch.stack(each))
-        return
-    buckets: dict[tuple[Any, ...], list[tuple[Tensor, MatrixLayout, int, Tensor]]] = {}
-    for piece in pieces:
-        updates = piece[3]
-        key = (tuple(updates.shape[1:]), updates.dtype, updates.device)
-        buckets.setdefault(key, []).append(piece)
-    for bucket in buckets.values():
-        if len(bucket) == 1 and bucket[0][3].size(0) == 1:  # one matrix: torch's exact path
-            p, layout, run, updates = bucket[0]
-            apply(p, layout, run, newton_schulz(updates[0], *ns_args))
-            continue
-        stacked = torch.cat([u for *_, u in bucket]) if len(bucket) > 1 else bucket[0][3]
-        orthos = newton_schulz_batched(stacked, *ns_args)
-        for (p, layout, run, _), ortho in zip(bucket, orthos.split([u.size(0) for *_, u in bucket]), strict=True):
-            apply(p, layout, run, ortho)
+    def step_plain(self, i: int) -> None:
+        """Tensor ``i``, one plain 2D matrix, in ``torch.optim.Muon``'s own operations on the 2D
+        tensors themselves (no views: each costs a few microseconds and the step is torch's)."""
+        p, grad, buf = self.params[i], self.grads[i], self.bufs[i]
+        buf.lerp_(grad, 1 - self.momentum)
+        self.moved[i] = True
+        update = grad.lerp(buf, self.momentum) if self.nesterov else buf
+        # rebound, as torch does: the float32 update is freed before the parameter's update, so
+        # the allocator hands its memory on (keeping it alive costs ~10%: fresh pages to touch)
+        update = self.newton_schulz_alone(update, fresh=self.nesterov)
+        self.decayed[i] = True
+        p.mul_(1 - self.lr * self.weight_decay)
+        if torch.promote_types(update.dtype, p.dtype) != p.dtype:
+            update = update.to(p.dtype)
+        p.add_(update, alpha=-adjust_lr(self.lr, self.adjust_lr_fn, p.shape))
+
+    def newton_schulz_alone(self, update: Tensor, fresh: bool) -> Tensor:
+        """torch's Newton-Schulz of one 2D ``update``; ``fresh``: a tensor of ours, which may be
+        scaled in place when it is already in ``ns_dtype`` (else it is cast or copied first)."""
+        x = update.to(self.ns_dtype) if fresh else update.to(self.ns_dtype, copy=True)
+        return newton_schulz_(x, *self.ns_args)
+
+    def plain(self, i: int) -> bool:
+        """Whether tensor ``i`` is one plain 2D matrix (its layout single, the tensor 2D)."""
+        return self.layouts[i].single and self.params[i].ndim == 2 and self.grads[i].ndim == 2
+
+    def run_per_matrix(self) -> None:
+        """torch's loop: each tensor's momentum, Newton-Schulz per matrix and update in turn."""
+        for i in range(len(self.params)):
+            if self.plain(i):
+                self.step_plain(i)
+                continue
+            for piece in self.pieces(i):
+                self.apply(piece, self.orthogonalise_alone(piece))
+
+    def run_batched(self) -> None:
+        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: the per-matrix path)."""
+        buckets: dict[tuple[Any, ...], list[_Piece]] = {}
+        for i, grad in enumerate(self.grads):
+            for piece in self.pieces(i):
+                buckets.setdefault((self.shape(piece), grad.dtype, grad.device), []).append(piece)
+        for (shape, _, device), bucket in buckets.items():
+            total = sum(count for *_, count in bucket)
+            if total == 1:  # one matrix: torch's exact path
+                if self.plain(bucket[0][0]):
+                    self.step_plain(bucket[0][0])
+                else:
+                    self.apply(bucket[0], self.orthogonalise_alone(bucket[0]))
+                continue
+            stack = torch.empty((total, *shape), dtype=self.ns_dtype, device=device)
+            start = 0
+            for piece in bucket:  # each update written once, into its slice, in ns_dtype
+                i, _, count = piece
+                self.move(i)
+                grad, buf = self.run_view(self.grads[i], piece), self.run_view(self.bufs[i], piece)
+                dst = stack[start : start + count].view(grad.shape)
+                if self.nesterov:
+                    torch.lerp(grad, buf, self.momentum, out=dst)
+                else:
+                    dst.copy_(buf)
+                start += count
+            orthos = newton_schulz_(stack, *self.ns_args)
+            start = 0
+            for piece in bucket:
+                self.apply(piece, orthos[start : start + piece[2]])
+                start += piece[2]
