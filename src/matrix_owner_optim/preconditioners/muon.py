@@ -423,7 +423,14 @@ class _MuonStep:
                 self.apply(piece, self.orthogonalise_alone(piece))
 
     def run_batched(self) -> None:
-        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: the per-matrix path)."""
+        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: the per-matrix path).
+
+        Tensor subclasses (owner-layout DTensors handed over directly) step per matrix: the
+        stack is written with ``out=`` calls their rules do not take, and the two paths round
+        alike, so the result is the same."""
+        if any(type(t) not in (Tensor, torch.nn.Parameter) for t in (*self.params, *self.grads, *self.bufs)):
+            self.run_per_matrix()
+            return
         buckets: dict[tuple[Any, ...], list[_Piece]] = {}
         for i, grad in enumerate(self.grads):
             for piece in self.pieces(i):

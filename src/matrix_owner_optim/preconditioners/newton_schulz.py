@@ -71,6 +71,12 @@ def _iterate(x: Tensor, coefficients: tuple[float, float, float], steps: int, st
     ``x`` is read in its own layout at the first iteration (a transposed view for a tall matrix,
     as torch reads it); every later iterate is a contiguous ``(..., short, long)`` result."""
     a, b, c = coefficients
+    if type(x) is not Tensor:  # a tensor subclass (an owner-layout DTensor): its own ops' rules
+        for _ in range(steps):  # know these calls, not out= ones
+            gram = x @ x.mT
+            gram_update = (torch.baddbmm if stacked else torch.addmm)(gram, gram, gram, beta=b, alpha=c)
+            x = (torch.baddbmm if stacked else torch.addmm)(x, gram_update, x, beta=a)
+        return x
     mm, addmm = (torch.bmm, torch.baddbmm) if stacked else (torch.mm, torch.addmm)
     *lead, short, long = x.shape
     buffers = (x.new_empty((*lead, short, long)), x.new_empty((*lead, short, long)))
