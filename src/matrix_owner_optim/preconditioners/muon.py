@@ -28,7 +28,7 @@ the batched step equals the per-matrix one bitwise (tests/test_preconditioners.p
 not promise it in general. A shape that occurs once takes the per-matrix path, so a single
 matrix is bitwise ``torch.optim.Muon`` by construction. The per-matrix path (``batched=False``)
 is torch's loop: each matrix's momentum, Newton-Schulz and update in turn, while it is in cache.
-``benchmarks/ns_floor.py`` times both against ``torch.optim.Muon`` and the matmul floor.
+The ns_floor benchmark (in the repository's benchmarks folder) times both against ``torch.optim.Muon`` and the matmul floor.
 
 Stacks and fused blocks: every matrix of a tensor's :class:`~..planning.views.MatrixLayout`
 (the experts of ``[E, 2I, H]``, the q, k, v blocks of a declared fused ``wqkv``) is
@@ -410,8 +410,11 @@ class _MuonStep:
         return newton_schulz_(x, *self.ns_args)
 
     def plain(self, i: int) -> bool:
-        """Whether tensor ``i`` is one plain 2D matrix (its layout single, the tensor 2D)."""
-        return self.layouts[i].single and self.params[i].ndim == 2 and self.grads[i].ndim == 2
+        """Whether tensor ``i`` is one plain 2D matrix: its layout single and the tensor that
+        matrix as stored (a declared view may read a 2D tensor as another shape: then the views)."""
+        layout, p, g = self.layouts[i], self.params[i], self.grads[i]
+        shape = (layout.rows, layout.cols)
+        return layout.single and tuple(p.shape) == shape and tuple(g.shape) == shape
 
     def run_per_matrix(self) -> None:
         """torch's loop: each tensor's momentum, Newton-Schulz per matrix and update in turn."""
