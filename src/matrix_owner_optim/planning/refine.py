@@ -100,20 +100,19 @@ def refine(
         if best is None:
             return
         _, i, lo, swap_with = best
-        a = items[i]
-        ranks[hi].items.remove(i)
-        ranks[lo].items.append(i)
-        ranks[hi].bytes -= a.bytes
-        ranks[hi].flops -= a.flops
-        ranks[lo].bytes += a.bytes
-        ranks[lo].flops += a.flops
+        _move(ranks, items, i, hi, lo)
         if swap_with is not None:
-            b = items[swap_with]
-            ranks[lo].items.remove(swap_with)
-            ranks[hi].items.append(swap_with)
-            ranks[lo].bytes -= b.bytes
-            ranks[lo].flops -= b.flops
-            ranks[hi].bytes += b.bytes
-            ranks[hi].flops += b.flops
+            _move(ranks, items, swap_with, lo, hi)
         firsts.pop(hi, None)
         firsts.pop(lo, None)
+
+
+def _move(ranks: Sequence[LoadedRank], items: Sequence[PricedItem], i: int, src: int, dst: int) -> None:
+    """Item ``i`` from rank ``src`` to rank ``dst``, with its bytes and FLOPs."""
+    item = items[i]
+    ranks[src].items.remove(i)
+    ranks[dst].items.append(i)
+    ranks[src].bytes -= item.bytes
+    ranks[src].flops -= item.flops
+    ranks[dst].bytes += item.bytes
+    ranks[dst].flops += item.flops
