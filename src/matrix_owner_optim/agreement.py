@@ -363,28 +363,16 @@ def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: st
         )
 
 
-_STEP_ATTR = "_moo_step_calls"  # on the optimizer: its step() calls since its first checked step
-
-
-def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    setattr(optimizer, _STEP_ATTR, getattr(optimizer, _STEP_ATTR, 0) + 1)
-
-
-def agree_nonfinite(
-    owner: torch.optim.Optimizer, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()"
-) -> bool:
+def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()") -> bool:
     """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here), from one
     all-reduce (max) of three integers: the flag, this step's number and its negation, so every
     rank also learns the group's highest and lowest step number at no extra round trip.
 
-    Steps are ``owner.step()`` calls counted from its first checked step on (checked or not
-    since: a rank that turned the check off for a step is a step ahead when it checks again).
+    ``step`` is the optimizer's ``step()`` calls counted from its first checked step on (checked
+    or not since: a rank that turned the check off for a step is a step ahead when it checks
+    again; ``OwnerRoutedOptimizer`` counts them).
     Ranks at different steps raise ``RuntimeError`` on every rank, naming the numbers, instead
     of pairing one step's check with another's."""
-    if not hasattr(owner, _STEP_ATTR):
-        setattr(owner, _STEP_ATTR, 1)  # this call; the hook counts the later ones
-        owner.register_step_pre_hook(_count_step)
-    step = int(getattr(owner, _STEP_ATTR))
     if not _distributed() or dist.get_world_size(group) == 1:
         return bool(flag.item())
     payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)

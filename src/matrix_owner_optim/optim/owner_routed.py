@@ -149,6 +149,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite_grads = skip_nonfinite_grads
         self.skipped_steps = 0  # steps skipped for non-finite gradients (this process's run)
         self.last_step_skipped = False
+        self._checked_steps: int | None = None  # step() calls since the first checked one (agree_nonfinite)
         self._process_group = process_group
         self._report_logged = False  # the routing report is logged once, at the first step
         chosen = (choose_optimizer(matrix, what="matrix"), choose_optimizer(tail, what="tail"))
@@ -388,6 +389,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._checked_steps is not None:
+            self._checked_steps += 1
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
         self._follow_param_swaps()
         if not self._report_logged:  # what went where, on rank 0 at the first step (logging)
@@ -432,7 +435,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for gs in by_dtype.values():
                 peak = torch.stack(torch._foreach_norm(gs, math.inf)).float().max().to(device)
                 flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
-        return agree_nonfinite(self, flag, self._process_group)  # the step count rides along, checked
+        if self._checked_steps is None:
+            self._checked_steps = 1  # this call: counted from the first checked step on
+        return agree_nonfinite(self._checked_steps, flag, self._process_group)  # the step count rides along
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
