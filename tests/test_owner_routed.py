@@ -349,6 +349,35 @@ def test_child_groups_read_and_write_the_parent_groups() -> None:
     assert type(dict(child)) is dict and set(child) == (set(parent) - {"param_names", "role", "optimizer"})
 
 
+def test_state_is_the_childrens_own() -> None:
+    """``opt.state[p]`` is the child's state of ``p``'s proxy, read where the child keeps it:
+    empty before the first step (as torch's, for DSD), the same dict object after it (nothing is
+    copied or re-linked per step), a conv kernel's under its 2D view, and a write or a delete
+    through ``opt.state`` lands in the child."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(16, 2))
+    opt = OwnerRoutedOptimizer(model, roles={"0.weight": "matrix"})
+    assert not opt.state and len(opt.state) == 0 and list(opt.state) == []
+    for _ in range(2):
+        model(torch.randn(3, 2, 4, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    conv, lin = model[0].weight, model[2].weight
+    muon = opt.matrix_optimizer
+    assert muon is not None and opt.tail_optimizer is not None
+    (view,) = [p for p in muon.state if p.shape == (4, 18)]  # the conv kernel's (out, rest) view
+    assert opt.state[conv] is muon.state[view] and opt.state[lin] is muon.state[lin]
+    assert opt.state[model[2].bias] is opt.tail_optimizer.state[model[2].bias]
+    assert set(map(id, opt.state)) == {id(p) for p in model.parameters()}
+    fresh = {"momentum_buffer": torch.zeros(2, 16)}
+    opt.state[lin] = fresh
+    assert muon.state[lin] is fresh
+    del opt.state[lin]
+    assert lin not in muon.state and lin not in opt.state and len(opt.state) == 3
+    with pytest.raises(KeyError):
+        opt.state[torch.zeros(1)]  # not a parameter of this optimizer
+
+
 def test_load_keeps_live_values_a_saved_group_lacks() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = OwnerRoutedOptimizer(model.named_parameters())

@@ -1,53 +1,15 @@
 """Stock FSDP2 / HSDP parameters (DTensor ``Shard(0)``): each matrix updated whole by its owner.
 
-``torch.distributed.fsdp.fully_shard`` leaves every parameter as a DTensor split by rows
-(``Shard(0)``, ``torch.chunk`` sizes: the last ranks may be short or empty). A matrix optimizer
-needs the whole matrix, so this update layout routes:
-
-* **matrices**: the planner (``planning.plan_tensors``, priced by the matrix optimizer's cost
-  model) gives each matrix an owner within the shard group (the ``Shard(0)`` mesh dim; under
-  HSDP every replica group plans and steps alike, on gradients FSDP2 already all-reduced).
-  ``before_step``: one ``all_to_all_single`` sends every rank's row block of each matrix's
-  gradient to the owner, which reassembles the full gradient. The child optimizer updates the
-  owner's persistent full copy of the matrix (its *proxy*). ``after_step``: one more
-  ``all_to_all_single`` sends each updated row block back to the rank holding it, which copies
-  it into its local shard. Per rank and step that is about ``2·(P/W)·(W-1)/W`` bytes sent for
-  ``P`` bytes of matrices (plus a header of ``1 + #matrices`` elements, and whatever uneven row
-  splits force), in two collectives per dtype and shard group, against ``(W-1)·P/W`` or more
-  when every rank gathers every full matrix.
-* **tail / sharded** tensors (and any non-matrix DTensor whose gradient has the parameter's
-  placements): the child optimizer (AdamW, elementwise) updates the local shard in place;
-  exact, zero bytes. A matrix whose DTensor is replicated on every mesh dim is updated the same
-  way, redundantly.
-
-Owner copies: the owner's full copy is built by an extra all-to-all of the parameter shards on
-the first step, and rebuilt whenever a local shard changed outside the optimizer (model
-``load_state_dict``, DCP load, in-place edits). Each rank records its shards' version counters
-(the DTensor's and its local tensor's) and storage after writing them back; a mismatch sets a
-dirty flag carried in the gradient all-to-all's header, so all ranks agree in the same
-collective and resync together. Only writes that bypass both counters (through another tensor
-object aliasing the same storage, e.g. one made with ``set_``) would go unnoticed.
-
-Memory: each owner keeps full copies of the matrices it owns (about ``P/W`` bytes per rank, as
-much as Muon's momentum for them), plus transient buffers of the same size during the step.
-
-Tensor parallel (FSDP2 x TP on a 2D (dp, tp) mesh, :mod:`.dtensor_sharding`): rank ``(d, t)``
-holds FSDP row block ``d`` of TP slice ``t``. Owners are planned over dp on global shapes, and
-every TP rank plans the same list, so the owners of one matrix's TP slices are one dp
-coordinate ``o``: ranks ``(o, 0..T-1)``, exactly the TP group of ``o``. The dp all-to-alls above
-run on each TP slice as on a matrix (within each dp group); then one all-gather over the TP
-group (:func:`.mesh_slice.assemble`) hands every owner the other slices of the gradient, and each steps
-the whole matrix (Newton-Schulz on the global matrix: exact), keeps its own TP slice and sends
-its rows back over dp. No dp traffic in the TP stage. Every TP owner of a matrix steps it alike
-(the same inputs, the same operations), so its optimizer state is held by ``T`` ranks, as HSDP's
-replicas hold theirs: ``T`` times the compute and state of one owner, for no second collective.
-Bytes per rank and step, ``P`` bytes of TP matrices on a (D, T) mesh: about
-``2·(P/(T·D))·(D-1)/D`` sent over dp and ``(T-1)·P/(T·D)`` sent and received over tp (padded to
-the largest TP slice).
-
-Unsupported layouts raise a ``ValueError`` naming the parameter, its placements and the
-supported forms: a matrix sharded on another dim (``Shard(1)`` alone), on several mesh dims
-other than the FSDP x TP forms, a TP layout on a mesh of more than two dims, or ``Partial``.
+Matrices get an owner in their shard group (``plan_owners``, priced by the matrix cost; under
+HSDP every replica group plans and steps alike). ``before_step``: one ``all_to_all_single`` per
+(shard group, dtype) sends each rank's row block of every gradient to its owner, which steps its
+persistent full copy (the *proxy*); ``after_step``: one more sends the updated rows back. Tail
+tensors step shard-locally (exact, zero bytes). Under FSDP2 x TP (:mod:`.dtensor_sharding`) one
+all-gather over the TP group (:func:`.mesh_slice.assemble`) then hands each owner the whole
+gradient; an expert parallel slice is stepped on its own. The owners' copies are rebuilt when a
+shard changed outside the optimizer (version counters, a dirty flag in the gradient header, so
+every rank resyncs together). Bytes, memory and the refused forms: DESIGN.md, "FSDP2 x tensor
+parallel on stock FSDP2".
 """
 
 from __future__ import annotations
@@ -59,17 +21,18 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import comm
-from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
+from ..owner_dtensor import mesh_of_group
 from ..planning import Role
 from ..planning.cost import itemsize
 from ..planning.metadata import chunk_row_sizes
 from ..tensors import local_tensor
 from .dtensor_sharding import matrix_sharding
-from .expert_pieces import ExpertPieces, expert_pieces
+from .expert_pieces import expert_pieces
 from .layouts import LayoutConfig, UpdateLayout
 from .mesh_slice import MeshSlice, assemble, message_sizes
 from .replicated_layout import plan_owners
 from .routing import RoutedParam
+from .state_place import RowPieces, StatePlace
 
 __all__ = ["DTensorLayout"]
 
@@ -160,22 +123,6 @@ def _stepped_shape(rp: RoutedParam) -> tuple[int, ...]:
     return rp.step_shape if rp.step_shape is not None else tuple(int(n) for n in rp.param.shape)
 
 
-def _expert_rows(experts: ExpertPieces, value: torch.Tensor, what: str) -> torch.Tensor:
-    """This ep coordinate's rows of an expert parallel stack's saved state: read off a piece of
-    the same layout (DCP into this optimizer's state dict) or cut from the full tensor."""
-    from ..owner_dtensor.placement import same_placement
-    from .layouts import plain_local
-
-    if is_owner_dtensor(value) and same_placement(value.placement, experts.placement):  # type: ignore[attr-defined]
-        return local_tensor(value)
-    full = plain_local(value, what)
-    if int(full.shape[0]) != experts.rows:
-        raise ValueError(
-            f"{what}: shape {tuple(full.shape)}, expected the {experts.rows} experts of the stack on dim 0"
-        )
-    return full[experts.start : experts.stop]
-
-
 def _tp_slices(mats: list[_Matrix]) -> list[tuple[MeshSlice, tuple[int, ...]]]:
     """Each TP matrix's slice and global shape (what :func:`~.mesh_slice.assemble` takes)."""
     out = []
@@ -221,7 +168,8 @@ class DTensorLayout(UpdateLayout):
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
         self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
-        self._experts: dict[int, ExpertPieces] = {}  # id(expert parallel stack) -> its state's pieces
+        self._experts: dict[int, RowPieces] = {}  # id(expert parallel stack) -> its state's pieces
+        self._unplaced: list[tuple[Any, list[tuple[RoutedParam, MeshSlice, int]]]] = []  # stacks for agree()
 
     # -- construction ----------------------------------------------------------------------
     def add(self, entries: list[RoutedParam]) -> None:
@@ -268,16 +216,8 @@ class DTensorLayout(UpdateLayout):
             # owners are dp coordinates, planned on global shapes: every TP rank plans the same
             # list, so the owners of one matrix's TP slices share a dp coordinate (one TP group)
             shapes = [_stepped_shape(rp) for rp in rps]
-            owners = plan_owners(
-                rps,
-                shapes,
-                [dtype] * len(rps),
-                W,
-                bucket.loads,
-                cost=self.config.matrix_cost,
-                group=bucket.group,
-                tp_group=bucket.tp_group,
-            )
+            owners, plan = plan_owners(rps, shapes, [dtype] * len(rps), W, bucket.loads, cost=self.config.matrix_cost)
+            self.unagreed.append((plan, bucket.group, bucket.tp_group))
             for rp, owner, shape in zip(rps, owners, shapes, strict=True):
                 tp = tp_of[id(rp)]
                 piece = shape if tp is None else tp.shape(shape, tp.rank)  # what the shard group splits
@@ -302,13 +242,21 @@ class DTensorLayout(UpdateLayout):
                     rp.proxy = None
                 bucket.mats.append(m)
             bucket.rebuild()
-            stacks = [(rp, owner) for rp, owner in zip(rps, owners, strict=True) if id(rp) in ep_of]
-            if stacks:  # where their state lies over every ep coordinate (collective over ep)
-                layouts = expert_pieces(
-                    mesh, [ep_of[id(rp)] for rp, _ in stacks], [o for _, o in stacks], [rp.label for rp, _ in stacks]
-                )
-                for (rp, _), where in zip(stacks, layouts, strict=True):
-                    self._experts[id(rp)] = where
+            stacks = [(rp, ep_of[id(rp)], owner) for rp, owner in zip(rps, owners, strict=True) if id(rp) in ep_of]
+            if stacks:  # where their state lies over every ep coordinate: exchanged in agree()
+                self._unplaced.append((mesh, stacks))
+
+    def agree(self) -> None:
+        """The owner plans' check (the base's), then, collective over each ep group, where the
+        state of every expert parallel stack lies (:func:`.expert_pieces.expert_pieces`)."""
+        super().agree()
+        for mesh, stacks in self._unplaced:
+            places = expert_pieces(
+                mesh, [s for _, s, _ in stacks], [o for *_, o in stacks], [rp.label for rp, *_ in stacks]
+            )
+            for (rp, *_), where in zip(stacks, places, strict=True):
+                self._experts[id(rp)] = where
+        self._unplaced = []
 
     # -- the step ----------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -451,94 +399,16 @@ class DTensorLayout(UpdateLayout):
         for m in b.mats:
             m.key = _key(m.rp.param)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for rp in self.entries:
-            if rp.proxy is not None:
-                rp.proxy.grad = None
-
     # -- state dicts ---------------------------------------------------------------------------
-    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """A matrix's state (on its owner's full copy): held whole by the owner over the shard group;
-        shard-local state (tail): a DTensor with the parameter's mesh and placements; scalars
-        (``step``) plain, as torch keeps them (every rank lists the holder's value)."""
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars (step) stay plain, as torch's
-            return value
-        p = rp.param
-        experts = self._experts.get(id(rp))
-        if experts is not None:  # this ep coordinate's rows of the stack's state (expert_pieces)
-            if int(value.shape[0]) != experts.stop - experts.start:
-                raise ValueError(
-                    f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; the state "
-                    f"of an expert parallel stack must be per expert (dim 0: this rank's "
-                    f"{experts.stop - experts.start} experts) to be saved as pieces of one global tensor"
-                )
-            shape = (experts.rows, *value.shape[1:])
-            return OwnerDTensor.make(value, experts.mesh, experts.placement, shape)
-        if rp.owner is not None:
-            mesh = mesh_of_group(self._group_of[id(rp)], value.device.type)
-            return OwnerDTensor.owned(value, rp.owner, mesh, tuple(value.shape))
-        local = local_tensor(p)
-        if tuple(value.shape) != tuple(local.shape):
-            raise ValueError(
-                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; shard-local "
-                f"state must be per element (local shard {tuple(local.shape)}) or a scalar"
-            )
-        return DTensor.from_local(
-            value,
-            p.device_mesh,  # type: ignore[attr-defined]
-            list(p.placements),  # type: ignore[attr-defined]
-            run_check=False,
-            shape=p.shape,
-            stride=p.stride(),
-        )
-
-    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
-        if rp.owner is None or id(rp) not in self._group_of:
-            return None
-        return rp.owner, self._group_of[id(rp)]
-
-    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
-        experts = self._experts.get(id(rp))  # an expert parallel stack: none of its rows here
-        if experts is None:
-            return None
-        empty = torch.empty((0, *shape[1:]), dtype=dtype, device=device)
-        return OwnerDTensor.make(empty, experts.mesh, experts.placement, shape)
-
-    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        from .layouts import holder_local, plain_local
-
-        what = f"optimizer state {key!r} of {rp.label!r}"
-        experts = self._experts.get(id(rp))
-        if experts is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
-            return _expert_rows(experts, as_owner_dtensor(value), what)
-        value = as_owner_dtensor(value)
-        if not isinstance(value, torch.Tensor):
-            return value
-        if rp.owner is not None or value.dim() == 0:
-            if is_owner_dtensor(value) and value.holder is not None:
-                return holder_local(value, rp.owner, what)
-            return plain_local(value, what)
-        p = rp.param
-        if (
-            isinstance(value, DTensor)
-            and isinstance(p, DTensor)
-            and value.device_mesh == p.device_mesh
-            and tuple(value.placements) == tuple(p.placements)
-        ):
-            return local_tensor(value)
-        full = plain_local(value, what)
-        if tuple(full.shape) != tuple(p.shape):
-            local = local_tensor(p)
-            if tuple(full.shape) == tuple(local.shape):
-                return full
-            raise ValueError(
-                f"{what}: shape {tuple(full.shape)} is neither the parameter's "
-                f"{tuple(p.shape)} nor its local shard's {tuple(local.shape)}"
-            )
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    def state_place(self, rp: RoutedParam) -> StatePlace | None:
+        """A matrix's state (on its owner's full copy) is the owner's over the shard group; an
+        expert parallel stack's keeps this ep coordinate's experts (:mod:`.expert_pieces`);
+        shard-local state (tail) is a piece of the parameter's layout."""
+        group = self._group_of.get(id(rp))
+        if rp.owner is None or group is None:
+            return StatePlace(None, like=rp.param)
+        mesh = mesh_of_group(group, local_tensor(rp.param).device.type)
+        return StatePlace(mesh, holder=rp.owner, rows=self._experts.get(id(rp)), held_elsewhere=True)
 
     # -- introspection -------------------------------------------------------------------------
     def bytes_per_step(self) -> int:

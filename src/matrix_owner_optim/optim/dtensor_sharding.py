@@ -1,23 +1,11 @@
 """How a stock-FSDP2 DTensor matrix is cut: the placements ``DTensorLayout`` accepts, read once.
 
-Two forms are supported, both with whole-matrix owners along the FSDP (data-parallel) mesh dim:
-
-* **rows on one mesh dim** (``Shard(0)``, the others ``Replicate()``): stock FSDP2 and HSDP;
-* **FSDP2 x tensor parallel on a 2D (dp, tp) mesh**, as torch's ``parallelize_module`` and then
-  ``torch.distributed.fsdp.fully_shard(block, mesh=mesh["dp"])`` leave a 2D matrix:
-  ``(_StridedShard(dim=0, sf=T), Shard(0))`` (``ColwiseParallel``: TP splits the rows, FSDP the
-  rows of each TP slice) or ``(Shard(0), Shard(1))`` (``RowwiseParallel``: TP splits the columns,
-  FSDP the rows of each TP slice). Rank ``(d, t)`` holds ``torch.chunk`` row block ``d`` (of
-  ``D``) of TP slice ``t`` (``torch.chunk`` piece ``t`` of ``T`` along the TP dim).
-* **FSDP2 x expert parallel**, as torchtitan's MoE parallelize functions leave a stack of expert
-  matrices ``[E, out, in]`` (read with the ``"stack"`` matrix view) on its 2D (efsdp, ep) mesh:
-  ``(_StridedShard(dim=0, sf=<ep size>), Shard(dim=0))``, the form of ``ColwiseParallel`` but
-  along the stack dim. EP coordinate ``t`` holds experts ``torch.chunk`` piece ``t`` of ``E``,
-  FSDP splits those experts over efsdp. A slice along a stack dim is whole matrices, so it is
-  stepped on its own (a :class:`~.mesh_slice.MeshSlice` on an ``EP`` axis): no assembly over ep.
-
-Anything else is refused by :func:`matrix_sharding` with an error naming the parameter, its
-placements and these forms. Pure: reads placements and mesh coordinates, no collective.
+Rows on one mesh dim (``Shard(0)``, the others ``Replicate()``: FSDP2, HSDP); on a 2D (dp, tp)
+mesh, ``parallelize_module`` then FSDP2's forms (``(_StridedShard(0, sf=T), Shard(0))``
+colwise, ``(Shard(0), Shard(1))`` rowwise: a :class:`~.mesh_slice.MeshSlice` on a ``TP`` axis);
+on a 2D (efsdp, ep) mesh, torchtitan's expert parallel stacks (the colwise form along the stack
+dim: an ``EP`` axis, whole experts). Anything else is refused, naming the parameter, its
+placements and these forms. Pure.
 """
 
 from __future__ import annotations

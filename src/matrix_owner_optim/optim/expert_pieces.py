@@ -1,42 +1,23 @@
-"""Where the optimizer state of an expert parallel stack lies, as one global tensor in pieces.
+"""Where the optimizer state of a stock FSDP2 x expert parallel stack lies, over every ep coordinate.
 
-Under FSDP2 x expert parallel (torchtitan's MoE parallelize: a stack of expert matrices
-``[E, out, in]`` on a 2D (efsdp, ep) mesh as ``(_StridedShard(0, sf=EP), Shard(0))``), ep
-coordinate ``t`` holds experts ``torch.chunk`` piece ``t`` of ``E`` and one efsdp coordinate
-``o_t`` owns them: it steps them and keeps their state (Muon's momentum, ``[E_t, ...]``). The
-state of the whole stack is then ``E`` rows held by ``EP`` ranks, ``(o_t, t)`` holding rows
-``[offset_t, offset_t + E_t)``: one ``OwnerShard(0, ranges)`` on a 1D mesh over every rank of
-the 2D mesh (its flattening), the placement the owner layout already gives experts split between
-owners. DCP then saves one chunk per ep coordinate under the parameter's name, and loads and
-reshards it like any owner-layout tensor; ``full_tensor()`` gathers the ``E`` rows.
-
-Built once, at construction: the owners ``o_t`` of the other ep coordinates are planned in their
-own efsdp groups, so one ``all_gather_object`` over the ep group tells every rank all of them.
+Ep coordinate ``t`` holds experts ``torch.chunk`` piece ``t`` of ``E``, stepped (and their state
+kept) by efsdp coordinate ``o_t``: the stack's state is one ``OwnerShard(0, ranges)`` of ``E``
+rows on the flattened 2D mesh, so DCP saves one chunk per ep coordinate and reshards it like any
+owner-layout tensor. The other coordinates' owners are planned in their own efsdp groups: one
+``all_gather_object`` over ep tells every rank (the optimizer's construction step, ``agree``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .. import comm
 from ..owner_dtensor.placement import OwnerShard
 from .mesh_slice import MeshSlice
+from .state_place import RowPieces
 
-__all__ = ["ExpertPieces", "expert_pieces"]
-
-
-@dataclass(frozen=True)
-class ExpertPieces:
-    """An expert parallel stack's state layout: ``placement`` on ``mesh`` (1D, every rank of the
-    2D mesh) for ``rows`` experts in all; this rank's ep coordinate holds ``[start, stop)``."""
-
-    mesh: Any
-    placement: OwnerShard
-    rows: int
-    start: int
-    stop: int
+__all__ = ["expert_pieces"]
 
 
 def _flat(mesh: Any, label: str) -> Any:
@@ -53,7 +34,7 @@ def _flat(mesh: Any, label: str) -> Any:
 
 def expert_pieces(
     mesh: Any, slices: Sequence[MeshSlice], owners: Sequence[int], labels: Sequence[str]
-) -> list[ExpertPieces]:
+) -> list[RowPieces]:
     """Collective over the ep group (mesh dim 1 of the 2D ``mesh``): the state layout of each
     stack ``i`` (named ``labels[i]``), split over ep as ``slices[i]`` and owned in this rank's
     efsdp group by efsdp coordinate ``owners[i]``. Every rank passes the same stacks in order."""
@@ -69,5 +50,5 @@ def expert_pieces(
             holder = flat_ranks.index(int(grid[per_ep[t][i]][t]))
             ranges[holder] = (tp.offset(t), tp.offset(t) + tp.sizes[t])
         start = tp.offset(tp.rank)
-        out.append(ExpertPieces(flat, OwnerShard(0, ranges), rows, start, start + tp.sizes[tp.rank]))
+        out.append(RowPieces(flat, OwnerShard(0, ranges), rows, start, start + tp.sizes[tp.rank]))
     return out

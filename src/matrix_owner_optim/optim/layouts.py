@@ -1,14 +1,10 @@
 """Update layouts: how the parameters of one layout reach the rank that updates them.
 
-An :class:`UpdateLayout` decides, for each parameter, whether this rank updates it and through which
-tensor (its ``proxy``), and moves what the layout forces before and after the local step:
-
-* :class:`LocalLayout` — one process, and owner-shaped parameters after
-  :func:`matrix_owner_optim.fully_shard`: the owner holds the tensor whole, so the step is
-  local and moves zero bytes.
-
-Other layouts (stock FSDP2 DTensors, owner-layout TP / EP slices, replicated DDP parameters)
-have their own modules; which one steps a parameter is one rule by what the tensor is
+An :class:`UpdateLayout` decides, for each parameter, whether this rank updates it and through
+which tensor (its ``proxy``), moves what the layout forces before and after the local step, and
+says where the state lies (:meth:`UpdateLayout.state_place`). :class:`LocalLayout`: one process,
+and the owner layout of :func:`matrix_owner_optim.fully_shard` (zero bytes). The others have
+their own modules; which one steps a parameter is one rule by what the tensor is
 (``layout_of.py``).
 """
 
@@ -22,42 +18,36 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
-from ..planning.bands import band_holds_key, row_band_of
+from ..agreement import check_plan_agreement
+from ..owner_dtensor import mesh_of_group
+from ..pieces import placement_of
+from ..planning.bands import row_band_of
 from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
-from ..planning.metadata import Role, get_shard_group, get_shard_rank
+from ..planning.metadata import Role, ShardingPlan, get_shard_group, get_shard_rank
 from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, replicas_of, replicas_stepped, steps_here
-from ..tensors import is_dtensor, local_tensor
+from ..tensors import local_tensor
 from .routing import RoutedParam
+from .state_place import RowPieces, StatePlace
 
 __all__ = [
     "LayoutConfig",
     "UpdateLayout",
     "LocalLayout",
     "is_multi_rank",
-    "holder_local",
-    "plain_local",
-    "NOT_HELD",
 ]
-
-
-class _NotHeld:
-    """What :meth:`UpdateLayout.state_local` returns for a saved state entry another rank holds
-    (a block of a matrix cut into bands between owners): the loader keeps nothing of it."""
-
-    def __repr__(self) -> str:
-        return "NOT_HELD"
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _NotHeld:
-        return self
-
-
-NOT_HELD = _NotHeld()
 
 
 def is_multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def give_grads(rps: list[RoutedParam]) -> None:
+    """Give each proxy that is not its parameter the parameter's (local) gradient, in its shape."""
+    for rp in rps:
+        if rp.proxy is not None and rp.proxy is not rp.param:
+            grad = rp.param.grad
+            rp.proxy.grad = None if grad is None else local_tensor(grad).view(rp.proxy.shape)
 
 
 def matrix_view(param: torch.Tensor) -> torch.Tensor:
@@ -91,10 +81,30 @@ class UpdateLayout(ABC):
     def __init__(self, config: LayoutConfig | None = None) -> None:
         self.config = config or LayoutConfig()
         self.entries: list[RoutedParam] = []
+        # owner plans add() made, checked across ranks by agree(): (plan, group, tp group)
+        self.unagreed: list[tuple[ShardingPlan, Any, Any]] = []
 
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
-        """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``."""
+        """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``.
+        Pure: what needs other ranks waits for :meth:`agree`."""
+
+    def agree(self) -> None:
+        """Collective, the optimizer's construction step that follows routing
+        (``OwnerRoutedOptimizer._route``): every owner plan :meth:`add` made is checked against
+        the other ranks' of its group (and of its TP group, whose owners must be one dp
+        coordinate); layouts that place state on other ranks exchange it here too. Every rank
+        calls it on the same layouts in the same order."""
+        remedy = (
+            "Every rank must build OwnerRoutedOptimizer over the same parameters (names, global shapes, "
+            "dtypes, roles) in the same order."
+        )
+        for plan, group, tp_group in self.unagreed:
+            check_plan_agreement(plan, group, who="OwnerRoutedOptimizer", what="owner plan", remedy=remedy)
+            if tp_group is not None:
+                what = "owner plan across the tensor-parallel group"
+                check_plan_agreement(plan, tp_group, who="OwnerRoutedOptimizer", what=what, remedy=remedy)
+        self.unagreed = []
 
     def before_step(self) -> None:  # noqa: B027 (a hook with a no-op default)
         """Give each local proxy its gradient (collectives allowed here if the layout needs them)."""
@@ -102,8 +112,12 @@ class UpdateLayout(ABC):
     def after_step(self) -> None:  # noqa: B027 (a hook with a no-op default)
         """Write the proxies' new values where the layout keeps them."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: B027 (a hook with a no-op default)
-        """Clear gradients the layout made for its proxies."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients the layout gave its proxies (a proxy that is the parameter keeps
+        torch's own)."""
+        for rp in self.entries:
+            if rp.proxy is not None and rp.proxy is not rp.param:
+                rp.proxy.grad = None
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends and receives in one step (0 when the step is local)."""
@@ -113,58 +127,10 @@ class UpdateLayout(ABC):
         """Working memory the layout keeps beyond parameters, gradients and optimizer state."""
         return 0
 
-    # -- state dicts: how this rank's optimizer state of ``rp`` reads as a piece of a global tensor --
-    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """``value`` (state ``key`` of ``rp`` on this rank) as a state-dict entry.
-
-        Default: the tensor itself (one process, replicated layouts). Partitioned layouts return
-        DCP pieces of the global tensor (owner-layout DTensors) so that DCP reshards.
-        """
-        return value
-
-    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
-        """(owner in the shard group, shard group) when one rank alone holds ``rp``'s state
-        (the others then list its keys as empty pieces, so every rank's state dict has the same
-        entries, as torch's state-dict utilities need); None where every rank holds its own."""
+    def state_place(self, rp: RoutedParam) -> StatePlace | None:
+        """Where ``rp``'s optimizer state lies (``state_place.py``'s one rule reads it); None:
+        every rank keeps its own whole (one process, replicated layouts)."""
         return None
-
-    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
-        """The entry this rank lists for a state value of global ``shape`` that it holds none of,
-        where this layout places the pieces itself (expert parallel stacks, tensor-parallel
-        slices); None: an empty piece held by ``state_holder``'s owner."""
-        return None
-
-    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """This rank's value of state ``key`` of ``rp`` from a state-dict entry: a piece written
-        by :meth:`state_entry` on this layout, a full tensor, or a replicated DTensor."""
-        return plain_local(value, f"optimizer state {key!r} of {rp.label!r}")
-
-
-def holder_local(value: OwnerDTensor, owner: int | None, what: str, *, here: bool = True) -> torch.Tensor:
-    """The one holder check of a loaded entry held whole by one rank (``value.holder``): this
-    rank's local tensor of it when the state dict's holder is the layout's ``owner`` (and, with
-    ``here``, this rank), else the error naming both."""
-    if value.holder != owner or (here and not value.is_holder):
-        raise ValueError(
-            f"{what}: held by rank {value.holder} in the state dict, by rank {owner} here; load a full "
-            "state dict or go through DCP"
-        )
-    return local_tensor(value)
-
-
-def plain_local(value: Any, what: str) -> Any:
-    """A full tensor from a plain tensor or a replicated DTensor; other pieces are an error."""
-    if is_dtensor(value):
-        from torch.distributed.tensor import Replicate
-
-        if all(isinstance(p, Replicate) for p in value.placements):
-            return local_tensor(value)
-        raise ValueError(
-            f"{what}: the state dict holds a piece ({type(value).__name__}, placements "
-            f"{tuple(value.placements)}) but this rank keeps the whole tensor; load a full state dict "
-            "or go through DCP (dcp.load into get_optimizer_state_dict(model, optimizer))"
-        )
-    return value
 
 
 class LocalLayout(UpdateLayout):
@@ -206,10 +172,7 @@ class LocalLayout(UpdateLayout):
                 rp.proxy = rp.param
 
     def before_step(self) -> None:
-        for rp in self.entries:
-            if rp.proxy is not None and rp.proxy is not rp.param:
-                grad = rp.param.grad
-                rp.proxy.grad = None if grad is None else local_tensor(grad).view(rp.proxy.shape)
+        give_grads(self.entries)
 
     def after_step(self) -> None:
         self.zero_grad(True)
@@ -217,77 +180,22 @@ class LocalLayout(UpdateLayout):
         # now or before each unit's next all-gather
         replicas_stepped([rp.param for rp in self.entries], self.config.replica_broadcast)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for rp in self.entries:
-            if rp.proxy is not None and rp.proxy is not rp.param:
-                rp.proxy.grad = None
-
-    @staticmethod
-    def _sharded(rp: RoutedParam) -> tuple[Any, int, Any] | None:
+    def state_place(self, rp: RoutedParam) -> StatePlace | None:
+        """Owner-held state is the owner's (whole, of its own shape); ``rows`` row blocks and
+        split stacks keep this rank's rows; a band's per-block keys are held by this rank."""
         shard, rank = rp.shard, get_shard_rank(rp.param)
         if shard is None or rank is None or shard.world_size <= 1:
             return None
-        return shard, rank, get_shard_group(rp.param)
-
-    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """Owner-held state: held whole by the owner, of its own shape; row-block state
-        (``rows``): a ``Shard(0)`` DTensor of the parameter's global shape; scalars (``step``)
-        as the plain tensors torch keeps (every rank lists the holder's value)."""
-        info = self._sharded(rp)
-        if info is None or not isinstance(value, torch.Tensor):
-            return value
-        from ..pieces import piece_of
-        from ..planning.metadata import Role
-
-        shard, rank, group = info
-        if value.dim() == 0:  # a scalar (AdamW's ``step``) stays a plain tensor, as torch keeps it;
-            return value  # ranks without it list the holder's value (state_dict._list_held_elsewhere)
-        band = row_band_of(rp.proxy) if rp.proxy is not None else None
-        if band is not None and band_holds_key(band, key) is not None:  # a block of this band
-            return OwnerDTensor.owned(value, rank, mesh_of_group(group, value.device.type), tuple(value.shape))
-        if band is not None and tuple(value.shape) != tuple(shard.local_shape(rank)):
-            raise ValueError(
-                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; state of a band of "
-                f"rows must be per element (rows {tuple(shard.local_shape(rank))}), a scalar, or per block "
-                "(keys ending in _<block row>_<block column>)"
-            )
-        if shard.is_split:  # this rank's experts: their state keeps the experts on dim 0
-            return piece_of(value, shard, rank, group)
-        if shard.role is Role.ROWS:
-            if tuple(value.shape) != tuple(shard.local_shape(rank)):
-                raise ValueError(
-                    f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; state of "
-                    f"a row-sharded parameter must be per element (rows {tuple(shard.local_shape(rank))}) "
-                    "or a scalar to be saved as a piece of a global tensor"
-                )
-            return piece_of(value, shard, rank, group)
-        return piece_of(value, shard, rank, group, shape=tuple(value.shape))
-
-    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
-        info = self._sharded(rp)
-        if info is not None and info[0].is_split:  # ranks holding no expert list the others' keys
-            return -1, info[2]
-        if info is None or info[0].holds_rows or info[0].owner is None:
-            return None
-        return info[0].owner, info[2]
-
-    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        info = self._sharded(rp)
-        what = f"optimizer state {key!r} of {rp.label!r}"
-        value = as_owner_dtensor(value)
-        band = row_band_of(rp.proxy) if rp.proxy is not None else None
-        mine = band_holds_key(band, key) if band is not None else None
-        if info is not None and mine is not None:  # a block's state: held whole by its band's owner
-            if is_owner_dtensor(value) and value.holder is not None:
-                return local_tensor(value) if value.holder == info[1] else NOT_HELD
-            return plain_local(value, what) if mine else NOT_HELD
-        if info is not None and is_owner_dtensor(value) and value.holder is not None:
-            return holder_local(value, info[0].owner, what, here=False)
-        if info is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return plain_local(value, what) if isinstance(value, torch.Tensor) else value
-        from ..pieces import local_piece
-
-        shard, rank, _ = info
+        mesh = mesh_of_group(get_shard_group(rp.param), local_tensor(rp.param).device.type)
+        rows = None
         if shard.holds_rows:
-            return local_piece(value, shard, rank, what=what, like=local_tensor(rp.param))
-        return plain_local(value, what)
+            start, stop = shard.row_range(rank)
+            rows = RowPieces(mesh, placement_of(shard), int(shard.shape[0]), start, stop)
+        return StatePlace(
+            mesh,
+            holder=None if shard.holds_rows else shard.owner,
+            rows=rows,
+            band=row_band_of(rp.proxy) if rp.proxy is not None else None,
+            held_elsewhere=shard.is_split or (not shard.holds_rows and shard.owner is not None),
+            here=False,
+        )

@@ -1,20 +1,9 @@
-"""Which slice of a matrix a rank's coordinate on a parallel mesh axis holds, and how the owners
-of a matrix's slices assemble it: one slice type for tensor and expert parallel, named by the
-role of the axis.
+"""Which slice of a matrix a rank's coordinate on a parallel mesh axis holds, and the one
+assembly of a matrix from its slices: one slice type for tensor and expert parallel, named by the
+role of the axis (:class:`AxisKind`), for the stock path and the owner path alike.
 
-Under FSDP2 (or the owner layout) on a 2D mesh, dim 1 is a *tensor-parallel* axis (``tp``: each
-coordinate holds a slice of every matrix, along its rows or columns) or an *expert-parallel* one
-(``ep``: each coordinate holds whole experts of a stack ``[E, out, in]``, a slice along the stack
-dim). A :class:`MeshSlice` says which (:class:`AxisKind`) and where this rank's slice lies; the
-stock path (``dtensor_sharding.py``, ``dtensor_layout.py``, ``expert_pieces.py``) and the owner
-path (``owner_tp_layout.py``) both take it from here.
-
-A TP matrix has one owner per TP coordinate, all at the same dp coordinate ``o``: ranks
-``(o, 0) .. (o, T-1)``, exactly the TP group of ``o``. One all-gather over that group
-(:func:`assemble`) gives each owner every other TP slice: the whole matrix, with no dp traffic.
-A small header (floats) travels in front of each rank's slices. Slices are cut by
-``torch.chunk`` and may differ in size between TP ranks; the all-gather is padded to the largest
-rank's message (at most one row or column per matrix). An EP slice is whole matrices: stepped
+A TP matrix's owners are one TP group; one padded all-gather over it (:func:`assemble`, a small
+header of floats in front) gives each the whole matrix. An EP slice is whole matrices: stepped
 where it lies, never assembled.
 """
 

@@ -1,25 +1,13 @@
 """``OwnerRoutedOptimizer``: each matrix to a matrix optimizer on its owner, the rest to AdamW.
 
-A ``torch.optim.Optimizer`` whose ``param_groups`` list every parameter on every rank (split
-per role: a user group becomes a ``matrix`` group and a ``tail`` group), so learning-rate
-schedulers, ``add_param_group`` and ``state_dict`` work as with any torch optimizer. Under the
-hood each role is one :class:`~.role_optimizer.RoleOptimizer` whose ordinary optimizer (its
-*child*) updates only what this rank updates: on the owner-shaped layout that is the matrices
-and tail it owns plus its rows of ``rows`` tensors, and the step moves zero bytes.
-Hyperparameters live in the parent groups only: a child's groups read and write them there
-(:class:`~.role_optimizer.ChildGroup`), so a scheduler's ``lr`` and a value the child sets itself
-(Prodigy's ``d``, schedule-free ``k``) each have one home; optimizer state is shared between the
-two. ``state_dict`` is keyed like any torch optimizer's and holds pieces of global tensors where
-the state is partitioned (:mod:`.state_dict`), so ``get_optimizer_state_dict`` / DCP reshard it
-across world sizes and layouts.
-
-Bad input fails loudly and names what to fix: an option the inner optimizer does not take, a
-non-finite hyperparameter (checked at construction and before every step, so a scheduler that
-produces ``lr=inf`` stops the run before any parameter changes), two parameters with the same
-name (two models in one optimizer), and plain tensors mixed with owner-sharded ones (a module
-added after the plan was fixed: nothing would average its gradient). With
-``skip_nonfinite_grads=True`` a step whose gradients hold a NaN or an infinity anywhere is
-skipped on every rank together (one scalar all-reduce) and counted in ``skipped_steps``.
+A ``torch.optim.Optimizer`` whose ``param_groups`` list every parameter on every rank, one group
+per tensor role, so schedulers, ``add_param_group`` and ``state_dict`` work as with any torch
+optimizer. Each of its two optimizers is a :class:`~.role_optimizer.RoleOptimizer` whose child
+steps only what this rank updates; hyperparameters live in the parent groups only
+(:class:`~.role_optimizer.ChildGroup`) and state in the children only
+(:class:`~.role_optimizer.ChildState`). State dicts hold pieces of global tensors
+(:mod:`.state_dict`, :mod:`.state_place`), so DCP reshards them. Bad input fails loudly, naming
+what to fix (DESIGN.md, "The optimizer").
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ from .layout_of import layout_of
 from .layouts import LayoutConfig, UpdateLayout
 from .registry import OptimizerFactory, choose_optimizer
 from .replicated_layout import ReplicatedLayout
-from .role_optimizer import RoleOptimizer, first_nonfinite
+from .role_optimizer import ChildState, RoleOptimizer, first_nonfinite
 from .routing import (
     OptimizerKind,
     RoutedParam,
@@ -57,6 +45,7 @@ from .routing import (
     resolve_roles,
     swapped_in,
 )
+from .state_place import StatePlace
 
 __all__ = ["OwnerRoutedOptimizer"]
 
@@ -90,32 +79,23 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         replicated: for parameters replicated on every rank of a multi-rank job (DDP),
             ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
-        replica_broadcast: HSDP (a ``(replicate, shard)`` mesh, one global owner per matrix):
-            when each global owner sends its updated matrices to the other replicas.
-            ``"step"``: at the end of ``step()`` (every replica's parameters are equal when it
-            returns); ``"forward"``: deferred into the next forward pass, each unit's broadcast
-            issued at its start and landed before that unit's all-gather, overlapping compute
-            (``unshard()``, state dicts and a parameter's ``full_tensor()`` land it first; a
-            piece read directly before the next forward holds the previous step's values on
-            the other replicas). Same bytes, bitwise the same parameters; the default is the
-            faster one in ``bench`` (DESIGN.md, "HSDP: one global owner per matrix").
-        skip_nonfinite_grads: check before every step whether any gradient this rank updates
-            holds a NaN or an infinity; one scalar all-reduce (max) over ``process_group`` makes
-            every rank agree, and if any rank found one the step is skipped on every rank (no
-            parameter, state or step count changes; gradients are left for ``zero_grad``).
-            Skips are counted in ``skipped_steps``; ``last_step_skipped`` tells about the last
-            call. Off by default: the check costs that all-reduce and one host sync per step.
+        replica_broadcast: HSDP: when each global owner sends its updated matrices to the other
+            replicas: ``"step"`` (at the end of ``step()``) or ``"forward"`` (before each unit's
+            next all-gather, overlapping compute; reads outside a forward land it first). Same
+            bytes, bitwise the same parameters (DESIGN.md, "HSDP: one global owner per matrix").
+        skip_nonfinite_grads: skip a step on every rank when any rank's gradients hold a NaN or
+            an infinity (one scalar all-reduce and one host sync per step; nothing changes),
+            counted in ``skipped_steps``; ``last_step_skipped`` tells about the last call.
         process_group: the ranks that step this optimizer together (default: the default
             process group); only the non-finite check communicates over it.
 
-    Collective under ``fully_shard``: the constructor's first step fixes the sharding plan of
-    every pending tree the parameters belong to (a collective that re-lays out the model, priced
-    by the matrix optimizer's cost unless a ``fully_shard`` call named one), so every rank must
-    build it, with the same parameters in the same order. ``add_param_group`` of parameters of a
-    pending tree, and parameters a framework swaps into ``param_groups``, fix theirs the same way.
-
-    The layout decides what a step moves: zero bytes for owner-shaped parameters and in one
-    process; see :mod:`matrix_owner_optim.optim.layouts` for the others.
+    Construction is collective, so every rank builds it over the same parameters in the same
+    order: (1) every rank agrees on the configuration and every pending ``fully_shard`` tree of
+    the parameters fixes its plan, priced by the matrix optimizer's cost unless a ``fully_shard``
+    call named one; (2) each group is routed (pure: the layouts plan owners and set proxies);
+    (3) the layouts check their owner plans across ranks and place state on other ranks
+    (:meth:`~.layouts.UpdateLayout.agree`). ``add_param_group`` and parameters a framework swaps
+    into ``param_groups`` go through the same steps.
 
     Raises ``ValueError`` for a non-finite hyperparameter (NaN anywhere; an infinity where the
     inner optimizer's own default is finite), at construction and before each step, naming the
@@ -165,6 +145,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             matrix_cost=self._kinds[MATRIX].cost, replicated=replicated, replica_broadcast=replica_broadcast
         )
         self._routed: list[RoutedParam] = []
+        self._slots: dict[int, tuple[RoutedParam, RoleOptimizer]] = {}  # id(param) -> routing, optimizer
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)
         # per parent group: ids of the parameters it was routed with (to see a framework's swap)
@@ -185,6 +166,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         groups = [{"params": [rp.param for rp in g.params]} for g in user_groups]  # roles resolved above
         self._resolved_groups = {id(d): g for d, g in zip(groups, user_groups, strict=True)}  # add_param_group's
         super().__init__(groups, {})
+        self.state = ChildState(self._slots)  # type: ignore[assignment]  # the children's state, by param
         self._overrides.check_all_used()
         self._views.check_all_used()
         self._check_hyperparameters("OwnerRoutedOptimizer(...)")
@@ -249,20 +231,18 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         check_matrix_views(rps, matrix.factory, matrix.name)
         for kind, ropt in self._kinds.items():
             ropt.route([rp for rp in rps if optimizer_kind(rp.role) is kind], self._config)
+        for layout in self.layouts():  # collective: the layouts' owner plans checked across ranks
+            layout.agree()
         declare_matrix_views(rps)  # how the matrix optimizer reads each proxy
         self._routed.extend(rps)
+        self._slots.update((id(rp.param), (rp, self._kinds[optimizer_kind(rp.role)])) for rp in rps)
 
     def _follow_param_swaps(self) -> None:
-        """Re-route the parameters a framework put into ``param_groups`` after construction.
-
-        Accelerate's FSDP2 ``prepare`` shards the model after the optimizer exists and sets each
-        group's ``"params"`` to the new (DTensor) parameters; torch's optimizers simply step
-        whatever the groups hold. Here the children hold the old tensors, so the groups are
-        compared with what was routed (by identity, once per step) and, where they differ, every
-        parameter is routed again: same names, indices and roles, the new tensors' layouts,
-        hyperparameters from the groups. Refused (``RuntimeError``) once state exists, since
-        the state of the old tensors has the old layout, and when a group changed its length
-        or groups were appended without ``add_param_group``.
+        """Re-route the parameters a framework put into ``param_groups`` after construction
+        (Accelerate's FSDP2 ``prepare`` swaps in the sharded tensors): same names, indices and
+        roles, the new tensors' layouts. Refused (``RuntimeError``) once state exists (it has
+        the old layout), and when a group changed its length or groups were appended without
+        ``add_param_group``.
         """
         groups = self.param_groups
         if len(groups) == len(self._group_param_ids) and all(
@@ -302,6 +282,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for i, (g, ids) in enumerate(zip(groups, self._group_param_ids, strict=True))
         ]
         self._routed = []
+        self._slots.clear()
         for ropt in self._kinds.values():
             ropt.reset()
         self._consolidated = None
@@ -407,9 +388,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for ropt in roles:  # the children read the parent groups' values (ChildGroup)
                 ropt.step()
             self._has_state = True
-            for ropt in roles:  # each role's state shared into the parent's once its child made it
+            for ropt in roles:
                 ropt.after_step()
-                ropt.link_state(self.state)
         self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss
 
@@ -454,6 +434,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _layout_of(self) -> dict[int, UpdateLayout]:
         return {id(rp): lay for lay in self.layouts() for rp in lay.entries}
 
+    def _places(self) -> dict[int, StatePlace | None]:
+        return {id(rp): lay.state_place(rp) for lay in self.layouts() for rp in lay.entries}
+
     def _partitioned_replicas(self) -> bool:
         return any(isinstance(lay, ReplicatedLayout) and lay.partitioned for lay in self.layouts())
 
@@ -464,26 +447,17 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         return rp.shard.fqn if rp.shard is not None else rp.label
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout (``state`` by parameter index, ``param_groups``), in pieces where the
-        state is partitioned, so that ``get_optimizer_state_dict`` and DCP reshard it.
-
-        * one process, and DDP with ``replicated="redundant"``: plain tensors, as torch's.
-        * owner layout: owner-held state as ``OwnerDTensor`` (whole on the owner), row-block
-          state of ``rows`` tensors as ``Shard(0)`` DTensors; only what this rank holds.
-        * stock FSDP2: matrices' state as ``OwnerDTensor`` over the shard group, shard-local
-          state as DTensors with the parameter's placements.
-        * DDP with owners (``replicated="owner"``, several ranks): the whole state in plain
-          tensors after :meth:`consolidate_state_dict`; an error before it.
-
-        Param groups carry the inner optimizers' own values (Prodigy's ``d``, ...), and
-        ``param_names`` where the parameters were given with names, as torch's do. Before any
-        step (and any load) there is no state to consolidate, so under DDP it is torch's empty
-        state dict then (Accelerate calls ``state_dict()`` while wrapping the optimizer).
+        """torch's layout (``state`` by parameter index, ``param_groups``), each value a piece of
+        a global tensor where the state is partitioned (:mod:`.state_place`), so that
+        ``get_optimizer_state_dict`` and DCP reshard it; plain tensors in one process and under
+        ``replicated="redundant"``. Under DDP with owners, the whole state after
+        :meth:`consolidate_state_dict` (an error before it, once any state exists). Param groups
+        carry the inner optimizers' own values (Prodigy's ``d``) and ``param_names``, as torch's.
         """
         self._follow_param_swaps()
         if self._partitioned_replicas() and self._has_state:
             return sd_.merge_consolidated(super().state_dict(), self._consolidated)
-        return sd_.as_pieces(super().state_dict(), self._ordered(), self._layout_of(), self._process_group)
+        return sd_.as_pieces(super().state_dict(), self._ordered(), self._places(), self._process_group)
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collective (every rank): gather the owners' matrix state of a DDP job
@@ -497,15 +471,10 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             self._consolidated = sd_.gather_owner_state(self._ordered(), self.state, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer saved on any layout and world size.
-
-        Accepts :meth:`state_dict`'s forms (pieces, or plain tensors), full tensors (one
-        process, consolidated DDP, ``full_state_dict=True``) and fqn-keyed state
-        (``set_optimizer_state_dict``), and version 0.1.0's groups (one per optimizer, split
-        here by tensor role). Each rank keeps what it updates. State keeps its dtype
-        (fp32 Shampoo/SOAP factors of a bf16 model stay fp32) and moves to the parameter's
-        device (``step`` stays where it is). Raises ``KeyError`` naming the trainable parameters
-        this rank updates whose state is missing while others of their param group have state.
+        """Load a state dict of this optimizer saved on any layout and world size: pieces, full
+        tensors, fqn-keyed state, version 0.1.0's groups. Each rank keeps what it updates, in
+        the saved dtype, on the parameter's device. Raises ``KeyError`` naming the trainable
+        parameters this rank updates whose state is missing while others of their group have it.
         """
         self._follow_param_swaps()
         state_dict = state_dict.copy()
@@ -519,7 +488,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             groups,
             self._routed,
             self._group_user,
-            self._layout_of(),
+            self._places(),
             self.state,
             self._label,
             self._process_group,
@@ -528,15 +497,11 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         needed = [set(self._kinds[OptimizerKind(g["optimizer"])].defaults) for g in groups]
         sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there
         for rp in self._routed:
-            ropt = self._kinds[optimizer_kind(rp.role)]
             values = loaded.get(id(rp))
             if rp.proxy is None or values is None:
                 self.state.pop(rp.param, None)
-                ropt.set_state(rp, None)
-                continue
-            entry: dict[str, Any] = dict(values)
-            ropt.set_state(rp, entry)
-            self.state[rp.param] = entry
+            else:
+                self.state[rp.param] = dict(values)
         self._consolidated = None
         self._has_state = any(bool(st) for st in saved_state.values())
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

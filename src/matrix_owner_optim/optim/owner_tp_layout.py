@@ -1,38 +1,12 @@
 """The owner layout on tensor-parallel blocks: TP slices held whole by their dp owner.
 
 After the package's ``fully_shard(block, mesh=mesh["dp"])`` on blocks ``parallelize_module``
-made tensor parallel, a parameter is an owner-layout DTensor on the 2D (dp, tp) mesh
-(``owner_dtensor/two_dim.py``): rank ``(o, t)`` holds TP slice ``t`` whole, where ``o`` is the
-dp coordinate the plan made its owner (planned on global shapes, so every tp coordinate planned
-the same list and the owners of one matrix are the ranks ``(o, 0..T-1)``: the TP group of dp
-coordinate ``o``). Backward already landed each slice's dp-averaged gradient on ``(o, t)``.
-
-A step on :class:`OwnerTPLayout`:
-
-* matrices split by TP (``Shard(0)`` colwise, ``Shard(1)`` rowwise): the owners assemble the
-  whole matrix and its whole gradient with one all-gather over their TP group per dtype
-  (``mesh_slice.assemble``: a header saying which gradients exist, then every owned
-  matrix's weight and gradient slice; no dp traffic), step it with the matrix optimizer
-  (Newton-Schulz on the global matrix: exact; every TP owner steps the same matrix, ``T`` times
-  in all, as the stock TP path does) and keep their slice. The weights travel too, so the
-  owners' full copies are never stale (a load, an outside edit) at the price of twice the
-  gradient's bytes.
-* expert-parallel stacks (torchtitan's routed experts ``[E, out, in]``, ``Shard(0)`` on ep,
-  the package's ``fully_shard`` over efsdp: the 2D mesh is (efsdp, ep)): an ep slice is whole
-  experts, so its owner steps its local piece as a stack of matrices, expert by expert (the
-  ``"stack"`` view declared on the ``step_shape`` of the slice), with no collective over ep or
-  efsdp. A >2D matrix cut any other way on the 2D mesh (inside each expert, a conv kernel) is
-  refused on every rank, naming it.
-* everything else (biases, norms, matrices replicated on tp): the owner steps its local piece
-  with its optimizer (AdamW is elementwise: exact on a slice).
-
-Ranks at other dp coordinates hold empty pieces and do nothing: no collective there, and the
-per-TP-group collectives are symmetric within each group, so nothing waits on a rank that has
-nothing to step. Optimizer state exists only on the owners ``(o, *)``.
-
-State dicts: a whole-stepped matrix's state is the whole tensor held by its owner over the dp
-group (as on the 1D owner layout and the stock TP path, so DCP moves it between them); state of a
-local piece is a piece of the parameter's 2D layout (see ``state_entry``).
+made tensor parallel, rank ``(o, t)`` holds TP slice ``t`` whole, ``o`` the dp coordinate the
+plan made its owner (the owners of one matrix are its owner's TP group). On the owners, matrices
+TP splits are assembled (weights and gradients, one all-gather over the TP group per dtype:
+``mesh_slice.assemble``), stepped whole and cut back to the slice; expert parallel stacks
+(``Shard(0)`` on ep: whole experts) and everything else step on the local piece. Other dp
+coordinates do nothing. DESIGN.md, "The owner layout x tensor parallel".
 """
 
 from __future__ import annotations
@@ -43,14 +17,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Shard
 
-from ..owner_dtensor import OwnerDTensor, as_owner_dtensor, is_owner_dtensor, mesh_of_group
-from ..owner_dtensor.placement import spec_piece
-from ..owner_dtensor.two_dim import is_2d, same_spec_2d, wrap_2d
+from ..owner_dtensor import mesh_of_group
 from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
 from ..tensors import local_tensor
-from .layouts import UpdateLayout, holder_local, plain_local
+from .layouts import UpdateLayout, give_grads
 from .mesh_slice import AxisKind, MeshSlice, assemble, message_sizes
 from .routing import RoutedParam
+from .state_place import StatePlace
 
 __all__ = ["OwnerTPLayout"]
 
@@ -134,10 +107,7 @@ class OwnerTPLayout(UpdateLayout):
         return out
 
     def before_step(self) -> None:
-        for rp in self._local:
-            assert rp.proxy is not None
-            grad = rp.param.grad
-            rp.proxy.grad = None if grad is None else local_tensor(grad).view(rp.proxy.shape)
+        give_grads(self._local)
         for dtype, mats in self._buckets().items():
             self._assemble(dtype, mats)
 
@@ -167,79 +137,16 @@ class OwnerTPLayout(UpdateLayout):
                 local_tensor(a.rp.param).copy_(a.tp.narrow(a.full, a.tp.rank))
         self.zero_grad(True)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for rp in self.entries:
-            if rp.proxy is not None:
-                rp.proxy.grad = None
-
-    # -- state dicts -----------------------------------------------------------------------------
-    # A matrix stepped whole keeps its state whole on each of its TP owners: its entry is that
-    # whole tensor held by the owner over the dp group (``OwnerDTensor.owned``), the form the
-    # 1D owner layout and the stock TP path give a matrix's state, so DCP moves it between
-    # them (the T owners write the same chunk; DCP keeps one). State stepped on the local piece
-    # (AdamW's moments of a TP slice) is a piece of the parameter's own 2D layout. Scalars
-    # (``step``) stay plain, as torch keeps them.
-    @staticmethod
-    def _steps_whole(rp: RoutedParam) -> bool:
-        """Whether ``rp`` is a matrix split by TP, assembled and stepped whole (see ``add``)."""
+    def state_place(self, rp: RoutedParam) -> StatePlace:
+        """A matrix stepped whole keeps its state whole on each of its TP owners: held by the
+        owner over the dp group, the form the 1D owner layout and the stock TP path give a
+        matrix's state, so DCP moves it between them (the ``T`` owners write the same chunk; DCP
+        keeps one). State stepped on the local piece (AdamW's moments of a TP slice) is a piece
+        of the parameter's 2D layout. Only the owners ``(o, *)`` hold state."""
         p = rp.param
-        return rp.role is Role.MATRIX and p.dim() == 2 and isinstance(p.placements[1], Shard)  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _dp_mesh(rp: RoutedParam, device_type: str) -> Any:
-        return mesh_of_group(rp.param.device_mesh.get_group(0), device_type)  # type: ignore[attr-defined]
-
-    def state_entry(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        p = rp.param
-        whole = self._steps_whole(rp)
-        want = tuple(p.shape) if whole else tuple(local_tensor(p).shape)
-        if tuple(value.shape) != want:
-            raise ValueError(
-                f"optimizer state {key!r} of {rp.label!r} has shape {tuple(value.shape)}; on the owner layout "
-                f"on a (dp, tp) mesh its state must be per element of the {'matrix' if whole else 'TP slice'} "
-                f"{want}, or a scalar"
-            )
-        if whole:
-            assert rp.owner is not None
-            return OwnerDTensor.owned(value, rp.owner, self._dp_mesh(rp, value.device.type), want)
-        return wrap_2d(OwnerDTensor, value, p)
-
-    def state_holder(self, rp: RoutedParam) -> tuple[int, Any] | None:
-        """Only the owners ``(o, *)`` hold state; the other dp coordinates list it empty."""
-        assert rp.owner is not None
-        return rp.owner, rp.param.device_mesh.get_group(0)  # type: ignore[attr-defined]
-
-    def empty_state_entry(self, rp: RoutedParam, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
-        if self._steps_whole(rp):
-            return None  # the owner's whole matrix: an empty piece held by it (the default)
-        p = rp.param
-        return wrap_2d(OwnerDTensor, torch.empty(tuple(local_tensor(p).shape), dtype=dtype, device=device), p)
-
-    def state_local(self, rp: RoutedParam, key: str, value: Any) -> Any:
-        """This owner's value of state ``key``: the whole matrix's (from its owned entry, a full
-        tensor, or a replicated DTensor), or the local TP slice's (from a piece of the
-        parameter's layout, or cut out of a full tensor)."""
-        what = f"optimizer state {key!r} of {rp.label!r}"
-        value = as_owner_dtensor(value)
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return plain_local(value, what) if isinstance(value, torch.Tensor) else value
-        p = rp.param
-        if is_owner_dtensor(value) and is_2d(value):
-            if not same_spec_2d(value, p):  # type: ignore[arg-type]
-                raise ValueError(
-                    f"{what}: a piece of layout {tuple(value.placements)} on mesh {tuple(value.device_mesh.shape)}, "
-                    f"the parameter's is {tuple(p.placements)} on {tuple(p.device_mesh.shape)}; load a full "  # type: ignore[attr-defined]
-                    "state dict or go through DCP"
-                )
-            return local_tensor(value)
-        if is_owner_dtensor(value) and value.holder is not None:
-            return holder_local(value, rp.owner if self._steps_whole(rp) else None, what)
-        full = plain_local(value, what)
-        if self._steps_whole(rp) or tuple(full.shape) == tuple(local_tensor(p).shape) != tuple(p.shape):
-            return full
-        return spec_piece(full, p)
+        whole = rp.role is Role.MATRIX and p.dim() == 2 and isinstance(p.placements[1], Shard)  # type: ignore[attr-defined]
+        mesh = mesh_of_group(p.device_mesh.get_group(0), local_tensor(p).device.type)  # type: ignore[attr-defined]
+        return StatePlace(mesh, holder=rp.owner, like=None if whole else p, held_elsewhere=True)
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends plus receives in one step: per dtype, its message (header, its

@@ -1,12 +1,6 @@
-"""Matrix and tail optimizers by name: the optimizer side of the optimizer registry.
-
-The registry itself, one entry per name holding the factory and its cost model, is
-:mod:`matrix_owner_optim.planning.catalog` (built-ins in code, ``register_optimizer``, alias
-``register_preconditioner``, the entry-point groups ``matrix_owner_optim.optimizers`` and
-``matrix_owner_optim.preconditioners``; collisions raise naming both sides). This module resolves
-what ``OwnerRoutedOptimizer(matrix=..., tail=...)`` was given, a name or a factory, into a
-:class:`ChosenOptimizer`: the factory to build, the name to report, and what was given (from
-which ``planning.catalog.resolve_cost`` prices the plan).
+"""Matrix and tail optimizers by name: the optimizer side of the registry
+(:mod:`matrix_owner_optim.planning.catalog` holds the entries). :func:`choose_optimizer` turns
+what ``matrix=`` / ``tail=`` was given, a name or a factory, into a :class:`ChosenOptimizer`.
 """
 
 from __future__ import annotations

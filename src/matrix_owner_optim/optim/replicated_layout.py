@@ -1,41 +1,25 @@
 """Replicated parameters (DDP, or plain tensors in a multi-rank job): owner or redundant updates.
 
-Every rank holds every parameter whole and, after DDP's all-reduce, the same gradient. Two
-ways to update them, chosen by ``OwnerRoutedOptimizer(replicated=...)``:
-
-* ``"owner"`` (default): the planner gives each matrix an owner (the same LPT planner as the
-  owner-shaped layout, priced by the matrix optimizer's cost model); only the owner runs the
-  preconditioner, then one ``all_to_all_single`` per dtype shares every owner's new values with
-  the other ranks. Per rank and step that sends ``(W-1)·P_own`` and receives ``P - P_own``
-  bytes (``P`` the matrix bytes, ``P_own`` this rank's share, about ``P/W``): the fewest bytes
-  that leave every rank with every matrix when each is computed once. Tail tensors (biases,
-  norms, embeddings) are updated redundantly on every rank: exact and free.
-* ``"redundant"``: every rank updates every parameter; zero bytes, ``W`` times the optimizer
-  FLOPs. The result is identical on every rank because the inputs are.
-
-Matrix optimizer state lives only on the owner under ``"owner"``: for the usual rank-0
-``torch.save(optimizer.state_dict())``, every rank first calls
-``OwnerRoutedOptimizer.consolidate_state_dict()`` (as with ``ZeroRedundancyOptimizer``);
-``state_dict()`` refuses otherwise rather than return a part of the state.
-
-:func:`plan_owners` (shared with the DTensor layout) plans owners for a batch of matrices,
-checks that every rank of the group computed the same plan, and balances successive batches
-(param groups) against each other.
+``replicated="owner"`` (default): each matrix gets an owner (:func:`plan_owners`, the LPT planner
+priced by the matrix cost), which alone steps it; one ``all_to_all_single`` per dtype then shares
+the new values (the fewest bytes that leave every rank with every matrix computed once); tail
+tensors step on every rank. Matrix state lives on the owners only, so a rank-0 ``torch.save``
+needs ``consolidate_state_dict()`` first, as with ``ZeroRedundancyOptimizer``.
+``"redundant"``: every rank steps everything, zero bytes. Every rank's owner plan is checked
+against the others' in the optimizer's construction step (:meth:`~.layouts.UpdateLayout.agree`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..agreement import check_plan_agreement
-from ..planning import Role, TensorSpec, plan_tensors
+from ..planning import Role, ShardingPlan, TensorSpec, plan_tensors
 from ..planning.cost import CostModel, itemsize
-from .layouts import LayoutConfig, UpdateLayout, matrix_view
+from .layouts import LayoutConfig, UpdateLayout, give_grads, matrix_view
 from .routing import RoutedParam
 
 __all__ = ["ReplicatedLayout", "plan_owners"]
@@ -49,19 +33,15 @@ def plan_owners(
     loads: list[int],
     *,
     cost: CostModel,
-    group: Any = None,
-    tp_group: Any = None,
-) -> list[int]:
-    """Owners (ranks of ``group``) for matrices ``rps``; updates ``loads`` (bytes per rank).
+) -> tuple[list[int], ShardingPlan]:
+    """Owners (ranks of the group) for matrices ``rps``, and the plan they come from (for
+    :meth:`~.layouts.UpdateLayout.agree` to check across ranks); updates ``loads`` (bytes per
+    rank). Pure.
 
     ``planning.plan_tensors`` balances this batch; when earlier batches (other param groups)
     already loaded the ranks, the batch's ranks are permuted so that its heaviest rank lands on
-    the currently lightest one. Deterministic, and checked for agreement across ``group``, and
-    across ``tp_group`` too where given (tensor parallel: the owners of one matrix's TP slices
-    must be one dp coordinate, or the all-gather over TP would pair different matrices).
+    the currently lightest one. Deterministic.
     """
-    if not rps:
-        return []
     specs = [
         TensorSpec(
             fqn=rp.name if rp.name is not None else f"param{rp.index}",
@@ -74,23 +54,6 @@ def plan_owners(
         for rp, shape, dtype in zip(rps, shapes, dtypes, strict=True)
     ]
     plan = plan_tensors(specs, world_size, cost=cost, split_stacks=False)
-    check_plan_agreement(
-        plan,
-        group,
-        who="OwnerRoutedOptimizer",
-        what="owner plan",
-        remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
-        "shapes, dtypes, roles) in the same order.",
-    )
-    if tp_group is not None:
-        check_plan_agreement(
-            plan,
-            tp_group,
-            who="OwnerRoutedOptimizer",
-            what="owner plan across the tensor-parallel group",
-            remedy="Every rank must build OwnerRoutedOptimizer over the same parameters (names, "
-            "global shapes, dtypes, roles) in the same order.",
-        )
     batch = [0] * world_size
     nbytes = []
     for s in specs:
@@ -108,7 +71,7 @@ def plan_owners(
     owners = [perm[plan[s.fqn].owner] for s in specs]  # type: ignore[index]
     for o, n in zip(owners, nbytes, strict=True):
         loads[o] += n
-    return owners
+    return owners, plan
 
 
 class ReplicatedLayout(UpdateLayout):
@@ -128,14 +91,18 @@ class ReplicatedLayout(UpdateLayout):
     def add(self, entries: list[RoutedParam]) -> None:
         owner_mode = self.config.replicated == "owner"
         matrices = [rp for rp in entries if rp.role is Role.MATRIX] if owner_mode else []
-        owners = plan_owners(
-            matrices,
-            [tuple(rp.param.shape) for rp in matrices],
-            [rp.param.dtype for rp in matrices],
-            self.world_size,
-            self._loads,
-            cost=self.config.matrix_cost,
-        )
+        if not matrices:
+            owners: list[int] = []
+        else:
+            owners, plan = plan_owners(
+                matrices,
+                [tuple(rp.param.shape) for rp in matrices],
+                [rp.param.dtype for rp in matrices],
+                self.world_size,
+                self._loads,
+                cost=self.config.matrix_cost,
+            )
+            self.unagreed.append((plan, None, None))
         owner_of = {id(rp): o for rp, o in zip(matrices, owners, strict=True)}
         for rp in entries:
             self.entries.append(rp)
@@ -155,10 +122,7 @@ class ReplicatedLayout(UpdateLayout):
                 rp.proxy = rp.param
 
     def before_step(self) -> None:
-        for rp in self._views:
-            if rp.proxy is not None:
-                grad = rp.param.grad
-                rp.proxy.grad = None if grad is None else grad.view(rp.proxy.shape)
+        give_grads(self._views)
 
     def _layout(self) -> dict[torch.dtype, list[list[RoutedParam]]]:
         """Per dtype: the owned matrices of each rank, in model order."""
@@ -199,11 +163,6 @@ class ReplicatedLayout(UpdateLayout):
 
     def _device(self) -> torch.device:
         return self._owned[0].param.device if self._owned else torch.device("cpu")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for rp in self._views:
-            if rp.proxy is not None:
-                rp.proxy.grad = None
 
     @property
     def partitioned(self) -> bool:

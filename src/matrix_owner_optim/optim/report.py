@@ -17,6 +17,7 @@ logging.ERROR)``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -174,6 +175,35 @@ def _matrices(view: MatrixView | None, shape: tuple[int, ...], name: str) -> tup
     return view.resolve(shape, name).num_matrices, view.label
 
 
+def _row(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    role: Role,
+    view: MatrixView | None,
+    owner: int | None,
+    optimizers: tuple[str, str],
+    routers: set[str],
+) -> RouteRow:
+    """One tensor's row (``optimizers``: the matrix and the tail optimizer's names)."""
+    numel = math.prod(int(d) for d in shape)
+    is_matrix = role is Role.MATRIX
+    count, label = _matrices(view, shape, name) if is_matrix else (0, None)
+    return RouteRow(
+        name=name,
+        shape=shape,
+        dtype=str(dtype).replace("torch.", ""),
+        role=role.value,
+        optimizer=optimizers[0] if is_matrix else optimizers[1],
+        numel=numel,
+        bytes=numel * itemsize(dtype),
+        matrices=count,
+        view=label,
+        owner=owner,
+        reason=None if is_matrix else _reason(name, shape, role, routers),
+    )
+
+
 def report_of_routes(
     routed: Iterable[RoutedParam], matrix_name: str, tail_name: str, large_numel: int = LARGE_NUMEL
 ) -> RoutingReport:
@@ -181,29 +211,10 @@ def report_of_routes(
     routed = list(routed)
     names = [rp.name or (rp.shard.fqn if rp.shard is not None else rp.label) for rp in routed]
     routers = router_fqns(names)
-    rows = []
-    for rp, name in zip(routed, names, strict=True):
-        shape = rp.global_shape
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        is_matrix = rp.role is Role.MATRIX
-        count, label = _matrices(rp.view, shape, name) if is_matrix else (0, None)
-        rows.append(
-            RouteRow(
-                name=name,
-                shape=shape,
-                dtype=str(rp.param.dtype).replace("torch.", ""),
-                role=rp.role.value,
-                optimizer=matrix_name if is_matrix else tail_name,
-                numel=numel,
-                bytes=numel * itemsize(rp.param.dtype),
-                matrices=count,
-                view=label,
-                owner=rp.owner,
-                reason=None if is_matrix else _reason(name, shape, rp.role, routers),
-            )
-        )
+    rows = [
+        _row(name, rp.global_shape, rp.param.dtype, rp.role, rp.view, rp.owner, (matrix_name, tail_name), routers)
+        for rp, name in zip(routed, names, strict=True)
+    ]
     return RoutingReport(rows, matrix_name, tail_name, large_numel, source="optimizer")
 
 
@@ -214,26 +225,8 @@ def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw", large_numel: in
     """
     shards = list(plan)
     routers = router_fqns(s.fqn for s in shards)
-    rows = []
-    for s in shards:
-        shape = tuple(int(d) for d in s.shape)
-        is_matrix = s.role is Role.MATRIX
-        count, label = _matrices(None, shape, s.fqn) if is_matrix else (0, None)
-        rows.append(
-            RouteRow(
-                name=s.fqn,
-                shape=shape,
-                dtype=str(s.dtype).replace("torch.", ""),
-                role=s.role.value,
-                optimizer=plan.preconditioner if is_matrix else tail_name,
-                numel=s.numel,
-                bytes=s.numel * itemsize(s.dtype),
-                matrices=count,
-                view=label,
-                owner=s.owner,
-                reason=None if is_matrix else _reason(s.fqn, shape, s.role, routers),
-            )
-        )
+    names = (plan.preconditioner, tail_name)
+    rows = [_row(s.fqn, tuple(int(d) for d in s.shape), s.dtype, s.role, None, s.owner, names, routers) for s in shards]
     return RoutingReport(rows, plan.preconditioner, tail_name, large_numel, source="plan")
 
 

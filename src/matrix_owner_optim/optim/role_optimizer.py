@@ -1,19 +1,12 @@
-"""The two optimizers (matrix and tail), and the child groups through which their
-hyperparameters flow one way.
+"""The two optimizers (matrix and tail), and the child groups and state through which the
+parent reads and writes theirs.
 
-``OwnerRoutedOptimizer`` splits every user param group into one group per tensor role it holds
-(``matrix``, ``tail``, ``rows``: the group's ``"role"``), each stepped by one of two optimizers
-(the group's ``"optimizer"``: ``matrix``, or ``tail`` for ``tail`` and ``rows`` tensors). Each
-is one :class:`RoleOptimizer`: what builds its child optimizer (the chosen factory, its options,
-the defaults it fills into a group), the child itself once this rank updates any tensor it
-steps, the child's groups by parent group, and the update layouts of its parameters.
-
-Hyperparameters have one home, the parent's param group, which users, learning-rate schedulers
-and ``state_dict`` read and write. A child's group is a :class:`ChildGroup`: a ``dict`` holding
-only the child's own ``params`` (this rank's proxies), every other key read from and written to
-the parent group. So a scheduler's ``lr`` is what the child reads at its next step, and a value
-the child sets itself (Prodigy's ``d``, schedule-free ``k``) is in the parent group the moment it
-is set, saved and loaded with it; nothing is copied either way.
+``OwnerRoutedOptimizer`` splits every user param group into one group per tensor role
+(``"role"``), each stepped by one of two optimizers (``"optimizer"``: ``matrix``, or ``tail`` for
+``tail`` and ``rows`` tensors), each one :class:`RoleOptimizer`. A child's group is a
+:class:`ChildGroup` over its parent group (hyperparameters have one home, the parent's); the
+parent's ``state`` is a :class:`ChildState` over the children's (state has one home, the
+child's). Nothing is copied either way.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from .layouts import LayoutConfig, UpdateLayout
 from .registry import ChosenOptimizer, OptimizerFactory, group_flags
 from .routing import RoutedParam
 
-__all__ = ["ChildGroup", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
+__all__ = ["ChildGroup", "ChildState", "RoleOptimizer", "first_nonfinite", "probe_defaults"]
 
 # Keys a child group keeps for itself; every other key is the parent group's.
 _OWN_KEYS = frozenset({"params", "param_names", "role", "optimizer"})
@@ -278,22 +271,43 @@ class RoleOptimizer:
         for layout in self.layouts.values():
             layout.zero_grad(set_to_none)
 
-    def link_state(self, state: MutableMapping[torch.Tensor, Any]) -> None:
-        """Share the child's per-proxy state dicts as ``state[param]`` (``state`` the parent's).
-        Linked after the child's step creates them, so a fresh optimizer's state is empty, as
-        torch's is (``get_optimizer_state_dict`` relies on that to initialise it)."""
-        if self.child is None:
-            return
-        for rp in self.entries():
-            st = self.child.state.get(rp.proxy) if rp.proxy is not None else None
-            if st is not None and state.get(rp.param) is not st:
-                state[rp.param] = st
 
-    def set_state(self, rp: RoutedParam, entry: dict[str, Any] | None) -> None:
-        """Make ``entry`` the child's state of ``rp``'s proxy (None: drop it)."""
-        if self.child is None or rp.proxy is None:
-            return
-        if entry is None:
-            self.child.state.pop(rp.proxy, None)
-        else:
-            self.child.state[rp.proxy] = entry
+class ChildState(MutableMapping):  # type: ignore[type-arg]
+    """The parent optimizer's ``state``: ``state[param]`` is the child's state of the param's
+    proxy, read and written where the child keeps it, so nothing is copied or re-linked after a
+    step. Empty until a child makes state, as torch's is (``get_optimizer_state_dict`` relies on
+    that to initialise it). ``slots``: id(param) -> its routing and its optimizer."""
+
+    def __init__(self, slots: dict[int, tuple[RoutedParam, RoleOptimizer]]) -> None:
+        self.slots = slots
+
+    def _where(self, param: torch.Tensor) -> tuple[dict[torch.Tensor, Any], torch.Tensor]:
+        rp, ropt = self.slots.get(id(param), (None, None))
+        if rp is None or ropt is None or rp.proxy is None or ropt.child is None:
+            raise KeyError(param)  # not stepped on this rank
+        return ropt.child.state, rp.proxy
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        state, proxy = self._where(param)
+        if proxy not in state:
+            raise KeyError(param)
+        return state[proxy]
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        state, proxy = self._where(param)
+        state[proxy] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        state, proxy = self._where(param)
+        del state[proxy]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for rp, ropt in list(self.slots.values()):
+            if rp.proxy is not None and ropt.child is not None and rp.proxy in ropt.child.state:
+                yield rp.param
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))

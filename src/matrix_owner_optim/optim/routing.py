@@ -1,30 +1,12 @@
 """Which optimizer updates which parameter: normalising ``params`` and resolving roles.
 
-``OwnerRoutedOptimizer`` accepts what ``torch.optim`` optimizers accept, and a module. A
-tensor's role (:class:`~..planning.metadata.Role`: ``matrix``, ``tail``, ``rows``) comes, in
-order of precedence, from a ``"role"`` key of a param group, from ``roles=`` globs (wherever
-names are known), from the parameter's :class:`MatrixShard` (after ``fully_shard``), from the
-module types (when a module is given), from the name, and finally from the shape. Which
-optimizer steps it, its :class:`OptimizerKind`, follows from the role (``rows`` tensors: the
-tail optimizer) and is recorded under its own group key, ``"optimizer"``.
-
-Resolving roles is pure: it reads the parameters' metadata and fixes nothing (the optimizer
-fixes pending sharding plans first, as a step of its own).
-
-Routing by shape alone (``model.parameters()`` of a model that is not sharded: DDP or one
-process) cannot tell an embedding table or an output head from a weight matrix, so it sends
-every 2D tensor to the matrix optimizer. That is allowed but never silent: one warning, for
-every group the call resolves together, lists every parameter routed so and says how to give
-names.
-
-A >2D tensor in the ``matrix`` role is updated through a 2D ``(out, rest)`` view of its storage;
-one whose memory layout admits no such view (a channels-last conv kernel) is refused here,
-naming it, because a flattening copy would be updated instead of the parameter. How the matrix
-optimizer reads that storage is the parameter's :class:`~..planning.views.MatrixView` (a
-``matrix_views=`` glob, else the default rule: a stack of experts steps each expert alone, a
-conv kernel is one ``(out, rest)`` matrix), declared on the tensor it updates
-(:func:`declare_matrix_views`). A matrix optimizer that does not step such layouts (no
-``accepts_matrix_views``: ``torch.optim.Muon``) is refused a stack or a fused tensor.
+A tensor's role (:class:`~..planning.metadata.Role`) comes, in order of precedence, from a
+group's ``"role"``, from ``roles=`` globs, from its :class:`MatrixShard`, from the module types,
+from the name, and finally from the shape (every 2D tensor: one warning names them all). Which
+optimizer steps it (:class:`OptimizerKind`, a group's ``"optimizer"``) follows from the role. A
+>2D matrix is stepped through a 2D view of its storage (refused, naming it, where there is
+none) and read as its :class:`~..planning.views.MatrixView`. Pure: pending plans are fixed by
+the optimizer first.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """``OwnerRoutedOptimizer``'s state dicts: torch's layout, in pieces of global tensors.
 
 ``state`` is keyed by parameter index in param-group order, as any torch optimizer's, and
-``param_groups`` are the parent groups. Where a layout partitions state (owner-held matrices,
-row blocks of ``rows`` tensors, stock FSDP2's owners), each rank's entry is its piece of the
-global tensor (an owner-layout DTensor, a ``Shard(0)`` DTensor), so that
-``get_optimizer_state_dict`` and DCP reshard it across world sizes and layouts; every rank lists
-every parameter, with empty pieces for state another rank holds alone. Loading takes those
-forms, full tensors, and fqn-keyed state, and keeps on each rank what it updates.
-
-The functions here work on the routed parameters and their layouts; the optimizer's methods
-(:meth:`~.owner_routed.OwnerRoutedOptimizer.state_dict` and the others) call them.
+``param_groups`` are the parent groups. Each value is its :mod:`.state_place` entry (the one
+rule, read off each layout's :meth:`~.layouts.UpdateLayout.state_place`); every rank lists every
+parameter, with empty pieces for state another rank holds, so ``get_optimizer_state_dict`` and
+DCP reshard it. Loading takes those forms, full tensors and fqn-keyed state, and keeps on each
+rank what it updates. The optimizer's methods call the functions here.
 """
 
 from __future__ import annotations
@@ -23,12 +19,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..agreement import agree_verdict, optimizer_groups
-from ..owner_dtensor import OwnerDTensor, OwnerShard, is_owner_dtensor, mesh_of_group
-from ..pieces import placement_of
+from ..owner_dtensor import is_owner_dtensor
 from ..replica_sync import hold_on_step_replica, replicas_of, steps_here
-from ..tensors import is_dtensor
-from .layouts import NOT_HELD, UpdateLayout, is_multi_rank
+from .layouts import is_multi_rank
 from .routing import RoutedParam
+from .state_place import NOT_HELD, StatePlace, empty_entry, entry, local, spec
 
 __all__ = [
     "agreed_local_state",
@@ -41,20 +36,23 @@ __all__ = [
     "upgrade_saved_groups",
 ]
 
-LayoutOf = dict[int, UpdateLayout]  # id(RoutedParam) -> its layout
+PlaceOf = dict[int, StatePlace | None]  # id(RoutedParam) -> where its state lies (its layout's word)
 
 
-def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutOf, group: Any = None) -> dict[str, Any]:
+def _what(rp: RoutedParam, key: str) -> str:
+    return f"optimizer state {key!r} of {rp.label!r}"
+
+
+def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], places: PlaceOf, group: Any = None) -> dict[str, Any]:
     """torch's state dict ``sd`` of the routed parameters ``ordered`` with each state value as its
-    layout's state-dict entry, an entry (of empty pieces) for state held on another rank, an
-    empty entry for stateless parameters, sorted by index: the same keys on every rank.
+    entry (:func:`.state_place.entry`), an entry (of empty pieces) for state held on another
+    rank, an empty entry for stateless parameters, sorted by index: the same keys on every rank.
     Collective over ``group`` (the optimizer's ranks) where some state is held by one rank (see
     :func:`_list_held_elsewhere`)."""
     for idx, st in list(sd["state"].items()):
         rp = ordered[idx]
-        layout = layout_of[id(rp)]
-        sd["state"][idx] = {k: layout.state_entry(rp, k, v) for k, v in st.items()}
-    _list_held_elsewhere(sd["state"], ordered, layout_of, group)
+        sd["state"][idx] = {k: entry(places[id(rp)], k, v, _what(rp, k)) for k, v in st.items()}
+    _list_held_elsewhere(sd["state"], ordered, places, group)
     for idx, st in sd["state"].items():  # HSDP: a matrix's state lives on one replica
         for v in st.values():
             if is_owner_dtensor(v) and v.dim():
@@ -65,66 +63,36 @@ def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], layout_of: LayoutO
     return sd
 
 
-def _list_held_elsewhere(
-    state: dict[int, Any], ordered: list[RoutedParam], layout_of: LayoutOf, group: Any = None
-) -> None:
-    """Give this rank an entry, of empty pieces, for every state its owner alone holds, so
+def _held_elsewhere(place: StatePlace | None) -> bool:
+    return place is not None and place.held_elsewhere
+
+
+def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], places: PlaceOf, group: Any = None) -> None:
+    """Give this rank an entry, of empty pieces, for every state another rank alone holds, so
     that every rank's state dict has the same keys and shapes (torch's full_state_dict and
     DCP go through them in the same order on every rank). Under HSDP a matrix's state is held by
     its global owner alone: the other replicas list it as held by no rank of their shard group
     (an ``OwnerShard`` of empty ranges: no DCP chunk). Collective when any state is
     held by one rank: one all-gather of the (key, shape, dtype) lists."""
-    holders = {idx: layout_of[id(rp)].state_holder(rp) for idx, rp in enumerate(ordered)}
-    if not is_multi_rank() or all(h is None for h in holders.values()):
+    held = [idx for idx, rp in enumerate(ordered) if _held_elsewhere(places[id(rp)])]
+    if not is_multi_rank() or not held:
         return
-
-    def spec(v: Any) -> tuple[Any, ...]:
-        if not isinstance(v, torch.Tensor):
-            return ("value", v)
-        if v.dim() == 0 and not is_dtensor(v):  # a scalar (step): plain, the holder's value everywhere
-            return ("value", v.detach().cpu().clone())
-        holder = v.holder if is_owner_dtensor(v) else None  # a band's block: held by one rank
-        return (tuple(v.shape), str(v.dtype).removeprefix("torch."), v.device.type, holder)
-
-    mine = {
-        idx: {k: spec(v) for k, v in state[idx].items()}
-        for idx, h in holders.items()
-        if h is not None and state.get(idx)
-    }
+    mine = {idx: {k: spec(v) for k, v in state[idx].items()} for idx in held if state.get(idx)}
     for theirs in comm.all_gather_object(mine, group=group, name="optimizer_state_keys"):
         for idx, keys in theirs.items():
-            held = holders[idx]
-            shard = ordered[idx].shard
+            rp = ordered[idx]
+            place = places[id(rp)]
+            shard = rp.shard
             # a matrix cut into bands: each owner holds its blocks' keys, so every rank lists all
             banded = shard is not None and shard.is_split and len(shard.shape) == 2
-            if (state.get(idx) and not banded) or held is None:
+            if (state.get(idx) and not banded) or place is None:
                 continue
-            owner, group = held
-            entry: dict[str, Any] = dict(state.get(idx) or {})
+            here = steps_here(shard, replicas_of(rp.param))
+            got: dict[str, Any] = dict(state.get(idx) or {})
             for k, s in keys.items():
-                if k in entry:
-                    continue
-                if s[0] == "value":
-                    entry[k] = s[1]
-                    continue
-                shape, dtype, device, holder = s
-                placed = layout_of[id(ordered[idx])].empty_state_entry(
-                    ordered[idx], shape, getattr(torch, dtype), device
-                )
-                if placed is not None:  # the layout's own pieces (expert parallel, TP slices): none here
-                    entry[k] = placed
-                    continue
-                empty = torch.empty((0, *shape[1:]) if shape else (), dtype=getattr(torch, dtype), device=device)
-                mesh = mesh_of_group(group, device)
-                if shape and not steps_here(shard, replicas_of(ordered[idx].param)):  # HSDP: another replica's
-                    entry[k] = OwnerDTensor.make(empty, mesh, OwnerShard(0, ((0, 0),) * mesh.size()), shape)
-                elif banded and holder is not None:  # another owner's block
-                    entry[k] = OwnerDTensor.owned(empty, holder, mesh, shape)
-                elif shard is not None and shard.is_split:  # no experts here: an empty row range
-                    entry[k] = OwnerDTensor.make(empty, mesh, placement_of(shard), shape)
-                else:
-                    entry[k] = OwnerDTensor.owned(empty if shape else empty.zero_(), owner, mesh, shape)
-            state[idx] = dict(sorted(entry.items())) if banded else entry
+                if k not in got:
+                    got[k] = empty_entry(place, s, stepped_here=here, banded=banded)
+            state[idx] = dict(sorted(got.items())) if banded else got
 
 
 def gather_owner_state(
@@ -236,7 +204,7 @@ def local_state(
     groups: list[dict[str, Any]],
     saved_groups: list[dict[str, Any]],
     routed: list[RoutedParam],
-    layout_of: LayoutOf,
+    places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
     label: Callable[[RoutedParam], str],
 ) -> dict[int, dict[str, Any]]:
@@ -250,7 +218,7 @@ def local_state(
         for sg, g in zip(saved_groups, groups, strict=True)
         for key, param in zip(sg["params"], g["params"], strict=True)
     ]
-    saved_state = _whole_where_cut_elsewhere(saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs], layout_of)
+    saved_state = _whole_where_cut_elsewhere(saved_state, [(k, by_param[id(p)]) for k, p, _ in pairs], places)
     loaded: dict[int, dict[str, Any]] = {}
     missing: list[str] = []
     for key, param, group_has_state in pairs:
@@ -263,7 +231,7 @@ def local_state(
                 missing.append(key if isinstance(key, str) else label(rp))
             continue
         now = current.get(param, {})
-        here = {k: _load_value(rp, layout_of[id(rp)], k, v, now.get(k)) for k, v in st.items()}
+        here = {k: _load_value(rp, places[id(rp)], k, v, now.get(k)) for k, v in st.items()}
         loaded[id(rp)] = {k: v for k, v in here.items() if v is not NOT_HELD}  # another owner's block
     if missing:
         raise KeyError(
@@ -275,7 +243,7 @@ def local_state(
 
 
 def _whole_where_cut_elsewhere(
-    saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]], layout_of: LayoutOf
+    saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]], places: PlaceOf
 ) -> dict[Any, Any]:
     """State of owner-held tensors that arrives cut as ``torch.chunk`` rows (torch's
     ``set_optimizer_state_dict(full_state_dict=True)`` re-distributes full tensors with
@@ -285,7 +253,7 @@ def _whole_where_cut_elsewhere(
     out = dict(saved)
     for key, rp in keyed:
         entry = saved.get(key)
-        if not entry or layout_of[id(rp)].state_holder(rp) is None:
+        if not entry or not _held_elsewhere(places[id(rp)]):
             continue
         fixed = dict(entry)
         for k, v in entry.items():
@@ -295,23 +263,23 @@ def _whole_where_cut_elsewhere(
     return out
 
 
-def _load_value(rp: RoutedParam, layout: UpdateLayout, key: str, value: Any, current: Any) -> Any:
+def _load_value(rp: RoutedParam, place: StatePlace | None, key: str, value: Any, current: Any) -> Any:
     """This rank's copy of one saved state value (no copy when DCP already wrote it in place)."""
-    local = layout.state_local(rp, key, value)
-    if not isinstance(local, torch.Tensor):
-        return deepcopy(local)
-    local = local.detach()
+    mine = local(place, key, value, _what(rp, key))
+    if not isinstance(mine, torch.Tensor):
+        return deepcopy(mine)
+    mine = mine.detach()
     if (
         isinstance(current, torch.Tensor)
-        and current.dtype == local.dtype
-        and current.shape == local.shape
-        and current.device == local.device
-        and (current.numel() == 0 or current.data_ptr() == local.data_ptr())
+        and current.dtype == mine.dtype
+        and current.shape == mine.shape
+        and current.device == mine.device
+        and (current.numel() == 0 or current.data_ptr() == mine.data_ptr())
     ):
         return current  # read in place through a piece of this optimizer's own state_dict()
     assert rp.proxy is not None
-    device = local.device if key == "step" else rp.proxy.device
-    return local.to(device=device, copy=True)
+    device = mine.device if key == "step" else rp.proxy.device
+    return mine.to(device=device, copy=True)
 
 
 def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], needed: list[set[str]]) -> None:
@@ -334,7 +302,7 @@ def agreed_local_state(
     groups: list[dict[str, Any]],
     routed: list[RoutedParam],
     user_group: list[int],
-    layout_of: LayoutOf,
+    places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
     label: Callable[[RoutedParam], str],
     process_group: Any,
@@ -357,7 +325,7 @@ def agreed_local_state(
             user_group,
         )
         check_saved_groups(groups, saved_groups)
-        loaded = local_state(state_dict["state"], groups, saved_groups, routed, layout_of, current, label)
+        loaded = local_state(state_dict["state"], groups, saved_groups, routed, places, current, label)
     except (KeyError, ValueError, TypeError) as exc:
         error = exc
     agree_verdict(error, optimizer_groups([rp.param for rp in routed], process_group), who="load_state_dict")
