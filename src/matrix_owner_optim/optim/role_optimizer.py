@@ -201,7 +201,6 @@ class RoleOptimizer:
             optimizer as given and as configured: a configured Shampoo's blocks count).
         child: the optimizer stepping this rank's proxies (None while this rank updates
             none of the role's tensors).
-        groups: parent group index -> the child's :class:`ChildGroup` for it.
         layouts: the update layout of each kind that holds some of the role's tensors.
     """
 
@@ -212,7 +211,6 @@ class RoleOptimizer:
         self.defaults, probe = probe_defaults(self.factory, self.options, what)
         self.cost: CostModel = resolve_cost(chosen.spec, built=probe)  # the one rule, as configured
         self.child: torch.optim.Optimizer | None = None
-        self.groups: dict[int, ChildGroup] = {}
         self.layouts: dict[type[UpdateLayout], UpdateLayout] = {}
 
     @property
@@ -222,14 +220,9 @@ class RoleOptimizer:
         return {k for k, v in self.defaults.items() if isinstance(v, float) and math.isinf(v) and k not in self.options}
 
     def reset(self) -> None:
-        """Forget the child, its groups and the layouts (before routing swapped parameters anew)."""
+        """Forget the child and the layouts (before routing swapped parameters anew)."""
         self.child = None
-        self.groups = {}
         self.layouts = {}
-
-    def entries(self) -> list[RoutedParam]:
-        """The role's routed parameters, by layout."""
-        return [rp for layout in self.layouts.values() for rp in layout.entries]
 
     def route(self, rps: list[RoutedParam], config: LayoutConfig) -> None:
         """Give ``rps`` (tensors of this role) to the layouts of their kinds, which set each
@@ -253,7 +246,6 @@ class RoleOptimizer:
             self.child = self.factory([group], **self.options)
         else:
             self.child.add_param_group(group)
-        self.groups[index] = group
 
     def before_step(self) -> None:
         for layout in self.layouts.values():

@@ -1,19 +1,11 @@
 """Where a parameter's optimizer state lies: one base rule for every layout, both directions.
 
-A child optimizer keeps plain tensors per stepped tensor (the *proxy*). In a state dict each is
-an entry of a global tensor, so that ``get_optimizer_state_dict`` and DCP reshard it:
-
-* a scalar (``step``) stays the plain tensor torch keeps;
-* a value laid out like the parameter where it lies is a piece of the parameter's layout:
-  shaped like its local tensor (``StatePlace.like``: stock FSDP2 shard-local state, a TP slice's
-  state on the owner layout), or this rank's rows of a tensor split by rows
-  (``StatePlace.rows``: ``rows`` row blocks, whole experts of a split or expert parallel stack,
-  the experts kept on dim 0);
-* anything else is the holder's (``StatePlace.holder``): held whole by one rank of
-  ``StatePlace.mesh``, empty elsewhere (a matrix's state on its owner, Shampoo's factors).
-
+In a state dict each state value is an entry of a global tensor, so DCP reshards it: a scalar
+(``step``) stays plain; a value laid out like the parameter where it lies (shaped like its local
+tensor: ``StatePlace.like``; this rank's rows of a split: ``StatePlace.rows``) is a piece of the
+parameter's layout; anything else is the holder's (``StatePlace.holder``), whole on one rank.
 A layout says only where (:meth:`~.layouts.UpdateLayout.state_place`); :func:`entry`,
-:func:`empty_entry` and :func:`local` apply the rule (``state_dict.py`` calls them).
+:func:`empty_entry` and :func:`local` apply the rule (DESIGN.md, "State dicts and checkpoints").
 """
 
 from __future__ import annotations
