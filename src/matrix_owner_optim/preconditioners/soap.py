@@ -68,6 +68,16 @@ from ._common import MatrixOptimizer, MatrixState, as_float, matrix_positions, s
 
 __all__ = ["SOAP", "soap", "soap_layout"]
 
+# the group's entries soap() takes as they are (lr, shampoo_beta and the flags are read apart)
+_HYPERPARAMETERS = (
+    "betas",
+    "eps",
+    "weight_decay",
+    "precondition_frequency",
+    "correct_bias",
+    "max_precond_dim",
+    "normalize_grads",
+)
 # The reference adds 1e-30 * I before eigh (numerical guard only; eigenvectors are unchanged).
 _EIGH_EPS = 1e-30
 
@@ -108,23 +118,13 @@ def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) 
 
 
 class SOAP(MatrixOptimizer):
-    """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors.
+    """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors (the module docstring's step).
 
-    Args:
-        params: 2D parameters or parameter groups (named parameters work too); 1D parameters
-            too when ``precondition_1d``.
-        lr: learning rate (default 3e-3). A float or a one-element tensor.
-        betas: Adam's ``(beta1, beta2)`` (default ``(0.95, 0.95)``).
-        shampoo_beta: EMA factor of ``L``/``R`` (default None = ``betas[1]``).
-        eps: Adam's denominator epsilon (default 1e-8).
-        weight_decay: decoupled weight decay, applied after the update (default 0.01).
-        precondition_frequency: refresh the eigenbases every this many Adam steps (default 10).
-        correct_bias: Adam bias correction (default True).
-        max_precond_dim: dimensions above this keep no factor and stay unrotated
-            (default 10000, the reference's).
-        merge_dims: precondition in the merged shape (default False).
-        precondition_1d: give 1D tensors a factor, and accept 1D parameters (default False).
-        normalize_grads: divide the update by its RMS (default False).
+    Defaults are the reference's: lr 3e-3 (a float or a one-element tensor), betas (0.95, 0.95)
+    (Adam's), shampoo_beta None (= ``betas[1]``, the factors' EMA), eps 1e-8, weight_decay 0.01
+    (decoupled, after the update), precondition_frequency 10 (Adam steps between basis
+    refreshes), correct_bias True; ``max_precond_dim``, ``merge_dims``, ``precondition_1d`` and
+    ``normalize_grads`` as the module docstring says.
 
     Raises:
         ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
@@ -243,23 +243,9 @@ class SOAP(MatrixOptimizer):
             grads.append(grad)
             states.append(self.state[p])
             layouts.append(self._layout_of(p))
-        soap(
-            params,
-            grads,
-            states,
-            lr=as_float(group["lr"]),
-            betas=group["betas"],
-            shampoo_beta=shampoo_beta,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            precondition_frequency=group["precondition_frequency"],
-            correct_bias=group["correct_bias"],
-            max_precond_dim=group["max_precond_dim"],
-            merge_dims=bool(group["merge_dims"]),
-            precondition_1d=bool(group["precondition_1d"]),
-            normalize_grads=group["normalize_grads"],
-            layouts=layouts,
-        )
+        hyper: dict[str, Any] = {k: group[k] for k in _HYPERPARAMETERS}
+        hyper |= {k: bool(group[k]) for k in ("merge_dims", "precondition_1d")}
+        soap(params, grads, states, **hyper, lr=as_float(group["lr"]), shampoo_beta=shampoo_beta, layouts=layouts)
 
 
 def soap_layout(
@@ -313,15 +299,12 @@ def soap(
     normalize_grads: bool,
     layouts: list[MatrixLayout | None] | None = None,
 ) -> None:
-    """One SOAP step (step 2 of the module docstring) of ``params`` in place.
-
-    As torch's ``torch.optim._muon.muon``: a pure function of lists and explicit hyperparameters,
-    no optimizer object; :class:`SOAP` gathers for it. ``states[k]`` is parameter ``k``'s state,
-    already initialised by a first call (factors, bases, zero moments; :class:`SOAP` does that
-    and updates nothing then); it is updated in place. ``shampoo_beta`` is resolved (not None).
-    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D
-    parameter (default: declared on the parameter, else its shape's).
-    """
+    """One SOAP step (step 2 of the module docstring) of ``params`` in place: as torch's
+    ``torch.optim._muon.muon``, a pure function of lists and :class:`SOAP`'s hyperparameters
+    (``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s state, initialised by a first
+    call (:class:`SOAP` does that and updates nothing then), updated in place. ``layouts``: each
+    parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D one (default: declared,
+    else by shape)."""
     if not len(params) == len(grads) == len(states):
         raise ValueError("soap: params, grads and states must have the same length")
     if layouts is None:
