@@ -23,6 +23,7 @@ __all__ = [
     "matrix_inverse_root",
     "state_dtype_for",
     "as_float",
+    "check_nonnegative",
     "MatrixOptimizer",
     "MatrixState",
     "matrix_positions",
@@ -50,6 +51,16 @@ def require_2d(
 def state_dtype_for(param: Tensor) -> torch.dtype:
     """Precision for a matrix optimizer's state: float64 for float64 params, else float32."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def check_nonnegative(lr: float | Tensor, **values: float) -> None:
+    """``ValueError`` for a tensor ``lr`` of more than one element, or ``lr`` or any of ``values``
+    (by name) below 0: the checks every matrix optimizer's constructor shares with torch's."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    for name, value in {"lr": lr, **values}.items():
+        if not 0.0 <= value:
+            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def as_float(value: float | Tensor) -> float:

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..planning.cost import MUON_COST, FunctionCostModel
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, as_float
+from ._common import MatrixOptimizer, as_float, check_nonnegative
 from .newton_schulz import DEFAULT_NS_COEFFICIENTS, check_ns_args, newton_schulz_
 
 __all__ = ["Muon", "muon", "newton_schulz", "newton_schulz_batched", "adjust_lr", "ns_dtype_name", "resolve_ns_dtype"]
@@ -156,14 +156,7 @@ class Muon(MatrixOptimizer):
         ns_dtype: torch.dtype | str = torch.bfloat16,
         batched: bool = True,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        check_nonnegative(lr, momentum=momentum, weight_decay=weight_decay)
         if adjust_lr_fn not in _ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
         check_ns_args(ns_coefficients, ns_steps)

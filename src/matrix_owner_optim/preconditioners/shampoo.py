@@ -67,13 +67,11 @@ makes a block whose long/short ratio exceeds it one-sided: the small side's fact
 ``-1/2``. No host synchronisation inside :meth:`step` (the step count is a Python int, the
 zero-factor guard a tensor operation); a tensor ``lr`` is applied as a tensor.
 
-State per parameter (float32, or float64 for float64 parameters): ``step`` (a Python int);
-per block the factors and roots, keyed ``L``/``R``/``L_root``/``R_root`` when the matrix is
-one block and ``L_i_j`` ... for block ``(i, j)`` otherwise (one side only when one-sided);
-per element ``filtered_grad`` (``beta1 > 0``), ``momentum_buffer`` (``momentum > 0``) and
-``graft_state`` (AdaGrad/RMSprop/Adam grafting) -- what :func:`~..planning.cost.shampoo_cost`
-prices.
-
+State per parameter (float32, or float64 for float64 parameters): ``step`` (a Python int), per
+block ``L``/``R``/``L_root``/``R_root`` (keys suffixed ``_i_j`` for block ``(i, j)`` of a
+several-block matrix; one side when one-sided), per element ``filtered_grad`` (``beta1 > 0``),
+``momentum_buffer`` (``momentum > 0``) and ``graft_state`` (AdaGrad/RMSprop/Adam grafting):
+what :func:`~..planning.cost.shampoo_cost` prices.
 Stacks and fused blocks: every matrix of a :class:`~..planning.views.MatrixLayout` keeps its own
 factors and roots, stacked per run (``L`` of shape ``(E, r, r)``, keys suffixed ``_m<run>`` for
 several runs), and is preconditioned exactly as alone (DESIGN.md, "Matrix views").
@@ -95,7 +93,14 @@ from ..planning.cost import (
     shampoo_sides,
 )
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, MatrixState, matrix_inverse_root, matrix_positions, state_dtype_for
+from ._common import (
+    MatrixOptimizer,
+    MatrixState,
+    check_nonnegative,
+    matrix_inverse_root,
+    matrix_positions,
+    state_dtype_for,
+)
 
 __all__ = ["Shampoo", "shampoo", "shampoo_blocks", "GRAFTING_TYPES"]
 
@@ -153,10 +158,7 @@ class Shampoo(MatrixOptimizer):
         root_dtype: torch.dtype = torch.float32,
         beta2: float | None = None,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        check_nonnegative(lr, eps=eps, weight_decay=weight_decay)
         if len(betas) != 2:
             raise ValueError(f"betas must be (beta1, beta2), got {betas}")
         beta1, factor_beta2 = betas[0], betas[1] if beta2 is None else beta2
@@ -164,12 +166,8 @@ class Shampoo(MatrixOptimizer):
             raise ValueError(f"beta1 (betas[0]) must be in [0, 1), got {beta1}")
         if not 0.0 < factor_beta2 <= 1.0:
             raise ValueError(f"beta2 must be in (0, 1], got {factor_beta2}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if not (isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1):
             raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {max_preconditioner_dim!r}")
         if not (isinstance(precondition_frequency, int) and precondition_frequency >= 1):
@@ -228,18 +226,6 @@ class Shampoo(MatrixOptimizer):
             grafting_state=grafting not in (None, "sgd"),
         )
 
-    # -- blocks ----------------------------------------------------------------------------------
-    @staticmethod
-    def block_keys(
-        shape: torch.Size | tuple[int, ...], group: dict[str, Any], band: RowBand | None = None
-    ) -> list[Block]:
-        """:func:`shampoo_blocks` of ``shape`` under ``group``'s block size (a band's blocks
-        numbered by the whole matrix's block rows)."""
-        first, rows = (band.start, band.rows) if band is not None else (0, None)
-        return shampoo_blocks(
-            shape, group["max_preconditioner_dim"], group["max_aspect_ratio"], first_row=first, total_rows=rows
-        )
-
     def _band(self, p: Tensor, group: dict[str, Any]) -> RowBand | None:
         """``p``'s band, checked against the group's block size (recorded on the band)."""
         band = row_band_of(p)
@@ -256,7 +242,10 @@ class Shampoo(MatrixOptimizer):
         state["step"] = 0
         for run, (count, m, n) in enumerate(layout.matrix_shapes()):
             lead = () if layout.single else (count,)  # a stack keeps one factor per matrix
-            for suffix, rs, cs, left, right in self.block_keys((m, n), group, row_band_of(p)):
+            band = row_band_of(p)  # a band's blocks keep the whole matrix's block rows
+            first, rows = (band.start, band.rows) if band is not None else (0, None)
+            cap, ratio = group["max_preconditioner_dim"], group["max_aspect_ratio"]
+            for suffix, rs, cs, left, right in shampoo_blocks((m, n), cap, ratio, first_row=first, total_rows=rows):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 for side, size, has in (("L", r, left), ("R", c, right)):
                     if not has:

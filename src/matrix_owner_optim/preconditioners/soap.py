@@ -23,35 +23,23 @@ Step order (following the official code, github.com/nikhilvyas/SOAP, for 2D tens
        L, R <- lerp(L, G G^T, 1 - shampoo_beta), lerp(R, G^T G, 1 - shampoo_beta)
        if t % precondition_frequency == 0: refresh the bases
 
-3. Refresh (one power-iteration step + QR per side): estimate the eigenvalues
-   ``diag(Q^T F Q)`` in the current basis, sort the columns of ``Q`` by them, descending, and
-   permute ``v`` along that side accordingly, then ``Q <- qr(F Q)``. Sorting first keeps the
-   basis order tied to the eigenvalue order, which is what makes Adam-in-the-eigenbasis
-   independent of eigh/QR ordering conventions; column *signs* do not matter (they cancel
-   between projecting and projecting back, and ``v`` holds squares). So with distinct
-   eigenvalues the update is equivariant to orthogonal rotations ``G -> U G V^T``.
+3. Refresh (one power-iteration step + QR per side): sort ``Q``'s columns by the eigenvalue
+   estimates ``diag(Q^T F Q)``, descending (permuting ``v`` alike), then ``Q <- qr(F Q)``.
+   Sorting first ties the basis order to the eigenvalue order, so Adam-in-the-eigenbasis does
+   not depend on eigh/QR ordering conventions (column signs cancel), and with distinct
+   eigenvalues the update is equivariant to rotations ``G -> U G V^T``.
 
-Options of the reference implementation, with its defaults:
-
-* ``max_precond_dim`` (10000): a dimension larger than this keeps no factor and is left
-  unrotated (identity basis), so a vocabulary-sized side never gets a ``V x V`` factor or an
-  eigendecomposition; Adam still runs on it, in the other side's eigenbasis.
-* ``merge_dims`` (False): precondition the matrix in a merged shape: adjacent dimensions are
-  merged while their product stays within ``max_precond_dim`` (see
-  :func:`~..planning.cost.soap_working_shape`), so an ``m x n`` matrix with ``m n <=
-  max_precond_dim`` is preconditioned as one vector with a single ``mn x mn`` factor.
-* ``precondition_1d`` (False): give 1D parameters a factor (when within ``max_precond_dim``);
-  only then does this class accept 1D parameters (without it the reference runs plain Adam on
-  them, which is the tail optimizer's job).
-* ``normalize_grads`` (False): divide the projected-back update by its RMS (``+1e-30``).
+The reference's options, with its defaults: ``max_precond_dim`` (10000; a larger dimension
+keeps no factor and stays unrotated, so a vocabulary-sized side never gets a ``V x V`` factor),
+``merge_dims`` (False; adjacent dimensions merged while their product stays within
+``max_precond_dim``, :func:`~..planning.cost.soap_working_shape`), ``precondition_1d`` (False;
+a factor for 1D parameters, which this class accepts only then) and ``normalize_grads`` (False;
+the update divided by its RMS, ``+1e-30``).
 
 State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
-``exp_avg``, ``exp_avg_sq`` (the parameter's shape), and per preconditioned side ``L``/``QL``
-(rows, or the merged vector) and ``R``/``QR`` (columns) -- what
-:func:`~..planning.cost.soap_cost` prices. A stack or fused tensor (a
-:class:`~..planning.views.MatrixLayout` of several matrices) keeps factors and bases per matrix,
-stacked per run of same-shape matrices (``L`` of shape ``(E, m, m)``; keys suffixed ``_m<run>``
-for several runs), and every matrix is stepped exactly as alone.
+``exp_avg``, ``exp_avg_sq`` (the parameter's shape), per rotated side ``L``/``QL`` and
+``R``/``QR`` (what :func:`~..planning.cost.soap_cost` prices); a stack or fused tensor keeps
+them per matrix, stacked per run (``L`` of shape ``(E, m, m)``), each matrix stepped as alone.
 """
 
 from __future__ import annotations
@@ -64,7 +52,7 @@ from torch import Tensor
 
 from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, MatrixState, as_float, matrix_positions, state_dtype_for
+from ._common import MatrixOptimizer, MatrixState, as_float, check_nonnegative, matrix_positions, state_dtype_for
 
 __all__ = ["SOAP", "soap", "soap_layout"]
 
@@ -149,16 +137,11 @@ class SOAP(MatrixOptimizer):
         precondition_1d: bool = False,
         normalize_grads: bool = False,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        check_nonnegative(lr, eps=eps, weight_decay=weight_decay)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two values in [0, 1), got {betas}")
         if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
             raise ValueError(f"shampoo_beta must be None or in [0, 1), got {shampoo_beta}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if int(precondition_frequency) < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
         if not (isinstance(max_precond_dim, int) and max_precond_dim >= 1):
