@@ -10,17 +10,24 @@ every round, so drift and other processes' load fall on every variant alike):
   per-matrix (``batched=False``, the path kept bitwise ``torch.optim.Muon``), and
   ``torch.optim.Muon`` (bfloat16 Newton-Schulz only: torch has no other), on copies of the
   same parameters and gradients, every optimizer's defaults (lr 1e-3, weight decay 0.1);
-* the floor: Newton-Schulz's FLOPs (``ns_steps`` x (4 s^2 l + 2 s^3) per s x l matrix, s the
-  short side) at the matmul rate this CPU reaches on a 256 x 1024 x 256 product of that dtype,
-  measured in the same round: the faster of ``A @ B`` (both contiguous) and ``A @ C.T`` (the
-  Gram form Newton-Schulz uses), so the floor is the stricter of the two.
+* the floor: Newton-Schulz's matmuls at the rate this CPU reaches on each of them. Per s x l
+  matrix (s the short side) an iteration runs three products, ``X X^T`` (s x l x s), ``A A``
+  (s x s x s) and ``B X`` (s x s x l): ``ns_steps`` x (4 s^2 l + 2 s^3) FLOPs. Each distinct
+  product shape of the step is timed in the same round in its four operand layouts (either
+  operand row- or column-major); the floor is the sum over the step's products of its FLOPs at
+  the fastest layout's rate. Beside it the *kernel floor*: the same products in the calls
+  Newton-Schulz makes (``mm(X, X.mT)``, ``addmm(A, A, A, beta, alpha)``, ``addmm(X, B, X,
+  beta)``, torch's Muon's), so ``kernel floor / step`` is the share of the step that is its own
+  matmuls and ``floor / kernel floor`` what the kernels torch picks for those layouts leave on
+  the table (on a CPU without bfloat16 matmul units, torch's bfloat16 ``A @ B`` with both
+  operands row-major is a scalar loop, ~20x slower than ``A.mT @ B``).
 
 Times are this thread's CPU time (``time.thread_time``: on a shared machine the time another
-process holds the core is not the step's; wall-clock medians are in the JSON beside them).
+process holds the core is not the step's; wall-clock medians of the same steps are in the JSON).
 Reported per case and dtype: median step time over rounds (each round's figure the median of
 ``--steps`` steps), the floor, efficiency = floor / step, and each package path's time over
 torch's (median of the per-round ratios). The step includes everything an optimizer step does
-(momentum, casts, norms, the update), the floor only the Newton-Schulz matmuls.
+(momentum, casts, norms, the update), the floors only the Newton-Schulz matmuls.
 
 Shampoo and SOAP: one step of each on the test Transformer's matrices under ``torch.profiler``,
 its self time split into matmuls, eigendecompositions / QR (the roots and bases), other aten
@@ -28,8 +35,8 @@ operations (elementwise, norms, copies), and the rest of the wall time (Python a
 for a step that recomputes roots / bases and one that reuses them; beside it the unprofiled
 median step time.
 
-    python benchmarks/ns_floor.py                 # 9 rounds, 5 steps each
-    python benchmarks/ns_floor.py --rounds 3      # a quick look
+    python benchmarks/ns_floor.py                 # 5 rounds, 3 steps each
+    python benchmarks/ns_floor.py --rounds 1 --steps 1 --case "test Transformer 4x256"  # a look
 
 Writes ``benchmarks/results/ns_floor.json`` (``tables`` for the docs site).
 """
@@ -41,7 +48,9 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,32 +82,58 @@ def bench_gpt_shapes() -> list[tuple[int, int]]:
     return [(p.shape[0], p.shape[1]) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
 
 
-def ns_flops(shapes: list[tuple[int, int]], ns_steps: int = NS_STEPS) -> int:
-    total = 0
+def ns_products(shapes: list[tuple[int, int]], ns_steps: int = NS_STEPS) -> Counter[tuple[str, int, int, int]]:
+    """How many times the step runs each product ``(kind, m, k, n)`` (``m x k`` by ``k x n``):
+    per s x l matrix and iteration ``X X^T`` ("gram", s x l x s), ``A A`` ("square", s x s x s)
+    and ``B X`` ("apply", s x s x l)."""
+    counts: Counter[tuple[str, int, int, int]] = Counter()
     for m, n in shapes:
         s, long = min(m, n), max(m, n)
-        total += ns_steps * (4 * s * s * long + 2 * s**3)
-    return total
+        for product in (("gram", s, long, s), ("square", s, s, s), ("apply", s, s, long)):
+            counts[product] += ns_steps
+    return counts
 
 
-def matmul_rate(dtype: torch.dtype, reps: int = 25) -> float:
-    """FLOP/s of a 256 x 1024 x 256 product in ``dtype``: the faster of its two forms (median
-    thread CPU time)."""
+def ns_flops(shapes: list[tuple[int, int]], ns_steps: int = NS_STEPS) -> int:
+    """``ns_steps`` x (4 s^2 l + 2 s^3) per s x l matrix: the products of :func:`ns_products`."""
+    return sum(count * 2 * m * k * n for (_, m, k, n), count in ns_products(shapes, ns_steps).items())
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def product_times(kind: str, m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> tuple[float, float]:
+    """``(fastest layout, Newton-Schulz's call)``: median thread CPU seconds of one ``m x k`` by
+    ``k x n`` product in ``dtype``, the fastest of its four operand layouts and the call
+    Newton-Schulz makes for ``kind`` (its operands' layouts, its fused ``addmm`` form)."""
     gen = torch.Generator().manual_seed(1)
-    a = torch.randn(256, 1024, generator=gen).to(dtype)
-    b = torch.randn(1024, 256, generator=gen).to(dtype)
-    c = torch.randn(256, 1024, generator=gen).to(dtype)
-    best = 0.0
-    for fn in (lambda: a @ b, lambda: a @ c.T):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.thread_time()
-            fn()
-            times.append(time.thread_time() - t0)
-        best = max(best, 2 * 256 * 1024 * 256 / statistics.median(times))
-    return best
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    lefts, rights = (a, a.mT.contiguous().mT), (b, b.mT.contiguous().mT)  # row- and column-major
+    best = min(_median_time(partial(torch.mm, x, y), reps) for x in lefts for y in rights)
+    out = torch.empty(m, n, dtype=dtype)
+    calls = {
+        "gram": partial(torch.mm, a, a.mT, out=out),  # X X^T
+        "square": partial(torch.addmm, a, a, a, beta=-4.775, alpha=2.0315, out=out),  # b A + c A A
+        "apply": partial(torch.addmm, b, a, b, beta=3.4445, out=out),  # a X + B X
+    }
+    return best, _median_time(calls[kind], reps)
+
+
+def floors(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[float, float]:
+    """``(floor, kernel floor)`` seconds of the step's Newton-Schulz products (module docstring)."""
+    floor = kernel = 0.0
+    for (kind, m, k, n), count in ns_products(shapes).items():
+        best, call = product_times(kind, m, k, n, dtype)
+        floor, kernel = floor + count * best, kernel + count * call
+    return floor, kernel
 
 
 def _params(shapes: list[tuple[int, int]], seed: int = 0) -> list[nn.Parameter]:
@@ -109,18 +144,19 @@ def _params(shapes: list[tuple[int, int]], seed: int = 0) -> list[nn.Parameter]:
     return params
 
 
-def _median_step(opt: torch.optim.Optimizer, steps: int, clock: Callable[[], float] = time.thread_time) -> float:
-    """Median of ``steps`` steps' times on ``clock`` (default: this thread's CPU time)."""
-    times = []
+def _median_step(opt: torch.optim.Optimizer, steps: int) -> tuple[float, float]:
+    """Medians of ``steps`` steps' thread CPU and wall-clock times."""
+    cpu, wall = [], []
     for _ in range(steps):
-        t0 = clock()
+        c0, w0 = time.thread_time(), time.perf_counter()
         opt.step()
-        times.append(clock() - t0)
-    return statistics.median(times)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def muon_case(shapes: list[tuple[int, int]], dtype: torch.dtype, rounds: int, steps: int) -> dict[str, Any]:
-    """Median step times of every variant and the floor, alternated rounds."""
+    """Median step times of every variant and the floors, alternated rounds."""
     makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "batched": lambda: Muon(_params(shapes), ns_dtype=dtype, batched=True),
         "per_matrix": lambda: Muon(_params(shapes), ns_dtype=dtype, batched=False),
@@ -131,23 +167,28 @@ def muon_case(shapes: list[tuple[int, int]], dtype: torch.dtype, rounds: int, st
     for opt in opts.values():  # warm-up: state, oneDNN primitives, allocator
         opt.step()
         opt.step()
-    flops = ns_flops(shapes)
-    per: dict[str, list[float]] = {name: [] for name in [*opts, "floor"]}
+    per: dict[str, list[float]] = {name: [] for name in [*opts, "floor", "kernel_floor"]}
     wall: dict[str, list[float]] = {name: [] for name in opts}
     names = list(opts)
     for r in range(rounds):
         # rotated, so every variant takes every place in a round equally often and none runs
         # twice in a row across rounds (the one that does finds its tensors warm in cache)
         order = names[r % len(names) :] + names[: r % len(names)]
-        per["floor"].append(flops / matmul_rate(dtype))
+        floor, kernel = floors(shapes, dtype)
+        per["floor"].append(floor)
+        per["kernel_floor"].append(kernel)
         for name in order:
-            per[name].append(_median_step(opts[name], steps))
-            wall[name].append(_median_step(opts[name], steps, time.perf_counter))
+            cpu, clock = _median_step(opts[name], steps)
+            per[name].append(cpu)
+            wall[name].append(clock)
+    flops = ns_flops(shapes)
     out: dict[str, Any] = {"matrices": len(shapes), "ns_flops": flops}
     out["median_s"] = {k: statistics.median(v) for k, v in per.items()}
     out["wall_median_s"] = {k: statistics.median(v) for k, v in wall.items()}
     out["matmul_rate_gflops"] = flops / out["median_s"]["floor"] / 1e9
+    out["kernel_rate_gflops"] = flops / out["median_s"]["kernel_floor"] / 1e9
     out["efficiency"] = {k: out["median_s"]["floor"] / out["median_s"][k] for k in opts}
+    out["kernel_efficiency"] = {k: out["median_s"]["kernel_floor"] / out["median_s"][k] for k in opts}
     if "torch" in opts:
         out["vs_torch"] = {
             k: statistics.median(a / t for a, t in zip(per[k], per["torch"], strict=True))
@@ -202,7 +243,7 @@ def preconditioner_breakdown(shapes: list[tuple[int, int]], steps: int) -> list[
         opt = make(_params(shapes))
         for _ in range(warm):
             opt.step()
-        cpu = _median_step(opt, steps)
+        cpu, _ = _median_step(opt, steps)
         split = _profile_split(opt)
         rows.append({"case": name, "median_s": cpu, **split})
     return rows
@@ -222,9 +263,11 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
                     round(ms["per_matrix"] * 1e3, 1),
                     round(ms["torch"] * 1e3, 1) if "torch" in ms else "n/a",
                     round(ms["floor"] * 1e3, 1),
-                    round(r["matmul_rate_gflops"]),
+                    round(ms["kernel_floor"] * 1e3, 1),
+                    round(r["matmul_rate_gflops"], 1),
                     round(r["efficiency"]["batched"], 2),
                     round(r["efficiency"]["per_matrix"], 2),
+                    round(r["kernel_efficiency"]["batched"], 2),
                     round(vs["batched"], 2) if vs else "n/a",
                     round(vs["per_matrix"], 2) if vs else "n/a",
                 ]
@@ -238,16 +281,19 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
             "per-matrix ms",
             "torch.optim.Muon ms",
             "floor ms",
-            "matmul GFLOP/s",
+            "kernel floor ms",
+            "floor GFLOP/s",
             "efficiency batched",
             "efficiency per-matrix",
+            "batched / kernel floor",
             "batched / torch",
             "per-matrix / torch",
         ],
         "rows": rows,
         "note": (
-            "Thread CPU time, medians over alternated rounds in one process; floor = Newton-Schulz FLOPs at the "
-            "256x1024x256 matmul rate measured in the same rounds; efficiency = floor / step; "
+            "Thread CPU time, medians over alternated rounds in one process; floor = the step's Newton-Schulz "
+            "products at the rate of each product's fastest operand layout, kernel floor = the same products in "
+            "the calls Newton-Schulz makes, both measured in the same rounds; efficiency = floor / step; "
             "ratios = medians of per-round ratios. torch.optim.Muon runs bfloat16 only. "
             f"{results['config']['load']}"
         ),
@@ -277,8 +323,9 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--case", action="append", help="only this matrix set (repeatable; default: both)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
@@ -286,6 +333,11 @@ def main() -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()
     cases = {"test Transformer 4x256": test_transformer_shapes(), "bench GPT 4x256": bench_gpt_shapes()}
+    if args.case:
+        unknown = set(args.case) - set(cases)
+        if unknown:
+            raise SystemExit(f"unknown --case {sorted(unknown)}; known: {sorted(cases)}")
+        cases = {name: shapes for name, shapes in cases.items() if name in args.case}
     results: dict[str, Any] = {"config": {"rounds": args.rounds, "steps": args.steps, "threads": 1}, "muon": {}}
     for case, shapes in cases.items():
         results["muon"][case] = {}
@@ -305,7 +357,7 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    results["preconditioners"] = preconditioner_breakdown(cases["test Transformer 4x256"], min(args.steps, 3))
+    results["preconditioners"] = preconditioner_breakdown(test_transformer_shapes(), min(args.steps, 3))
     for r in results["preconditioners"]:
         print(
             f"{r['case']:28s} {r['median_s'] * 1e3:.1f} ms  "

@@ -1,40 +1,18 @@
-"""The optimizer registry: one entry per name, holding the optimizer's factory and its cost; and
-the one rule that turns what a user names into the cost model that prices a plan.
+"""The optimizer registry: one entry per name, holding the optimizer's factory and its cost, and
+:func:`resolve_cost`, the one rule that turns what a user names into the cost that prices a plan.
 
-Every name ``OwnerRoutedOptimizer(matrix=..., tail=...)``, ``plan_model(preconditioner=...)``
-and ``fully_shard(preconditioner=...)`` accept is one :class:`OptimizerEntry`: the factory
-that builds the optimizer (an object, or a ``"module:attribute"`` target imported on first use)
-and the :class:`~.cost.CostModel` the planner prices its tensors with. The optimizer layer reads
-the factory (``optim.registry.resolve_optimizer``), the planner the cost; both read this one
-table, so a name cannot mean one optimizer to the router and another to the planner. It holds
-matrix optimizers (Muon, Shampoo, SOAP) and coordinate-wise ones (AdamW, SGD) alike. It lives in
-``planning`` because imports point downward (``optim`` reads ``planning``): the table imports no
-optimizer until one is resolved.
-
-**One resolution of a cost.** :func:`resolve_cost` is the only place a name, an optimizer class
-or a built optimizer becomes a :class:`~.cost.CostModel`, and :data:`DEFAULT_COST` is the only
-default. The edges call it (``fully_shard``, ``plan_model``, ``plan_mesh``,
-``OwnerRoutedOptimizer``); everything below them takes a ``CostModel``.
-
-Three sources of names, none of which can silently replace another:
-
-* **Built-ins** (:data:`BUILTINS`), registered here in code as ``"module:attribute"`` targets
-  with their cost models and imported only when first resolved (so ``torch_optimizer`` is
-  imported only for ``torch_optimizer_shampoo``). They exist whether or not this package's
-  metadata is installed.
-* **Code**: :func:`register_optimizer` (a name already taken raises unless
-  ``overwrite=True``); ``register_preconditioner`` is the same function under its first name.
-* **Entry points** of installed distributions in the group :data:`ENTRY_POINT_GROUP`
-  (``name = "pkg.module:Factory"``), or in the group it was first named,
-  :data:`PRECONDITIONER_ENTRY_POINT_GROUP` (read alike, so existing plugins keep working),
-  loaded lazily on first use. An entry point whose name is a
-  built-in's (pointing elsewhere), a code registration's, or another distribution's raises
-  when that name is resolved, naming both sides; other names keep working.
-
-A factory is anything called as ``factory(param_groups, **options)`` that returns a
-``torch.optim.Optimizer`` over whole tensors. Its cost is the one registered with it, else the
-``cost_model`` attribute it carries, else :data:`DEFAULT_COST` (Muon's: a conservative
-estimate, never zero).
+Every name ``OwnerRoutedOptimizer(matrix=..., tail=...)``, ``plan_model(preconditioner=...)`` and
+``fully_shard(preconditioner=...)`` accept is one :class:`OptimizerEntry`, read by the router
+(the factory, ``optim.registry.resolve_optimizer``) and the planner (the cost) alike, so a name
+cannot mean two optimizers. It lives in ``planning`` because imports point downward; the table
+imports no optimizer until one is resolved. Names come from three sources, none of which can
+silently replace another: the built-ins (:data:`BUILTINS`, ``"module:attribute"`` targets
+imported on first use), :func:`register_optimizer` in code (``register_preconditioner``, its
+first name), and the entry points of installed distributions (:data:`ENTRY_POINT_GROUP`, or
+:data:`PRECONDITIONER_ENTRY_POINT_GROUP`, its first name); a collision raises when the name is
+resolved, naming both sides. A factory is called as ``factory(param_groups, **options)``; its
+cost is the one registered with it, else its ``cost_model``, else :data:`DEFAULT_COST`. The
+resolution order is DESIGN.md's ("Experts as ownable units and the plan's price").
 """
 
 from __future__ import annotations

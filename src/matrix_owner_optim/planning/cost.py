@@ -1,11 +1,9 @@
 """Per-tensor cost model: resident bytes and optimizer FLOPs on the rank that updates a tensor.
 
-The planner balances what these functions report. Each preconditioner states its own cost
-(``Muon.cost_model`` and so on point at the objects below), and a third-party optimizer can
-bring its own: each name's cost is part of its entry in the one optimizer registry
-(:mod:`.registry`; ``register_optimizer(name, factory, cost_model=...)``, or the factory's
-``cost_model`` attribute), and ``registry.resolve_cost`` is the one rule that picks it.
-Costs are estimates for balancing, not measurements.
+The planner balances what these report; each preconditioner states its own (``Muon.cost_model``
+and so on point at the objects below), a third-party optimizer brings its own through the
+registry (:mod:`.catalog`, whose ``resolve_cost`` picks it). Estimates for balancing, not
+measurements.
 """
 
 from __future__ import annotations

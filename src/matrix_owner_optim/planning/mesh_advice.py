@@ -1,20 +1,12 @@
 """Which (replicate, shard) mesh keeps every rank of a W-rank job balanced: :func:`plan_mesh`.
 
-Why: the owner layout puts every matrix whole on one rank, so once the ranks of the shard group
-outnumber what the matrices can fill evenly, owners fan out and ranks sit idle (the 32-layer
-d=1024 GPT, 128 matrices, has resident bytes max/mean 1.14 at W=64 and 9.2 at W=1024). HSDP
-fixes it: a 2D ``(replicate, shard)`` DeviceMesh, the owner layout inside the shard dim and the
-gradients all-reduced across replicas (``fully_shard(mesh=...)`` supports it). The advice is the
-fewest replicas, that is the largest shard size dividing W, whose plan keeps both resident bytes
-and optimizer FLOPs within ``max_imbalance`` of the mean and, when given, fits
-``memory_per_rank``. Fewest replicas because every replica holds a whole copy of the model's
-state: memory per rank falls as the shard dim grows, and the replica all-reduce shrinks.
-
-The rule needs no hardware, so this module stays pure (plans and arithmetic, no process group,
-no hardware constants). Projected step and communication times need a cluster's bandwidths
-and FLOP rates; those live with the stated constants of the simulate cost model, in the
-toolbox (``matrix_owner_optim.toolbox.simulate.project_mesh``, printed by
-``matrix-owner-optim plan --advise``). The library never imports the toolbox.
+Once the ranks of the shard group outnumber what whole matrices can fill evenly, owners fan out
+and ranks sit idle (the 32-layer d=1024 GPT: resident bytes max/mean 1.14 at W=64, 9.2 at
+W=1024); HSDP's 2D mesh keeps the owner layout inside the shard dim. The advice is the fewest
+replicas (the largest shard size dividing W: every replica holds a whole copy of the state)
+whose plan keeps bytes and FLOPs within ``max_imbalance`` and fits ``memory_per_rank``. Pure:
+plans and arithmetic; projected times live in the toolbox (``toolbox.simulate.project_mesh``,
+``matrix-owner-optim plan --advise``), which the library never imports. DESIGN.md, "Mesh advice".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The global owner planner: every matrix whole on one rank, ranks balanced model-wide.
 
-Items are the matrices plus one packed tail per unit (a unit's tail tensors share an owner so
-that their AdamW step is one foreach call). ``rows`` tensors are split evenly by rows and
-load every rank alike. Items are placed largest first onto the rank whose resulting load is
-smallest, measured as the larger of its normalised bytes and normalised FLOPs (a two-resource
-LPT), then a bounded local search moves or swaps items off the most loaded rank while that
-lowers the maximum; last, matrices of one unit that cost the same but differ in shape trade
-owners so that every rank holds as even a share of each shape as it can (``shape_counts.even_shapes``: the
-matrix optimizer's batches, at no cost to either balance). Ties break on item index and rank, so
-every process computes the same plan.
+Items (the matrices, one packed tail per unit) go largest first onto the rank whose resulting
+level (the larger of normalised bytes and FLOPs) is lowest, then :mod:`.refine`'s bounded moves
+and swaps, then :mod:`.shape_counts`' even shares of every shape; ``rows`` tensors load every
+rank alike. Heavy stacks go expert by expert, heavy blocked-Shampoo matrices band by band where
+that helps (DESIGN.md, "Planning" and "Experts as ownable units"). Ties break on item index
+and rank, so every process computes the same plan.
 """
 
 from __future__ import annotations

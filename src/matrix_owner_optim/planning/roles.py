@@ -1,23 +1,15 @@
-"""Default roles and user overrides.
+"""Default roles and user overrides (``{"fqn-glob": role}``, the last matching glob wins).
 
-From a module: weights of ``nn.Linear`` (and any other 2D parameter used as a matrix) are
-``matrix``; so are stacks of matrices (a >2D parameter of a module that is not a convolution,
-e.g. fused experts ``[E, out, in]``; see :mod:`.views` for how they are read);
-``nn.Embedding`` weights and output heads are ``rows``; the router of a mixture of experts
-(see :func:`router_fqns`) and everything else is ``tail``. An output head is a Linear tied to
-an embedding (the same weight), named like a head (see :data:`EMBEDDING_NAME_HINTS`), or the
-model's final projection (see
-:func:`final_projection`) -- never just any Linear whose weight has the vocabulary table's
-shape: with ``vocab = 4 d`` every MLP up-projection has that shape.
-From names alone (``model.named_parameters()`` handed to an optimizer): 2D tensors are
-``matrix`` unless their name marks them as an embedding or an output head or a router; >2D
-tensors named like experts (:data:`STACK_NAME_HINTS`) are ``matrix`` (stacks).
-
-The router (``gate``/``router`` ``[E, H]`` next to ``experts``) stays on the tail optimizer
-(AdamW), as Moonlight's, torchtitan's and Megatron's Muon MoE recipes keep it: it is small,
-and its rows are per-expert logit scales that load balancing tunes one by one; orthogonalising
-it would give every expert's logit direction the same norm.
-Overrides are ``{"fqn-glob": role}``; the last matching glob wins.
+From a module: 2D ``nn.Linear`` weights and stacks of matrices (a >2D parameter of a non-conv
+module, :mod:`.views`) are ``matrix``; ``nn.Embedding`` weights and output heads are ``rows``;
+an MoE router (:func:`router_fqns`) and everything else is ``tail``. An output head is a Linear
+tied to an embedding, named like a head (:data:`EMBEDDING_NAME_HINTS`) or the model's final
+projection (:func:`final_projection`), never just any Linear of the vocabulary table's shape
+(with ``vocab = 4 d`` every MLP up-projection has it). From names alone: 2D tensors are
+``matrix`` unless named like an embedding, a head or a router; >2D tensors named like experts
+(:data:`STACK_NAME_HINTS`) are stacks. The router stays on the tail optimizer, as Moonlight's,
+torchtitan's and Megatron's Muon MoE recipes keep it: its rows are per-expert logit scales that
+load balancing tunes one by one.
 """
 
 from __future__ import annotations

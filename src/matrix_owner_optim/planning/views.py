@@ -1,31 +1,13 @@
 """Matrix views: how a parameter is read as the ``[out, in]`` matrices a matrix optimizer steps.
 
-One rule, used by the roles (:mod:`.roles`), the cost model (:mod:`.cost`) and the
-preconditioners (Muon, Shampoo, SOAP) alike. A :class:`MatrixView` names one of three readings
-of a tensor and, optionally, a split of each matrix's rows into fused blocks:
-
-``"matrix"``  a 2D tensor ``[out, in]``: one matrix.
-``"stack"``   leading dims index independent matrices, the last two are ``[out, in]``: fused
-              experts (transformers' ``experts.gate_up_proj`` ``[E, 2I, H]`` is ``E``
-              matrices ``[2I, H]``; torchtitan's ``w1``/``w2``/``w3`` ``[E, ., .]``).
-``"conv"``    a convolution kernel ``[out, in, *k]``: one matrix ``(out, in * prod(k))``.
-
-``row_blocks=(d, d, d)`` (or ``block_rows=head_dim``) splits each matrix's rows into blocks
-stepped as separate matrices: a fused ``wqkv`` ``[3d, d]`` is q, k and v, or one matrix per
-head. Every block is its own matrix for the optimizer: its own Newton-Schulz (with its own
-shape's learning-rate scale), its own Shampoo/SOAP factors, its own cost.
-
-The default (:func:`default_matrix_view`): a 2D tensor is a matrix; a conv kernel (its module is
-a convolution, or, with no module known, its name says ``conv``) is ``"conv"``; any other 3D
-tensor is a ``"stack"``, as is any >2D tensor of a module known not to be a convolution; a >3D
-tensor of unknown origin is ambiguous and must be named in ``matrix_views=`` (a glob override,
-``{"*.experts.*": "stack", "*.wqkv.weight": MatrixView(row_blocks=(d, d, d))}``, last match
-wins, as ``roles=``).
-
-A tensor handed to a matrix optimizer carries its resolved :class:`MatrixLayout` (declared with
-:func:`declare_matrix_view`; the router declares one on every matrix it routes, so the
-``(out, rest)`` 2D storage view of a stack is still stepped slice by slice); an undeclared tensor
-gets the default from its shape alone.
+One rule for the roles (:mod:`.roles`), the cost model (:mod:`.cost`) and the preconditioners. A
+:class:`MatrixView` is ``"matrix"`` (a 2D ``[out, in]``), ``"stack"`` (leading dims index
+independent matrices: fused experts ``[E, 2I, H]``) or ``"conv"`` (a kernel ``[out, in, *k]``,
+one ``(out, in * prod(k))`` matrix), optionally with ``row_blocks``/``block_rows`` splitting each
+matrix's rows into blocks stepped as separate matrices (a fused ``wqkv`` as q, k, v). The
+default (:func:`default_matrix_view`), the ``matrix_views=`` glob overrides and the
+:class:`MatrixLayout` a routed tensor carries (:func:`declare_matrix_view`) are DESIGN.md's
+("Matrix views").
 """
 
 from __future__ import annotations

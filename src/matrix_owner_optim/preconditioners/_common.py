@@ -1,21 +1,7 @@
-"""Helpers shared by the single-tensor matrix optimizers (Muon, Shampoo, SOAP).
-
-What lives here and why:
-
-* :func:`require_2d` -- the one place that words the error for a non-2D tensor, so every
-  preconditioner fails the same way, naming the shape (and the parameter, when its name is
-  known) and saying what to do about it.
-* :func:`matrix_inverse_root` -- ``(A + damping I)^(-1/p)`` of a symmetric PSD matrix via
-  ``torch.linalg.eigh`` in a chosen precision (Shampoo's roots).
-* :func:`state_dtype_for` -- the precision optimizer state is kept in: float64 for float64
-  parameters, float32 otherwise (bf16/fp16 factors and bases are too coarse to be useful).
-* :class:`MatrixOptimizer` -- a thin :class:`torch.optim.Optimizer` base that checks every
-  parameter reads as matrices at construction (2D, a 3D stack, or a declared
-  :class:`~..planning.views.MatrixView`) and keeps state dtypes across ``load_state_dict`` (stock
-  ``Optimizer.load_state_dict`` casts every floating state tensor to the parameter's dtype,
-  which would silently round float32 Kronecker factors of a bf16 parameter down to bf16).
-
-Nothing here (or anywhere in ``preconditioners``) imports ``torch.distributed``.
+"""Helpers shared by the single-tensor matrix optimizers (Muon, Shampoo, SOAP): the non-2D error,
+Shampoo's inverse roots, the state dtype, and :class:`MatrixOptimizer`, the base that checks
+every parameter reads as matrices and keeps state dtypes across ``load_state_dict``. Nothing in
+``preconditioners`` imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -37,6 +23,7 @@ __all__ = [
     "matrix_inverse_root",
     "state_dtype_for",
     "as_float",
+    "check_nonnegative",
     "MatrixOptimizer",
     "MatrixState",
     "matrix_positions",
@@ -49,18 +36,9 @@ def require_2d(
     name: str | None = None,
     what: str = "parameter",
 ) -> None:
-    """Raise ``ValueError`` unless ``tensor`` is 2D.
-
-    The message names the optimizer, the shape, and ``name`` when given, and says what to do:
-    matrix optimizers act on whole matrices, so a conv kernel must be handed over as a 2D view
-    ``(out, rest)`` (the router does this) or routed to the AdamW tail.
-
-    Args:
-        tensor: the parameter or gradient to check.
-        optimizer: class name used in the message (default ``"Muon/Shampoo/SOAP"``).
-        name: the parameter's fully qualified name, if known (default None).
-        what: ``"parameter"`` or ``"gradient"`` -- which tensor failed (default ``"parameter"``).
-    """
+    """Raise ``ValueError`` unless ``tensor`` is 2D, naming ``optimizer``, the shape, ``what``
+    (``"parameter"`` or ``"gradient"``) and ``name`` when given, and saying what to do: a conv
+    kernel goes as a 2D view ``(out, rest)`` (the router does this) or to the AdamW tail."""
     if tensor.ndim == 2:
         return
     label = f"{what} {name!r}" if name else what
@@ -75,6 +53,16 @@ def state_dtype_for(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+def check_nonnegative(lr: float | Tensor, **values: float) -> None:
+    """``ValueError`` for a tensor ``lr`` of more than one element, or ``lr`` or any of ``values``
+    (by name) below 0: the checks every matrix optimizer's constructor shares with torch's."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    for name, value in {"lr": lr, **values}.items():
+        if not 0.0 <= value:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
 def as_float(value: float | Tensor) -> float:
     """A Python float from a float or a one-element tensor (torch.optim allows tensor ``lr``)."""
     if isinstance(value, Tensor):
@@ -85,13 +73,9 @@ def as_float(value: float | Tensor) -> float:
 
 
 def _eigh_with_retry(a: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.linalg.eigh(a)``; on a convergence failure retried in float64 (``a``'s dtype out).
-
-    This is Distributed Shampoo's "protected eigh": low-precision eigendecompositions of
-    ill-conditioned factors occasionally fail to converge, and float64 almost never does. An
-    exception is the only failure signal used (checking the result for NaN would need a host
-    sync); a float64 failure propagates.
-    """
+    """``torch.linalg.eigh(a)``, retried in float64 on a convergence failure (``a``'s dtype out):
+    Distributed Shampoo's "protected eigh". The exception is the only signal (a NaN check would
+    need a host sync); a float64 failure propagates."""
     try:
         return torch.linalg.eigh(a)
     except RuntimeError:
@@ -109,28 +93,14 @@ def matrix_inverse_root(
     root_dtype: torch.dtype = torch.float64,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``(mat + damping * I) ** (-1 / exponent)`` for a symmetric positive semi-definite ``mat``.
+    """``(mat + damping * I) ** (-1 / exponent)`` of a symmetric PSD ``mat`` (Shampoo's roots).
 
-    The damping is *relative*: ``damping = eps * ||mat||_F``. This keeps the damping isotropic
-    (so Shampoo stays equivariant under orthogonal rotations of the gradient) and makes the
-    preconditioned update invariant to the scale of the gradients (Shampoo's
-    ``L^-1/4 G R^-1/4`` is scale-free; an absolute epsilon would break that). An all-zero
-    ``mat`` (no gradient seen yet) gives the identity, so a stale root from such a factor
-    degrades to plain SGD rather than to a huge ``eps^(-1/p)`` multiplier.
-
-    Eigenvalues of ``mat + damping I`` are clamped below at ``damping`` before the power, so
-    round-off (e.g. in float32, where a tiny ``eps`` is below machine precision) can never
-    produce a negative or zero eigenvalue and hence NaN/inf.
-
-    No host synchronisation: the zero-matrix case and the clamp are tensor operations. A
-    float32 eigendecomposition that fails to converge is retried in float64.
-
-    Args:
-        mat: square symmetric PSD matrix.
-        exponent: ``p`` in ``-1/p`` (4 for two-sided Shampoo on a matrix, 2 for one-sided).
-        eps: relative damping (``>= 0``).
-        root_dtype: precision of the eigendecomposition (default float64).
-        out_dtype: dtype of the result (default: ``mat.dtype``).
+    The damping is relative, ``eps * ||mat||_F``: isotropic (Shampoo stays equivariant under
+    rotations of the gradient) and scale-free, as ``L^-1/4 G R^-1/4`` is. An all-zero ``mat``
+    (no gradient yet) gives the identity, so a stale root degrades to SGD, not to ``eps^(-1/p)``.
+    Eigenvalues are clamped below at the damping, so round-off never gives NaN or inf. No host
+    sync (the zero case and the clamp are tensor operations). ``root_dtype``: the
+    eigendecomposition's precision; ``out_dtype``: the result's (default ``mat.dtype``).
     """
     if mat.ndim != 2 or mat.shape[0] != mat.shape[1]:
         raise ValueError(f"matrix_inverse_root needs a square matrix, got {tuple(mat.shape)}")
@@ -151,14 +121,9 @@ class MatrixOptimizer(Optimizer):
     """Base class of the matrix optimizers: shape check at construction, dtype-preserving loads.
 
     Every tensor is stepped as the matrices of its :class:`~..planning.views.MatrixLayout`
-    (:meth:`matrix_layout`): a 2D tensor is one matrix, a stack ``[E, out, in]`` (fused experts) is
-    ``E`` matrices, a declared fused ``wqkv`` three; each is updated exactly as the optimizer
-    would update it alone. ``accepts_matrix_views`` tells the router this class does that.
-
-    Subclasses set ``_NAME`` (used in error messages) and implement ``_step_group(group)``.
-    Parameter names are taken from ``group["param_names"]`` when the optimizer was built from
-    ``named_parameters()`` (torch >= 2.6 supports named parameter groups), so errors can name
-    the offending parameter.
+    (:meth:`matrix_layout`), each exactly as alone (``accepts_matrix_views``). Subclasses set
+    ``_NAME`` (for errors) and implement ``_step_group(group)``; errors name a parameter from
+    ``group["param_names"]`` when built from ``named_parameters()``.
     """
 
     _NAME: str = "Muon/Shampoo/SOAP"
@@ -252,13 +217,9 @@ class MatrixOptimizer(Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keep each state tensor's dtype.
-
-        The stock method casts floating state to the parameter's dtype; matrix optimizers keep
-        their factors, bases and moments in float32/float64 regardless of the parameter dtype
-        (see :func:`state_dtype_for`), so after the stock load the saved tensors are restored
-        with their saved dtype on the parameter's device.
-        """
+        """As :meth:`torch.optim.Optimizer.load_state_dict`, but each state tensor keeps its saved
+        dtype (the stock load casts floating state to the parameter's dtype, which would round
+        float32 factors of a bf16 parameter to bf16; see :func:`state_dtype_for`)."""
         saved_state = state_dict.get("state", {})
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         super().load_state_dict(state_dict)

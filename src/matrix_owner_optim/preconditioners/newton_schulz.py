@@ -1,17 +1,13 @@
-"""Newton-Schulz kernels: the iteration on a matrix or a same-shape stack the caller hands over.
+"""Newton-Schulz kernels: the iteration on a matrix, or a same-shape stack, the caller hands over.
 
-:func:`newton_schulz_` is ``torch.optim.Muon``'s ``_zeropower_via_newtonschulz`` iteration
-operation for operation (bitwise equal), on a 2D tensor already in the iteration's dtype; on a
-``(k, m, n)`` stack it runs the same steps with batched matmuls. On this package's CPUs (oneDNN bfloat16, MKL float32) each matrix of the stack rounds exactly as
-it rounds alone (tests/test_preconditioners.py checks it), which is what lets a rank that steps
-a lone matrix agree bitwise with a reference that batches it with others.
-
-Each iteration is torch's fused forms: ``A = X X^T``, ``B = b A + c A A`` (``addmm``/``baddbmm`` with
-``beta=b, alpha=c``), ``X = a X + B X`` (``beta=a``), a tall matrix through its transpose (a view)
-so the Gram matrix is on the short side. The input is scaled in place (no input copy), the
-iterates live in two buffers reused across the iterations: what Muon's batched step uses on the
-update stack it wrote. :func:`~.muon.newton_schulz` and :func:`~.muon.newton_schulz_batched`
-are the copying forms.
+:func:`newton_schulz_` is ``torch.optim.Muon``'s ``_zeropower_via_newtonschulz`` operation for
+operation (bitwise equal) on a 2D tensor already in the iteration's dtype, and the same steps
+with batched matmuls on a ``(k, m, n)`` stack; on this package's CPUs (oneDNN bfloat16, MKL
+float32) each matrix of a stack rounds exactly as alone (tests/test_preconditioners.py), so a
+rank stepping a lone matrix agrees bitwise with a reference that batches it. Each iteration is
+torch's fused forms (``addmm``/``baddbmm`` with alpha and beta), a tall matrix through its
+transpose (a view); the input is scaled in place and the iterates live in buffers reused across
+iterations. :func:`~.muon.newton_schulz` and :func:`~.muon.newton_schulz_batched` copy first.
 """
 
 from __future__ import annotations
@@ -25,7 +21,10 @@ DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
 
 
 def check_ns_args(ns_coefficients: tuple[float, float, float], ns_steps: int) -> None:
-    """``ValueError`` for an iteration count of 100 or more, or not three coefficients (torch's checks)."""
+    """``ValueError`` for an iteration count of 100 or more (torch's check) or below 0, or not
+    three coefficients (torch's)."""
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
     if ns_steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
     if len(ns_coefficients) != 3:
@@ -38,15 +37,11 @@ def newton_schulz_(
     ns_steps: int = 5,
     eps: float = 1e-7,
 ) -> Tensor:
-    """:func:`~.muon.newton_schulz` of a 2D ``x``, or of every matrix of a ``(k, m, n)`` stack,
-    already in the iteration's dtype, consuming ``x`` (scaled in place, then scratch).
-
-    For a caller whose ``x`` is its own (Muon's Nesterov update, or the stack its batched step
-    wrote), so the copy :func:`~.muon.newton_schulz` makes would be one more pass for nothing.
-    A 2D ``x`` runs torch's per-matrix operations, a stack (contiguous) their batched forms, each
-    matrix normalised by its own norm; the iterates alternate between two buffers, the Gram
-    matrix and its update have one each, so an iteration allocates nothing (:func:`_iterate`).
-    Returns ``x``'s shape (a transposed view when tall), in one of the buffers.
+    """:func:`~.muon.newton_schulz` of a 2D ``x``, or of every matrix of a contiguous ``(k, m, n)``
+    stack (each by its own norm), already in the iteration's dtype, consuming ``x`` (scaled in
+    place, then scratch): for a caller whose ``x`` is its own (Muon's Nesterov update, the stack
+    its batched step wrote), to which a copy would be one more pass for nothing. Returns ``x``'s
+    shape (a transposed view when tall), in one of :func:`_iterate`'s buffers.
     """
     check_ns_args(ns_coefficients, ns_steps)
     if x.ndim not in (2, 3):
@@ -65,11 +60,10 @@ def newton_schulz_(
 
 
 def _iterate(x: Tensor, coefficients: tuple[float, float, float], steps: int, stacked: bool) -> Tensor:
-    """``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` in torch's fused calls
-    (``mm``/``addmm`` on a matrix, ``bmm``/``baddbmm`` on a stack), into buffers reused across the
-    iterations: the same kernels (``out=`` changes where a result goes, not how it is summed).
-    ``x`` is read in its own layout at the first iteration (a transposed view for a tall matrix,
-    as torch reads it); every later iterate is a contiguous ``(..., short, long)`` result."""
+    """``steps`` times ``A = X X^T; B = b A + c A A; X = a X + B X`` in torch's calls (``mm``/
+    ``addmm`` on a matrix, ``bmm``/``baddbmm`` on a stack) into buffers reused across iterations
+    (``out=`` changes where a result goes, not how it is summed). ``x`` is read in its own layout
+    at the first iteration (a tall matrix's transposed view, as torch reads it)."""
     a, b, c = coefficients
     if type(x) is not Tensor:  # a tensor subclass (an owner-layout DTensor): its own ops' rules
         for _ in range(steps):  # know these calls, not out= ones

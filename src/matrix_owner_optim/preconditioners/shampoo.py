@@ -58,31 +58,23 @@ root_dtype                  float32 (+ float64   float32 (+ float64 retry, use_p
                             retry)
 =========================== ==================== =======================================
 
-Deliberate differences: ``eps`` is relative (``eps * ||L||_F`` is added to the diagonal), so the
-update stays invariant to the gradient's scale; 1e-6 because a relative damping below float32's
-resolution of the factors (1e-12) gives 3-5% root errors on rank-deficient gradients in float32.
-No ``use_merge_dims`` (Distributed Shampoo would flatten a matrix with ``m * n <=
-max_preconditioner_dim`` into a vector with one factor): a matrix here is always preconditioned
-as a matrix. ``max_aspect_ratio`` (ours) makes a block whose long/short side ratio exceeds it
-one-sided: only the small side's factor, exponent ``-1/2``. No coupled (L2) weight decay, no
-``beta3``, ``dampening``, ``exponent_multiplier`` or ``inv_root_override``.
+Deliberate differences: ``eps`` is relative (``eps * ||L||_F`` on the diagonal), so the update
+is invariant to the gradient's scale, and 1e-6 because a relative damping below float32's
+resolution (1e-12) gives 3-5% root errors on rank-deficient gradients. No ``use_merge_dims``
+(a matrix is always preconditioned as a matrix), no coupled weight decay, ``beta3``,
+``dampening``, ``exponent_multiplier`` or ``inv_root_override``. ``max_aspect_ratio`` (ours)
+makes a block whose long/short ratio exceeds it one-sided: the small side's factor, exponent
+``-1/2``. No host synchronisation inside :meth:`step` (the step count is a Python int, the
+zero-factor guard a tensor operation); a tensor ``lr`` is applied as a tensor.
 
-No host synchronisation inside :meth:`step` (no ``float()``, ``.item()`` or ``int()`` of a
-tensor): the step count is a Python int in the state, and the root's zero-factor guard is a
-tensor operation. A tensor ``lr`` is applied as a tensor.
-
-State per parameter (float32, or float64 for float64 parameters): ``step`` (a Python int);
-per block the factors and roots, keyed ``L``/``R``/``L_root``/``R_root`` when the matrix is
-one block and ``L_i_j`` ... for block ``(i, j)`` otherwise (one side only when one-sided);
-per element ``filtered_grad`` (``beta1 > 0``), ``momentum_buffer`` (``momentum > 0``) and
-``graft_state`` (AdaGrad/RMSprop/Adam grafting) -- what :func:`~..planning.cost.shampoo_cost`
-prices.
-
-Stacks and fused blocks (a :class:`~..planning.views.MatrixLayout` of several matrices: fused
-experts ``[E, out, in]``, a declared fused ``wqkv``): every matrix keeps its own factors and
-roots, stacked per run of same-shape matrices (``L`` of shape ``(E, r, r)``; keys suffixed
-``_m<run>`` when the layout has several runs), and is preconditioned exactly as alone; the
-per-element state keeps the parameter's shape.
+State per parameter (float32, or float64 for float64 parameters): ``step`` (a Python int), per
+block ``L``/``R``/``L_root``/``R_root`` (keys suffixed ``_i_j`` for block ``(i, j)`` of a
+several-block matrix; one side when one-sided), per element ``filtered_grad`` (``beta1 > 0``),
+``momentum_buffer`` (``momentum > 0``) and ``graft_state`` (AdaGrad/RMSprop/Adam grafting):
+what :func:`~..planning.cost.shampoo_cost` prices.
+Stacks and fused blocks: every matrix of a :class:`~..planning.views.MatrixLayout` keeps its own
+factors and roots, stacked per run (``L`` of shape ``(E, r, r)``, keys suffixed ``_m<run>`` for
+several runs), and is preconditioned exactly as alone (DESIGN.md, "Matrix views").
 """
 
 from __future__ import annotations
@@ -101,7 +93,14 @@ from ..planning.cost import (
     shampoo_sides,
 )
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, MatrixState, matrix_inverse_root, matrix_positions, state_dtype_for
+from ._common import (
+    MatrixOptimizer,
+    MatrixState,
+    check_nonnegative,
+    matrix_inverse_root,
+    matrix_positions,
+    state_dtype_for,
+)
 
 __all__ = ["Shampoo", "shampoo", "shampoo_blocks", "GRAFTING_TYPES"]
 
@@ -110,6 +109,11 @@ _GRAFTING_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rmsprop": 1e-8, "adam": 1e-8}
 _GRAFTING_BETA2 = {"sgd": 1.0, "adagrad": 1.0, "rmsprop": 0.99, "adam": 0.999}
 # Distributed Shampoo adds this to the Shampoo direction's norm before grafting.
 _GRAFT_NORM_EPS = 1e-16
+# the group's entries shampoo() takes, as the constructor validated them
+_HYPERPARAMETERS = tuple(
+    "lr betas eps momentum nesterov weight_decay max_preconditioner_dim precondition_frequency "
+    "start_preconditioning_step max_aspect_ratio grafting grafting_beta2 grafting_eps use_bias_correction root_dtype".split()
+)
 
 
 def _block_slices(dim: int, block: int) -> list[slice]:
@@ -118,35 +122,12 @@ def _block_slices(dim: int, block: int) -> list[slice]:
 
 
 class Shampoo(MatrixOptimizer):
-    """Blocked Shampoo with Distributed Shampoo's options over whole 2D tensors.
-
-    See the module docstring for the exact step and for the defaults next to Distributed
-    Shampoo's.
-
-    Args:
-        params: 2D parameters or parameter groups (named parameters work too).
-        lr: learning rate (default 1e-3). A float or a one-element tensor.
-        betas: ``(beta1, beta2)``: gradient filtering (0 disables it) and the factors' EMA (1.0
-            sums) (default ``(0.9, 1.0)``).
-        eps: relative damping: ``eps * ||L||_F`` is added to the diagonal before the root
-            (default 1e-6).
-        momentum: momentum on the search direction; 0 keeps no buffer (default 0.0).
-        nesterov: Nesterov momentum (default False).
-        weight_decay: decoupled weight decay, added to the search direction (default 0.0).
-        max_preconditioner_dim: block size per side (default 1024).
-        precondition_frequency: recompute the roots every this many steps (default 1).
-        start_preconditioning_step: first step that uses Shampoo's direction; -1 means
-            ``precondition_frequency`` (default -1).
-        max_aspect_ratio: blocks whose long/short side ratio exceeds this are one-sided
-            (default None: always two-sided).
-        grafting: None, ``"sgd"``, ``"adagrad"``, ``"rmsprop"`` or ``"adam"`` (default None).
-        grafting_beta2: the RMSprop/Adam graft's EMA factor (default 0.99 / 0.999).
-        grafting_eps: the graft's denominator epsilon (default 1e-10 AdaGrad, 1e-8 otherwise).
-        use_bias_correction: bias-correct the filtered gradient, the EMA factors and Adam's
-            graft (default True).
-        root_dtype: precision of the eigendecomposition, float32 or float64 (default float32,
-            retried in float64 when it fails to converge).
-        beta2: the factors' EMA factor; overrides ``betas[1]`` when given (default None).
+    """Blocked Shampoo with Distributed Shampoo's options over whole 2D tensors: the step and the
+    defaults are the module docstring's (its table's "here" column is the arguments' defaults).
+    ``lr`` may be a one-element tensor; ``start_preconditioning_step=-1`` means
+    ``precondition_frequency``; ``grafting_beta2``/``grafting_eps`` default per grafting type;
+    ``beta2``, when given, overrides ``betas[1]``; ``max_aspect_ratio`` None keeps every block
+    two-sided.
 
     Raises:
         ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
@@ -177,10 +158,7 @@ class Shampoo(MatrixOptimizer):
         root_dtype: torch.dtype = torch.float32,
         beta2: float | None = None,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        check_nonnegative(lr, eps=eps, weight_decay=weight_decay)
         if len(betas) != 2:
             raise ValueError(f"betas must be (beta1, beta2), got {betas}")
         beta1, factor_beta2 = betas[0], betas[1] if beta2 is None else beta2
@@ -188,12 +166,8 @@ class Shampoo(MatrixOptimizer):
             raise ValueError(f"beta1 (betas[0]) must be in [0, 1), got {beta1}")
         if not 0.0 < factor_beta2 <= 1.0:
             raise ValueError(f"beta2 must be in (0, 1], got {factor_beta2}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if not (isinstance(max_preconditioner_dim, int) and max_preconditioner_dim >= 1):
             raise ValueError(f"max_preconditioner_dim must be an int >= 1, got {max_preconditioner_dim!r}")
         if not (isinstance(precondition_frequency, int) and precondition_frequency >= 1):
@@ -252,22 +226,6 @@ class Shampoo(MatrixOptimizer):
             grafting_state=grafting not in (None, "sgd"),
         )
 
-    # -- blocks ----------------------------------------------------------------------------------
-    @staticmethod
-    def block_keys(
-        shape: torch.Size | tuple[int, ...], group: dict[str, Any], band: RowBand | None = None
-    ) -> list[Block]:
-        """Per block: ``(key suffix, row slice, column slice, has left, has right)``.
-
-        The suffix is ``""`` when the matrix is a single block (state keys ``L``, ``R``, ...)
-        and ``"_i_j"`` for block ``(i, j)`` otherwise (see :func:`shampoo_blocks`); for a band
-        (rows of a matrix cut between owners), ``i`` counts the whole matrix's block rows.
-        """
-        first, rows = (band.start, band.rows) if band is not None else (0, None)
-        return shampoo_blocks(
-            shape, group["max_preconditioner_dim"], group["max_aspect_ratio"], first_row=first, total_rows=rows
-        )
-
     def _band(self, p: Tensor, group: dict[str, Any]) -> RowBand | None:
         """``p``'s band, checked against the group's block size (recorded on the band)."""
         band = row_band_of(p)
@@ -284,7 +242,10 @@ class Shampoo(MatrixOptimizer):
         state["step"] = 0
         for run, (count, m, n) in enumerate(layout.matrix_shapes()):
             lead = () if layout.single else (count,)  # a stack keeps one factor per matrix
-            for suffix, rs, cs, left, right in self.block_keys((m, n), group, row_band_of(p)):
+            band = row_band_of(p)  # a band's blocks keep the whole matrix's block rows
+            first, rows = (band.start, band.rows) if band is not None else (0, None)
+            cap, ratio = group["max_preconditioner_dim"], group["max_aspect_ratio"]
+            for suffix, rs, cs, left, right in shampoo_blocks((m, n), cap, ratio, first_row=first, total_rows=rows):
                 r, c = rs.stop - rs.start, cs.stop - cs.start
                 for side, size, has in (("L", r, left), ("R", c, right)):
                     if not has:
@@ -320,28 +281,8 @@ class Shampoo(MatrixOptimizer):
             states.append(state)
             layouts.append(layout)
             bands.append(None if band is None else (band.start, band.rows))
-        shampoo(
-            params,
-            grads,
-            states,
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            max_preconditioner_dim=group["max_preconditioner_dim"],
-            precondition_frequency=group["precondition_frequency"],
-            start_preconditioning_step=group["start_preconditioning_step"],
-            max_aspect_ratio=group["max_aspect_ratio"],
-            grafting=group["grafting"],
-            grafting_beta2=group["grafting_beta2"],
-            grafting_eps=group["grafting_eps"],
-            use_bias_correction=group["use_bias_correction"],
-            root_dtype=group["root_dtype"],
-            layouts=layouts,
-            bands=bands,
-        )
+        hyper = {k: group[k] for k in _HYPERPARAMETERS}
+        shampoo(params, grads, states, **hyper, layouts=layouts, bands=bands)
 
 
 # (key suffix, row slice, column slice, has left factor, has right factor)
@@ -404,20 +345,13 @@ def shampoo(
     layouts: list[MatrixLayout] | None = None,
     bands: list[tuple[int, int] | None] | None = None,
 ) -> None:
-    """One Shampoo step of ``params`` in place (the computation :class:`Shampoo` gathers for).
-
-    As torch's ``torch.optim._muon.muon``: a pure function of lists and explicit hyperparameters,
-    no optimizer object. ``states[k]`` is parameter ``k``'s state dict, initialised (factors
-    zero, roots identity, per-element buffers zero, ``step`` 0, as :class:`Shampoo` makes it);
-    it is updated in place (``step`` incremented first). The step is the module docstring's;
-    the hyperparameters are :class:`Shampoo`'s arguments after validation
-    (``start_preconditioning_step`` resolved, ``grafting_beta2``/``grafting_eps`` filled in).
-    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout` (default: declared on
-    the parameter, else its shape's). ``bands``: per parameter None, or ``(first row, rows of
-    the whole matrix)`` when it is a band of a matrix cut between owners at block boundaries: its
-    blocks are the whole matrix's (state keys with the whole matrix's block indices), each
-    stepped exactly as in the whole matrix, since blocks share nothing (factors, roots and the
-    graft norm are per block; the rest is per element).
+    """One Shampoo step of ``params`` in place: as torch's ``torch.optim._muon.muon``, a pure
+    function of lists and :class:`Shampoo`'s validated hyperparameters. ``states[k]``: parameter
+    ``k``'s state as :class:`Shampoo` initialises it, updated in place. ``layouts``: each
+    parameter's :class:`~..planning.views.MatrixLayout` (default: declared, else by shape).
+    ``bands``: per parameter None, or ``(first row, rows of the whole matrix)`` for a band cut at
+    block boundaries (DESIGN.md, "Experts as ownable units"): its blocks keep the whole matrix's
+    indices and step exactly as there, since blocks share nothing.
     """
     if not len(params) == len(grads) == len(states):
         raise ValueError("shampoo: params, grads and states must have the same length")

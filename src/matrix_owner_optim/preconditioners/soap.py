@@ -23,35 +23,23 @@ Step order (following the official code, github.com/nikhilvyas/SOAP, for 2D tens
        L, R <- lerp(L, G G^T, 1 - shampoo_beta), lerp(R, G^T G, 1 - shampoo_beta)
        if t % precondition_frequency == 0: refresh the bases
 
-3. Refresh (one power-iteration step + QR per side): estimate the eigenvalues
-   ``diag(Q^T F Q)`` in the current basis, sort the columns of ``Q`` by them, descending, and
-   permute ``v`` along that side accordingly, then ``Q <- qr(F Q)``. Sorting first keeps the
-   basis order tied to the eigenvalue order, which is what makes Adam-in-the-eigenbasis
-   independent of eigh/QR ordering conventions; column *signs* do not matter (they cancel
-   between projecting and projecting back, and ``v`` holds squares). So with distinct
-   eigenvalues the update is equivariant to orthogonal rotations ``G -> U G V^T``.
+3. Refresh (one power-iteration step + QR per side): sort ``Q``'s columns by the eigenvalue
+   estimates ``diag(Q^T F Q)``, descending (permuting ``v`` alike), then ``Q <- qr(F Q)``.
+   Sorting first ties the basis order to the eigenvalue order, so Adam-in-the-eigenbasis does
+   not depend on eigh/QR ordering conventions (column signs cancel), and with distinct
+   eigenvalues the update is equivariant to rotations ``G -> U G V^T``.
 
-Options of the reference implementation, with its defaults:
-
-* ``max_precond_dim`` (10000): a dimension larger than this keeps no factor and is left
-  unrotated (identity basis), so a vocabulary-sized side never gets a ``V x V`` factor or an
-  eigendecomposition; Adam still runs on it, in the other side's eigenbasis.
-* ``merge_dims`` (False): precondition the matrix in a merged shape: adjacent dimensions are
-  merged while their product stays within ``max_precond_dim`` (see
-  :func:`~..planning.cost.soap_working_shape`), so an ``m x n`` matrix with ``m n <=
-  max_precond_dim`` is preconditioned as one vector with a single ``mn x mn`` factor.
-* ``precondition_1d`` (False): give 1D parameters a factor (when within ``max_precond_dim``);
-  only then does this class accept 1D parameters (without it the reference runs plain Adam on
-  them, which is the tail optimizer's job).
-* ``normalize_grads`` (False): divide the projected-back update by its RMS (``+1e-30``).
+The reference's options, with its defaults: ``max_precond_dim`` (10000; a larger dimension
+keeps no factor and stays unrotated, so a vocabulary-sized side never gets a ``V x V`` factor),
+``merge_dims`` (False; adjacent dimensions merged while their product stays within
+``max_precond_dim``, :func:`~..planning.cost.soap_working_shape`), ``precondition_1d`` (False;
+a factor for 1D parameters, which this class accepts only then) and ``normalize_grads`` (False;
+the update divided by its RMS, ``+1e-30``).
 
 State per parameter (float32, or float64 for float64 parameters): ``step`` (int64 scalar),
-``exp_avg``, ``exp_avg_sq`` (the parameter's shape), and per preconditioned side ``L``/``QL``
-(rows, or the merged vector) and ``R``/``QR`` (columns) -- what
-:func:`~..planning.cost.soap_cost` prices. A stack or fused tensor (a
-:class:`~..planning.views.MatrixLayout` of several matrices) keeps factors and bases per matrix,
-stacked per run of same-shape matrices (``L`` of shape ``(E, m, m)``; keys suffixed ``_m<run>``
-for several runs), and every matrix is stepped exactly as alone.
+``exp_avg``, ``exp_avg_sq`` (the parameter's shape), per rotated side ``L``/``QL`` and
+``R``/``QR`` (what :func:`~..planning.cost.soap_cost` prices); a stack or fused tensor keeps
+them per matrix, stacked per run (``L`` of shape ``(E, m, m)``), each matrix stepped as alone.
 """
 
 from __future__ import annotations
@@ -64,10 +52,20 @@ from torch import Tensor
 
 from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, MatrixState, as_float, matrix_positions, state_dtype_for
+from ._common import MatrixOptimizer, MatrixState, as_float, check_nonnegative, matrix_positions, state_dtype_for
 
 __all__ = ["SOAP", "soap", "soap_layout"]
 
+# the group's entries soap() takes as they are (lr, shampoo_beta and the flags are read apart)
+_HYPERPARAMETERS = (
+    "betas",
+    "eps",
+    "weight_decay",
+    "precondition_frequency",
+    "correct_bias",
+    "max_precond_dim",
+    "normalize_grads",
+)
 # The reference adds 1e-30 * I before eigh (numerical guard only; eigenvectors are unchanged).
 _EIGH_EPS = 1e-30
 
@@ -96,32 +94,25 @@ def _eigh_basis(mat: Tensor) -> Tensor:
 
 
 def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """One power-iteration step + QR; returns ``(new_basis, exp_avg_sq permuted along dim)``."""
+    """One power-iteration step + QR; returns ``(new_basis, exp_avg_sq permuted along dim)``.
+
+    Q alone, from ``geqrf``'s reflectors (``linalg.qr``'s own two steps, bitwise its Q): ``R``,
+    which ``linalg.qr`` also forms and the step drops, was ~8% of a refresh."""
     fq = factor @ basis
     est_eig = (basis * fq).sum(0)  # diag(Q^T F Q)
     order = torch.argsort(est_eig, descending=True)
-    new_basis, _ = torch.linalg.qr(fq[:, order])
+    new_basis = torch.linalg.householder_product(*torch.geqrf(fq[:, order]))
     return new_basis, exp_avg_sq.index_select(dim, order)
 
 
 class SOAP(MatrixOptimizer):
-    """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors.
+    """SOAP: Adam in Shampoo's eigenbasis, over whole 2D tensors (the module docstring's step).
 
-    Args:
-        params: 2D parameters or parameter groups (named parameters work too); 1D parameters
-            too when ``precondition_1d``.
-        lr: learning rate (default 3e-3). A float or a one-element tensor.
-        betas: Adam's ``(beta1, beta2)`` (default ``(0.95, 0.95)``).
-        shampoo_beta: EMA factor of ``L``/``R`` (default None = ``betas[1]``).
-        eps: Adam's denominator epsilon (default 1e-8).
-        weight_decay: decoupled weight decay, applied after the update (default 0.01).
-        precondition_frequency: refresh the eigenbases every this many Adam steps (default 10).
-        correct_bias: Adam bias correction (default True).
-        max_precond_dim: dimensions above this keep no factor and stay unrotated
-            (default 10000, the reference's).
-        merge_dims: precondition in the merged shape (default False).
-        precondition_1d: give 1D tensors a factor, and accept 1D parameters (default False).
-        normalize_grads: divide the update by its RMS (default False).
+    Defaults are the reference's: lr 3e-3 (a float or a one-element tensor), betas (0.95, 0.95)
+    (Adam's), shampoo_beta None (= ``betas[1]``, the factors' EMA), eps 1e-8, weight_decay 0.01
+    (decoupled, after the update), precondition_frequency 10 (Adam steps between basis
+    refreshes), correct_bias True; ``max_precond_dim``, ``merge_dims``, ``precondition_1d`` and
+    ``normalize_grads`` as the module docstring says.
 
     Raises:
         ValueError: for a non-2D parameter or gradient (naming its shape) and for invalid
@@ -146,16 +137,11 @@ class SOAP(MatrixOptimizer):
         precondition_1d: bool = False,
         normalize_grads: bool = False,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        check_nonnegative(lr, eps=eps, weight_decay=weight_decay)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two values in [0, 1), got {betas}")
         if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
             raise ValueError(f"shampoo_beta must be None or in [0, 1), got {shampoo_beta}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if int(precondition_frequency) < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
         if not (isinstance(max_precond_dim, int) and max_precond_dim >= 1):
@@ -240,23 +226,9 @@ class SOAP(MatrixOptimizer):
             grads.append(grad)
             states.append(self.state[p])
             layouts.append(self._layout_of(p))
-        soap(
-            params,
-            grads,
-            states,
-            lr=as_float(group["lr"]),
-            betas=group["betas"],
-            shampoo_beta=shampoo_beta,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            precondition_frequency=group["precondition_frequency"],
-            correct_bias=group["correct_bias"],
-            max_precond_dim=group["max_precond_dim"],
-            merge_dims=bool(group["merge_dims"]),
-            precondition_1d=bool(group["precondition_1d"]),
-            normalize_grads=group["normalize_grads"],
-            layouts=layouts,
-        )
+        hyper: dict[str, Any] = {k: group[k] for k in _HYPERPARAMETERS}
+        hyper |= {k: bool(group[k]) for k in ("merge_dims", "precondition_1d")}
+        soap(params, grads, states, **hyper, lr=as_float(group["lr"]), shampoo_beta=shampoo_beta, layouts=layouts)
 
 
 def soap_layout(
@@ -310,15 +282,12 @@ def soap(
     normalize_grads: bool,
     layouts: list[MatrixLayout | None] | None = None,
 ) -> None:
-    """One SOAP step (step 2 of the module docstring) of ``params`` in place.
-
-    As torch's ``torch.optim._muon.muon``: a pure function of lists and explicit hyperparameters,
-    no optimizer object; :class:`SOAP` gathers for it. ``states[k]`` is parameter ``k``'s state,
-    already initialised by a first call (factors, bases, zero moments; :class:`SOAP` does that
-    and updates nothing then); it is updated in place. ``shampoo_beta`` is resolved (not None).
-    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D
-    parameter (default: declared on the parameter, else its shape's).
-    """
+    """One SOAP step (step 2 of the module docstring) of ``params`` in place: as torch's
+    ``torch.optim._muon.muon``, a pure function of lists and :class:`SOAP`'s hyperparameters
+    (``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s state, initialised by a first
+    call (:class:`SOAP` does that and updates nothing then), updated in place. ``layouts``: each
+    parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D one (default: declared,
+    else by shape)."""
     if not len(params) == len(grads) == len(states):
         raise ValueError("soap: params, grads and states must have the same length")
     if layouts is None:
