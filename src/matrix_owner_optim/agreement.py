@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import comm
 from .planning.metadata import ShardingPlan, get_shard_group
-from .replica_sync import replicas_of
+from .tensors import tree_link
 
 __all__ = [
     "MeshView",
@@ -43,6 +43,9 @@ __all__ = [
     "check_sharding_agreement",
     "describe",
     "agree_nonfinite",
+    "check_header_steps",
+    "check_same_step",
+    "step_digits",
     "agree_verdict",
     "mesh_view",
     "optimizer_fields",
@@ -278,7 +281,8 @@ def optimizer_groups(params: Iterable[torch.Tensor], process_group: Any) -> list
     for p in params:
         group = get_shard_group(p)
         if group is not None:
-            place = replicas_of(p)
+            link = tree_link(p)  # the tree's HSDP replica record, if any (replica_sync.replicas_of)
+            place = None if link is None or link.tree is None else link.tree.replicas
             replicate = place.group if place is not None and place.size > 1 else None
             return _whole_groups(mesh_view(group, replicate), group, replicate)
     return [dist.group.WORLD]
@@ -363,27 +367,47 @@ def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: st
         )
 
 
+STEP_DIGITS = 4  # a step number in a float header: base-256 digits, exact in bf16 (counts mod 2**32)
+
+
+def step_digits(step: int) -> list[float]:
+    """``step`` as :data:`STEP_DIGITS` header values (appended to a collective's float header)."""
+    return [float((step >> (8 * i)) & 255) for i in range(STEP_DIGITS)]
+
+
+def check_same_step(step: int, seen: Iterable[int], *, who: str, among: str, counted: str) -> None:
+    """Raise ``RuntimeError`` naming this rank's ``step`` and the range of the ``seen`` step
+    numbers (other ranks', as their collective carried them) unless all are ``step``: the shared
+    "steps agree" check of every step whose collective one rank could enter alone. ``among``
+    names the ranks compared, ``counted`` what the number counts."""
+    numbers = [step, *seen]
+    lowest, highest = min(numbers), max(numbers)
+    if lowest != highest:
+        raise RuntimeError(
+            f"{who}: the ranks of {among} are at different steps: rank {dist.get_rank()} is at step {step}, "
+            f"the group's range from {lowest} to {highest} ({counted}). A rank called step() more or fewer "
+            "times than the others, or checked a step the others did not; every rank must step, and check, "
+            "together"
+        )
+
+
+def check_header_steps(step: int, headers: Sequence[Sequence[float]], *, who: str, among: str) -> None:
+    """:func:`check_same_step` on the :func:`step_digits` that end each gathered header."""
+    seen = [sum(int(d) << (8 * i) for i, d in enumerate(h[-STEP_DIGITS:])) for h in headers]
+    check_same_step(step % (1 << 8 * STEP_DIGITS), seen, who=who, among=among, counted="optimizer steps")
+
+
 def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()") -> bool:
     """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here), from one
     all-reduce (max) of three integers: the flag, this step's number and its negation, so every
-    rank also learns the group's highest and lowest step number at no extra round trip.
-
-    ``step`` is the optimizer's ``step()`` calls counted from its first checked step on (checked
-    or not since: a rank that turned the check off for a step is a step ahead when it checks
-    again; ``OwnerRoutedOptimizer`` counts them).
-    Ranks at different steps raise ``RuntimeError`` on every rank, naming the numbers, instead
-    of pairing one step's check with another's."""
+    rank also learns the group's highest and lowest step number (:func:`check_same_step`).
+    ``step`` counts ``step()`` calls from the first checked one on (``OwnerRoutedOptimizer``)."""
     if not _distributed() or dist.get_world_size(group) == 1:
         return bool(flag.item())
     payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)
     comm.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
     found, highest, lowest = (int(v) for v in payload.tolist())
-    lowest = -lowest
-    if highest != lowest:
-        raise RuntimeError(
-            f"{who}: the ranks of process_group are at different steps: rank {dist.get_rank()} is at step {step}, "
-            f"the group's range from {lowest} to {highest} (step() calls since the first checked one). A rank "
-            "called step() more or fewer times than the others, or checked a step the others did not "
-            "(skip_nonfinite_grads set on some ranks only); every rank must step, and check, together"
-        )
+    check_same_step(
+        step, (highest, -lowest), who=who, among="process_group", counted="step() calls since the first checked one"
+    )
     return bool(found)

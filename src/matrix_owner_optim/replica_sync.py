@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from . import comm
+from .agreement import check_same_step
 from .planning.metadata import MatrixShard, get_matrix_shard, get_shard_rank
 from .tensors import TreeLink, local_tensor, tree_link
 
@@ -73,7 +75,9 @@ class ReplicaSync:
     ``by_optimizer``: an ``OwnerRoutedOptimizer`` steps the tree's matrices and sends (or
     defers) them at every step, so ``pending`` is never turned into broadcasts. ``generation``:
     bumped by a deferred step; a unit whose last issued broadcast has another generation has one
-    due."""
+    due. ``steps``: the optimizer steps of the tree's global owners (:func:`replicas_stepped`
+    calls with matrices one replica steps), carried by every broadcast and checked by its
+    receivers."""
 
     rank: int
     size: int
@@ -81,6 +85,7 @@ class ReplicaSync:
     pending: bool = False
     by_optimizer: bool = False
     generation: int = 0
+    steps: int = 0
 
 
 class ReplicaTree(Protocol):
@@ -137,6 +142,8 @@ def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:
             tree = tree_link(p).tree  # type: ignore[union-attr]  # replicas_of found it
             trees.setdefault(id(tree), (tree, []))[1].append(p)
     for tree, members in trees.values():
+        if any(_one_replica_steps(p) is not None for p in members):
+            tree.replicas.steps += 1
         tree.replicas_stepped(members, deferred=placement == "forward")
 
 
@@ -166,41 +173,61 @@ def hold_on_step_replica(value: torch.Tensor, param: torch.Tensor) -> None:
         value._tree = TreeLink.to(link.tree, shard.step_replica)  # type: ignore[attr-defined]
 
 
+def _step_bits(step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``step`` as an int64's 8 bytes in ``dtype`` elements: a broadcast moves them bit for bit."""
+    return torch.tensor([step], dtype=torch.int64).view(dtype).to(device)
+
+
 @dataclass(eq=False)
 class PendingBroadcast:
     """Broadcasts issued asynchronously over a replicate group: per (step replica, dtype) the
-    flat buffer, the pieces it lands in and whether this rank sent it. :meth:`wait` completes
-    them and copies what arrived into the pieces (in place)."""
+    flat buffer (the pieces, then the sender's step count), the pieces it lands in and whether
+    this rank sent it. :meth:`wait` completes them, checks that each sender was at this rank's
+    step and copies what arrived into the pieces (in place)."""
 
-    batches: list[tuple[Any, torch.Tensor, list[torch.Tensor], bool]]
+    replicas: ReplicaSync
+    steps: int
+    batches: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]]
 
     def wait(self) -> None:
+        """Raises ``RuntimeError`` (agreement.check_same_step) before copying anything when a
+        sender's step count differs from this rank's."""
+        batches, self.batches = self.batches, []
+        for work, _, _, _ in batches:
+            if work is not None:
+                work.wait()
+        group, me = self.replicas.group, self.replicas.rank
+        received = [(f, r) for _, f, _, r in batches if r != me]
+        check_same_step(
+            self.steps,
+            [int(f[-8 // f.element_size() :].clone().view(torch.int64)) for f, _ in received],
+            who="HSDP replica broadcast",
+            among=f"the replicate group (senders {sorted({dist.get_global_rank(group, r) for _, r in received})})",
+            counted="optimizer steps of the global owners",
+        )
         with torch.no_grad():
-            for work, flat, pieces, sent in self.batches:
-                if work is not None:
-                    work.wait()
-                if not sent:
+            for _, flat, pieces, r in batches:
+                if r != me:
                     sizes = [t.numel() for t in pieces]
-                    views = [f.view(t.shape) for f, t in zip(flat.split(sizes), pieces, strict=True)]
+                    views = [f.view(t.shape) for f, t in zip(flat[: sum(sizes)].split(sizes), pieces, strict=True)]
                     torch._foreach_copy_(pieces, views)
-        self.batches = []
 
 
 def issue_broadcast(replicas: ReplicaSync, pieces: list[tuple[torch.Tensor, int]]) -> PendingBroadcast:
     """Issue, asynchronously, one broadcast per (step replica, dtype) of ``pieces`` (from
-    :func:`held_pieces`), in step-replica order then plan order: the same on every rank of the
-    replicate group. The senders' values are read now."""
+    :func:`held_pieces`) and the sender's step count (8 bytes), in step-replica order then plan
+    order: the same on every rank of the replicate group. The senders' values are read now."""
     batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for t, r in sorted(pieces, key=lambda x: x[1]):  # stable: plan order per replica
         batches.setdefault((r, t.dtype), []).append(t)
     out = []
     with torch.no_grad():
         for (r, dtype), mine in batches.items():
-            sent = replicas.rank == r
-            if sent:
-                flat = torch.cat([t.reshape(-1) for t in mine])
+            bits = _step_bits(replicas.steps, dtype, mine[0].device)
+            if replicas.rank == r:
+                flat = torch.cat([t.reshape(-1) for t in mine] + [bits])
             else:
-                flat = torch.empty(sum(t.numel() for t in mine), dtype=dtype, device=mine[0].device)
+                flat = torch.empty(sum(t.numel() for t in mine) + bits.numel(), dtype=dtype, device=mine[0].device)
             work = comm.broadcast(flat, group_src=r, group=replicas.group, name="replicate_broadcast", async_op=True)
-            out.append((work, flat, mine, sent))
-    return PendingBroadcast(out)
+            out.append((work, flat, mine, r))
+    return PendingBroadcast(replicas, replicas.steps, out)
