@@ -57,7 +57,7 @@ def test_an_unmarked_spawning_test_fails_before_it_runs(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard only: importing torch can take minutes on a loaded machine
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out

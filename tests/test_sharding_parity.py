@@ -415,7 +415,10 @@ def _hsdp(rank: int, W: int) -> dict:
     assert all(st["recv_by_op"][("forward", "all_gather_v")] == fwd_recv for st in out["steps"])
     # the matrices' pieces this rank's replica did not step arrive once per step
     other = sum(s.local_numel(shard_rank) for s in plan if s.step_replica not in (None, mesh.get_local_rank(0)))
-    assert all(st["recv_by_op"].get(("forward", "replicate_broadcast"), 0) == other * F32 for st in out["steps"][1:])
+    # (and each broadcast from another replica carries its sender's step count: 8 bytes)
+    received = sum(r != mesh.get_local_rank(0) for _, r in per_unit)
+    want = other * F32 + 8 * received
+    assert all(st["recv_by_op"].get(("forward", "replicate_broadcast"), 0) == want for st in out["steps"][1:])
     # The mutation the gradient check must reject: averaging over the shard group only (W/2)
     # instead of all W data-parallel ranks scales every gradient by the replicate size, a
     # relative error of replicate_size - 1 = 1. (Losses alone cannot see it: Muon's update is

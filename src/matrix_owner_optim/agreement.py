@@ -1,23 +1,14 @@
-"""Agreement: every rank acts on the same configuration, checked once before anything moves.
+"""Agreement: every rank acts on the same configuration and at the same step, or all fail by name.
 
-Ranks that disagree fail fast, on every rank, naming the first rank and the field that differ,
-instead of training apart silently or waiting in a collective the others never issue. Three
-checks, each one small all-gather of a few strings per rank:
-
-* :func:`check_sharding_agreement` (``fully_shard``, when a tree's plan is fixed): the mesh as
-  this rank sees it (shape, dim names, the global ranks of its shard and replicate groups), the
-  optimizer configuration pending while the optimizer fixes the plan (below), and the plan
-  digest. It runs over the whole group of the mesh (the world group when the mesh spans the
-  world, which is how ranks whose meshes disagree still meet in one collective), before the
-  first byte of data moves.
-* :func:`agree_before_planning` (``OwnerRoutedOptimizer``'s constructor): the optimizer classes
-  and options, roles and views overrides, layout switches and param groups. They ride in the
-  plan agreement of every tree the constructor fixes; where it fixes none (the plan was fixed
-  already, or no ``fully_shard``), one agreement over the optimizer's ranks carries them.
-* :func:`check_plan_agreement` (DDP owners, ``ReplicatedLayout``): the owner plan's digest.
-
-On a mismatch every rank computes the same error from the same gathered records, so all raise
-``ValueError`` together (a plan mismatch first gathers the plans, to name the parameter).
+Ranks that disagree fail fast, on every rank, naming the first rank pair and the field that
+differ, instead of training apart or waiting in a collective the others never issue (every rank
+computes the same error from the same gathered records). One small all-gather per check:
+:func:`check_sharding_agreement` (``fully_shard`` fixing a plan: mesh, pending optimizer
+configuration, plan digest, over the mesh's whole group), :func:`agree_before_planning`
+(``OwnerRoutedOptimizer``: its configuration rides in those plan agreements, or is agreed
+alone), :func:`check_plan_agreement` (DDP owner plans) and :func:`agree_verdict` (a refused
+load is every rank's). Steps whose collective one rank could enter alone carry the step count
+(:func:`check_same_step`). What is guaranteed, test by test: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -25,6 +16,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import enum
+import itertools
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -34,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm
 from .planning.metadata import ShardingPlan, get_shard_group
-from .replica_sync import replicas_of
+from .tensors import tree_link
 
 __all__ = [
     "MeshView",
@@ -43,6 +36,9 @@ __all__ = [
     "check_sharding_agreement",
     "describe",
     "agree_nonfinite",
+    "check_header_steps",
+    "check_same_step",
+    "step_digits",
     "agree_verdict",
     "mesh_view",
     "optimizer_fields",
@@ -54,6 +50,7 @@ _PENDING: contextvars.ContextVar[_Pending | None] = contextvars.ContextVar("moo_
 
 MESH_REMEDY = "Pass the same mesh (shape, dim names and ranks) to fully_shard on every rank."
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_MESH_FIELDS = ("mesh shape", "mesh dim names", "shard group ranks", "replicate group ranks")
 
 
 @dataclasses.dataclass
@@ -76,9 +73,8 @@ class _Record:
 
 @dataclasses.dataclass(frozen=True)
 class MeshView:
-    """The mesh a ``fully_shard`` tree shards over, as one rank sees it: its shape
-    (``(replicate, shard)`` or ``(shard,)``), dim names (from the groups DeviceMesh made, where
-    it named them) and the global ranks of this rank's shard and replicate groups."""
+    """The mesh a ``fully_shard`` tree shards over as one rank sees it: shape, dim names and the
+    global ranks of this rank's shard and replicate groups."""
 
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
@@ -87,31 +83,19 @@ class MeshView:
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def known_ranks(self) -> frozenset[int]:
         return frozenset(self.shard_ranks) | frozenset(self.replicate_ranks)
 
     def fields(self) -> dict[str, str]:
-        return {
-            "mesh shape": str(self.shape),
-            "mesh dim names": str(self.dim_names),
-            "shard group ranks": str(self.shard_ranks),
-            "replicate group ranks": str(self.replicate_ranks),
-        }
+        values = (self.shape, self.dim_names, self.shard_ranks, self.replicate_ranks)
+        return dict(zip(_MESH_FIELDS, map(str, values), strict=True))
 
     def peers(self) -> dict[str, frozenset[int]]:
-        everyone = self.known_ranks
-        return {
-            "mesh shape": everyone,
-            "mesh dim names": everyone,
-            "shard group ranks": frozenset(self.shard_ranks),
-            "replicate group ranks": frozenset(self.replicate_ranks),
-        }
+        everyone, shard, rep = self.known_ranks, frozenset(self.shard_ranks), frozenset(self.replicate_ranks)
+        return dict(zip(_MESH_FIELDS, (everyone, everyone, shard, rep), strict=True))
 
 
 def _distributed() -> bool:
@@ -138,18 +122,15 @@ def mesh_view(group: Any, replicate_group: Any = None) -> MeshView:
 
 def _whole_groups(view: MeshView, group: Any, replicate_group: Any) -> list[Any]:
     """The groups an agreement over ``view``'s mesh runs over: the world group when the mesh
-    spans the world (every rank of the job then meets in it, whatever mesh it was given), the
-    shard group of a 1D mesh over part of the world (a pipeline stage), and both groups of a 2D
-    mesh over part of the world (no group holds all of its ranks)."""
+    spans the world (ranks given different meshes still meet there), else the mesh's own groups."""
     if view.size == dist.get_world_size():
         return [dist.group.WORLD]
     return [group] if replicate_group is None else [group, replicate_group]
 
 
 def describe(value: Any) -> str:
-    """Text for a configuration value that is equal on two ranks exactly when the values are
-    (classes and functions by qualified name, tensors by dtype, shape and values, no memory
-    addresses), for comparing and for error messages."""
+    """Text equal on two ranks exactly when the values are (classes and functions by qualified
+    name, tensors by dtype, shape and values, no memory addresses)."""
     if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     if isinstance(value, torch.Tensor):
@@ -168,19 +149,14 @@ def describe(value: Any) -> str:
 
 
 def _first_conflict(records: Sequence[_Record]) -> tuple[str, _Record, _Record] | None:
-    """The first (field, rank a, rank b) whose values differ between two ranks that must agree
-    on it, fields in the first record's order, then pairs in rank order: the same on every rank."""
-    by_rank = {r.rank: r for r in records}
-    fields = list(dict.fromkeys(f for r in records for f in r.fields))
-    for name in fields:
-        for a in records:
-            for b in records:
-                if b.rank <= a.rank:
-                    continue
-                if b.rank not in a.peers.get(name, ()) and a.rank not in b.peers.get(name, ()):
-                    continue
-                if a.fields.get(name, "<absent>") != b.fields.get(name, "<absent>"):
-                    return name, by_rank[a.rank], by_rank[b.rank]
+    """The first (field, record a, record b) that differ between two ranks that must agree on it
+    (fields in order, then pairs in rank order: the same on every rank)."""
+    ordered = sorted(records, key=lambda r: r.rank)
+    for name in dict.fromkeys(f for r in records for f in r.fields):
+        for a, b in itertools.combinations(ordered, 2):
+            must = b.rank in a.peers.get(name, ()) or a.rank in b.peers.get(name, ())
+            if must and a.fields.get(name, "<absent>") != b.fields.get(name, "<absent>"):
+                return name, a, b
     return None
 
 
@@ -195,8 +171,7 @@ def _raise_conflict(
 
 
 class _Configured(Protocol):
-    """What :func:`optimizer_fields` reads of an ``OwnerRoutedOptimizer`` being built: its two
-    role optimizers, roles and views overrides, layout configuration and non-finite switch."""
+    """What :func:`optimizer_fields` reads of an ``OwnerRoutedOptimizer`` being built."""
 
     @property
     def _kinds(self) -> Mapping[Any, Any]: ...
@@ -211,10 +186,7 @@ class _Configured(Protocol):
 
 
 def optimizer_fields(optimizer: _Configured, user_groups: Sequence[Any]) -> dict[str, str]:
-    """An optimizer's configuration as agreement fields: each role's optimizer class and
-    options, the roles and matrix_views overrides (in order: the last match wins), the layout
-    switches, and each user param group's size and options; values as :func:`describe` words
-    them."""
+    """An optimizer's configuration as agreement fields (docs/reliability.md lists them)."""
     fields: dict[str, str] = {}
     for kind, role in optimizer._kinds.items():  # the kind is the role optimizer's key
         fields[f"{kind.value} optimizer"] = describe(role.factory)
@@ -228,57 +200,70 @@ def optimizer_fields(optimizer: _Configured, user_groups: Sequence[Any]) -> dict
     return fields
 
 
+def _agree(
+    groups: Sequence[Any],
+    fields: dict[str, str],
+    peers: dict[str, frozenset[int]],
+    remedies: Mapping[str, str],
+    who: Callable[[str], str],
+    name: str,
+    plan: tuple[str, ShardingPlan] | None = None,
+) -> None:
+    """One all-gather of this rank's fields over each of ``groups``; at the first conflict every
+    rank raises ``ValueError`` (a plan's first gathers the plans, to name the parameter)."""
+    for g in groups:
+        if dist.get_world_size(g) == 1:
+            continue
+        records = comm.all_gather_object(_Record(dist.get_rank(), fields, peers), group=g, name=name)
+        conflict = _first_conflict(records)
+        if conflict is None:
+            continue
+        detail = ""
+        if plan is not None and conflict[0] == plan[0]:
+            plans = comm.all_gather_object(plan[1], group=g, name="plan_all_gather")
+            index = {r.rank: i for i, r in enumerate(records)}
+            found = plans[index[conflict[1].rank]].first_difference(plans[index[conflict[2].rank]])
+            detail = found or "the digests differ"
+        _raise_conflict(conflict, who(conflict[0]), remedies, detail)
+
+
 def check_sharding_agreement(plan: ShardingPlan, group: Any, replicate_group: Any, *, remedy: str) -> None:
     """Raise ``ValueError`` on every rank of the mesh unless all agree on the mesh, the pending
-    optimizer configuration (if an optimizer is fixing this plan) and ``plan``.
-
-    ``remedy`` says what to do about a plan that differs. One all-gather over the mesh's whole
-    group (:func:`_whole_groups`); a plan mismatch adds one of the plans, to name the parameter.
-    A one-rank mesh in a one-rank job agrees with itself: no collective.
-    """
+    optimizer configuration and ``plan`` (``remedy``: what to do about a plan that differs)."""
     if not _distributed() or dist.get_world_size() == 1:
         return
     view = mesh_view(group, replicate_group)
     pending = _PENDING.get()
-    fields = view.fields()
-    peers = view.peers()
+    fields, peers = view.fields(), view.peers()
     remedies = {f: MESH_REMEDY for f in fields}
     if pending is not None:
         pending.agreed = True
         fields.update(pending.fields)
         peers.update({f: view.known_ranks for f in pending.fields})
         remedies.update({f: pending.remedy for f in pending.fields})
-    fields["sharding plan"] = plan.digest()[:16]
-    peers["sharding plan"] = view.known_ranks
+    fields["sharding plan"], peers["sharding plan"] = plan.digest()[:16], view.known_ranks
     remedies["sharding plan"] = remedy
-    for g in _whole_groups(view, group, replicate_group):
-        if dist.get_world_size(g) == 1:
-            continue
-        mine = _Record(dist.get_rank(), fields, peers)
-        records = comm.all_gather_object(mine, group=g, name="plan_digest")
-        conflict = _first_conflict(records)
-        if conflict is None:
-            continue
-        detail = ""
-        if conflict[0] == "sharding plan":  # name the parameter: every rank gathers the plans
-            plans = comm.all_gather_object(plan, group=g, name="plan_all_gather")
-            index = {r.rank: i for i, r in enumerate(records)}
-            found = plans[index[conflict[1].rank]].first_difference(plans[index[conflict[2].rank]])
-            detail = found or "the digests differ"
-        who = pending.who if pending is not None and conflict[0] in pending.fields else "fully_shard"
-        _raise_conflict(conflict, who, remedies, detail)
+    _agree(
+        _whole_groups(view, group, replicate_group),
+        fields,
+        peers,
+        remedies,
+        lambda f: pending.who if pending is not None and f in pending.fields else "fully_shard",
+        "plan_digest",
+        ("sharding plan", plan),
+    )
 
 
 def optimizer_groups(params: Iterable[torch.Tensor], process_group: Any) -> list[Any]:
-    """The groups an optimizer's configuration is agreed over when no plan carried it: the
-    given ``process_group``; else the whole group of the mesh its owner-sharded parameters were
-    planned over; else (plain tensors, DDP) the world group."""
+    """Where an optimizer's configuration is agreed when no plan carried it: ``process_group``,
+    else the whole group of its parameters' mesh, else (plain tensors, DDP) the world."""
     if process_group is not None:
         return [process_group]
     for p in params:
         group = get_shard_group(p)
         if group is not None:
-            place = replicas_of(p)
+            link = tree_link(p)  # the tree's HSDP replica record, if any (replica_sync.replicas_of)
+            place = None if link is None or link.tree is None else link.tree.replicas
             replicate = place.group if place is not None and place.size > 1 else None
             return _whole_groups(mesh_view(group, replicate), group, replicate)
     return [dist.group.WORLD]
@@ -293,11 +278,9 @@ def agree_before_planning(
     who: str = "OwnerRoutedOptimizer",
     remedy: str = "Build OwnerRoutedOptimizer with the same arguments on every rank.",
 ) -> None:
-    """Run ``fix_plans`` on the parameters of ``user_groups`` (it fixes the plans of pending
-    ``fully_shard`` trees, collective) with ``fields`` pending, so each plan fixed then is agreed
-    together with them; if it fixed none, agree ``fields`` over the optimizer's ranks
-    (:func:`optimizer_groups`). Raises ``ValueError`` on every rank, ``who`` and ``remedy``
-    wording it, at the first difference."""
+    """Run ``fix_plans`` (collective: it fixes pending ``fully_shard`` plans) with ``fields``
+    pending, so each plan fixed then is agreed with them; if it fixed none, agree ``fields`` over
+    :func:`optimizer_groups`. Raises ``ValueError`` on every rank at the first difference."""
     params = [rp.param for g in user_groups for rp in g.params]
     pending = _Pending(dict(fields), who, remedy)
     token = _PENDING.set(pending)
@@ -308,42 +291,28 @@ def agree_before_planning(
     if pending.agreed or not _distributed() or dist.get_world_size() == 1:
         return
     everyone = frozenset(range(dist.get_world_size()))
-    for g in optimizer_groups(params, process_group):
-        if dist.get_world_size(g) == 1:
-            continue
-        mine = _Record(dist.get_rank(), dict(fields), {f: everyone for f in fields})
-        conflict = _first_conflict(comm.all_gather_object(mine, group=g, name="config_agreement"))
-        if conflict is not None:
-            _raise_conflict(conflict, who, {"*": remedy})
+    peers = {f: everyone for f in fields}
+    _agree(
+        optimizer_groups(params, process_group), dict(fields), peers, {"*": remedy}, lambda _: who, "config_agreement"
+    )
 
 
 def check_plan_agreement(plan: ShardingPlan, group: Any = None, *, who: str, what: str, remedy: str) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` unless all hold the same ``plan``.
-
-    ``who`` names the caller and ``what`` the plan in the message; ``remedy`` says what to do.
-    A group of one rank (or no process group) agrees with itself: no collective.
-    """
-    if not _distributed() or dist.get_world_size(group) == 1:
-        return
-    digests = comm.all_gather_object(plan.digest(), group=group, name="plan_digest")
-    if all(d == digests[0] for d in digests):
-        return
-    plans = comm.all_gather_object(plan, group=group, name="plan_all_gather")
-    for other in range(1, len(plans)):  # every rank names the same pair
-        if digests[other] != digests[0]:
-            detail = plans[0].first_difference(plans[other]) or "digests differ"
-            raise ValueError(f"{who}: ranks disagree on the {what} (rank 0 vs rank {other}): {detail}. {remedy}")
+    """Raise ``ValueError`` on every rank of ``group`` unless all hold the same ``plan``
+    (``who`` names the caller, ``what`` the plan, ``remedy`` what to do)."""
+    if _distributed():
+        ranks = frozenset(_group_ranks(group))
+        _agree([group], {what: plan.digest()}, {what: ranks}, {"*": remedy}, lambda _: who, "plan_digest", (what, plan))
 
 
 _REBUILT = {"KeyError": KeyError, "ValueError": ValueError, "TypeError": TypeError}
 
 
 def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: str) -> None:
-    """Make a refusal every rank's: one all-gather of this rank's ``error`` (None: it would go
-    ahead) over each of ``groups``; if any rank refused, every rank raises before it changes
-    anything, its own error where it has one, else the first refusing rank's, named (as the
-    same exception type for ``KeyError``, ``ValueError`` and ``TypeError``, else
-    ``RuntimeError``). In one process, and over a one-rank group, ``error`` is simply raised."""
+    """Make a refusal every rank's: one all-gather of this rank's ``error`` (None: go ahead) over
+    each of ``groups``; if any rank refused, every rank raises, its own error or the first
+    refusing rank's, named (the same type for ``KeyError``, ``ValueError``, ``TypeError``, else
+    ``RuntimeError``)."""
     verdicts: list[tuple[int, str, str] | None] = []
     mine = None
     if error is not None:  # a KeyError's str() is its message quoted: send the message
@@ -363,27 +332,45 @@ def agree_verdict(error: BaseException | None, groups: Sequence[Any], *, who: st
         )
 
 
-def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()") -> bool:
-    """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here), from one
-    all-reduce (max) of three integers: the flag, this step's number and its negation, so every
-    rank also learns the group's highest and lowest step number at no extra round trip.
+STEP_DIGITS = 4  # a step number in a float header: base-256 digits, exact in bf16 (counts mod 2**32)
 
-    ``step`` is the optimizer's ``step()`` calls counted from its first checked step on (checked
-    or not since: a rank that turned the check off for a step is a step ahead when it checks
-    again; ``OwnerRoutedOptimizer`` counts them).
-    Ranks at different steps raise ``RuntimeError`` on every rank, naming the numbers, instead
-    of pairing one step's check with another's."""
+
+def step_digits(step: int) -> list[float]:
+    """``step`` as :data:`STEP_DIGITS` header values (appended to a collective's float header)."""
+    return [float((step >> (8 * i)) & 255) for i in range(STEP_DIGITS)]
+
+
+def check_same_step(step: int, seen: Iterable[int], *, who: str, among: str, counted: str) -> None:
+    """The shared "steps agree" check: raise ``RuntimeError`` naming this rank's ``step`` and the
+    range of the other ranks' ``seen`` ones (as their collective carried them) unless all equal
+    (``among``: the ranks compared; ``counted``: what the number counts)."""
+    numbers = [step, *seen]
+    lowest, highest = min(numbers), max(numbers)
+    if lowest != highest:
+        raise RuntimeError(
+            f"{who}: the ranks of {among} are at different steps: rank {dist.get_rank()} is at step {step}, "
+            f"the group's range from {lowest} to {highest} ({counted}). A rank called step() more or fewer "
+            "times than the others, or checked a step the others did not; every rank must step, and check, "
+            "together"
+        )
+
+
+def check_header_steps(step: int, headers: Sequence[Sequence[float]], *, who: str, among: str) -> None:
+    """:func:`check_same_step` on the :func:`step_digits` that end each gathered header."""
+    seen = [sum(int(d) << (8 * i) for i, d in enumerate(h[-STEP_DIGITS:])) for h in headers]
+    check_same_step(step % (1 << 8 * STEP_DIGITS), seen, who=who, among=among, counted="optimizer steps")
+
+
+def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()") -> bool:
+    """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here): one
+    all-reduce (max) of the flag, ``step`` and ``-step``, so every rank also learns the group's
+    step range (:func:`check_same_step`)."""
     if not _distributed() or dist.get_world_size(group) == 1:
         return bool(flag.item())
     payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)
     comm.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
     found, highest, lowest = (int(v) for v in payload.tolist())
-    lowest = -lowest
-    if highest != lowest:
-        raise RuntimeError(
-            f"{who}: the ranks of process_group are at different steps: rank {dist.get_rank()} is at step {step}, "
-            f"the group's range from {lowest} to {highest} (step() calls since the first checked one). A rank "
-            "called step() more or fewer times than the others, or checked a step the others did not "
-            "(skip_nonfinite_grads set on some ranks only); every rank must step, and check, together"
-        )
+    check_same_step(
+        step, (highest, -lowest), who=who, among="process_group", counted="step() calls since the first checked one"
+    )
     return bool(found)

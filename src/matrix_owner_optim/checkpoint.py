@@ -1,27 +1,14 @@
 """A thin convenience over PyTorch's own checkpointing: DCP and its ``get/set_*_state_dict``.
 
-``save(path, model, optimizer)`` is ``dcp.save({"model": get_model_state_dict(model), "optim":
-get_optimizer_state_dict(model, optimizer)})``; ``load`` is the matching ``dcp.load`` followed
-by ``set_model_state_dict`` / ``set_optimizer_state_dict``. Everything that makes the owner
-layout checkpointable lives in the state dicts themselves (``model.state_dict()`` and
-``OwnerRoutedOptimizer.state_dict()`` give pieces of global tensors keyed by fqn), so a trainer
-can call those tools directly. This module adds two things: error messages that name the file,
-the parameter and both shapes before any tensor is read, and an atomic replace of the checkpoint
-directory (below). A checkpoint written at W ranks on any
-layout (owner layout, stock FSDP2, DDP, one process) loads at any W' on any layout.
-
-Every call is collective over ``process_group`` (default: the world group) when a process group
-is initialized; with none, both run in one process.
-
-Failures leave the last good checkpoint in place. ``save`` writes into ``<path>.moo-saving``
-and, once DCP has written the metadata (every rank's data is on disk by then), the coordinator
-renames the old directory aside, renames the new one to ``path`` and deletes the old one; a save
-that fails or dies before that leaves ``path`` as it was (a ``load`` in the instant between the
-two renames finds the old one at ``<path>.moo-previous`` and uses it). ``load`` checks the
-directory before reading any tensor: a path that is no DCP directory, a directory another tool
-wrote (no ``model.*`` entries), one without ``.metadata`` (a save that never finished) or with
-a data file shorter than the metadata says (truncated by a copy or a full disk) each raise
-:class:`CheckpointError` saying which.
+``save(path, model, optimizer)`` is ``dcp.save`` of ``{"model": get_model_state_dict(model),
+"optim": get_optimizer_state_dict(model, optimizer)}`` and ``load`` its counterpart; the state
+dicts themselves make the owner layout checkpointable (pieces of global tensors keyed by fqn), so
+a checkpoint written at W ranks on any layout loads at any W' on any layout, and a trainer can
+call those tools directly. Added here: checks that name the file, the parameter and both shapes
+before any tensor is read (and leave model and optimizer as they were when they refuse), and an
+atomic replace of the checkpoint directory, so a failed save leaves the last good checkpoint.
+Both are collective over ``process_group`` (default: the world) when one is initialized.
+Guarantees and tests: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -50,8 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import comm
 from .agreement import agree_verdict
+from .tensors import local_tensor
 
-__all__ = ["save", "load", "CheckpointError", "MODEL_KEY", "OPTIM_KEY"]
+__all__ = ["save", "load", "is_initialisation_step", "CheckpointError", "MODEL_KEY", "OPTIM_KEY"]
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -73,49 +61,36 @@ def _quiet() -> Any:
         yield
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _dcp_kwargs(process_group: Any) -> dict[str, Any]:
-    if dist.is_available() and dist.is_initialized():
-        return {"process_group": process_group}
-    return {"no_dist": True}
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool = True) -> dict[str, Any]:
-    options = StateDictOptions(strict=strict)
-    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model, options=options)}
-    if optimizer is not None:
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer, options=options)
-    return state
+    return {"process_group": process_group} if _distributed() else {"no_dist": True}
 
 
 def _coordinator(process_group: Any) -> bool:
     """Whether this rank is DCP's coordinator (rank 0 of the group, or the only process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
-    return bool(dist.get_rank(process_group) == 0)
+    return not _distributed() or dist.get_rank(process_group) == 0
 
 
 def _barrier(process_group: Any) -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         comm.barrier(group=process_group)
 
 
 def _fsync_dir(path: str) -> None:
     """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _dcp_files_only(path: str) -> bool:
-    """Whether the directory ``path`` holds nothing but DCP files (a checkpoint, or the
-    remains of a save that did not finish): only such a directory is ever replaced."""
+    """Whether the directory ``path`` holds DCP files only (the only kind ever replaced)."""
     return all(n == _METADATA or n.endswith(".distcp") or n.startswith(_METADATA + ".") for n in os.listdir(path))
 
 
@@ -126,14 +101,12 @@ def save(
     *,
     process_group: Any = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to the DCP directory ``path`` (collective when
-    distributed).
+    """Save ``model`` (and ``optimizer``) to the DCP directory ``path`` (collective).
 
-    The new checkpoint replaces the one at ``path`` only once it is complete on disk (module
-    docstring): an exception or a crash during the save leaves the previous checkpoint loadable.
-    Raises :class:`CheckpointError` (before writing anything) when ``path`` is a file or a
-    directory holding anything but DCP files, rather than replacing the user's data.
-    """
+    It is written into ``<path>.moo-saving`` and replaces ``path`` only once complete on disk
+    (an exception or a crash leaves the previous checkpoint loadable; a load between the two
+    renames reads ``<path>.moo-previous``). Raises :class:`CheckpointError`, writing nothing,
+    when ``path`` is a file or a directory holding anything but DCP files."""
     path = os.fspath(path).rstrip(os.sep) or os.sep
     if os.path.isfile(path) or (os.path.isdir(path) and not _dcp_files_only(path)):
         raise CheckpointError(
@@ -142,7 +115,9 @@ def save(
         )
     staging, previous = path + SAVING_SUFFIX, path + PREVIOUS_SUFFIX
     with _quiet():
-        state = _state(model, optimizer)
+        state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+        if optimizer is not None:
+            state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
     if _coordinator(process_group):
         shutil.rmtree(staging, ignore_errors=True)  # what a failed or killed save left behind
     _barrier(process_group)
@@ -175,8 +150,7 @@ def save(
 
 
 def _resolve(path: str) -> str:
-    """The directory to read: ``path``, or the previous checkpoint when a save died between
-    its two renames. Raises naming what is wrong with ``path`` otherwise."""
+    """``path``, or the previous checkpoint when a save died between its two renames."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, _METADATA)):
         return path
     previous = path + PREVIOUS_SUFFIX
@@ -208,9 +182,8 @@ def _resolve(path: str) -> str:
 
 
 def _metadata(path: str) -> Metadata:
-    """The DCP metadata of ``path``, after checking that every data file it names is there
-    and long enough (a truncated checkpoint fails here, naming the file, not inside DCP), and
-    that ``save`` wrote it (``model.*`` entries)."""
+    """The DCP metadata of ``path``, once every data file it names is there and long enough
+    and ``save`` wrote it (``model.*`` entries)."""
     try:
         meta = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -249,8 +222,7 @@ def _metadata(path: str) -> Metadata:
 
 
 def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str, Any]) -> None:
-    """Refuse, naming both sides, an optimizer whose param groups the checkpoint's do not match
-    (another inner optimizer: its hyperparameter names differ, e.g. SGD's ``dampening``)."""
+    """Refuse an optimizer whose param groups' hyperparameter names the checkpoint lacks."""
     group_prefix = f"{OPTIM_KEY}.param_groups."
     saved_groups: dict[str, set[str]] = {}
     for k in saved:
@@ -274,9 +246,7 @@ def _check_param_groups(path: str, groups: list[dict[str, Any]], saved: dict[str
 def _check_model(
     path: str, here: dict[str, Any], saved: Mapping[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
-    """Refuse model entries whose shape differs from the checkpoint's, and (with ``strict``)
-    model keys missing from it or checkpoint model entries the model lacks; returns both lists
-    (prefixed keys)."""
+    """Refuse other shapes and (``strict``) missing or unexpected model keys; returns those."""
     prefix = MODEL_KEY + "."
     for key, value in here.items():
         meta = saved.get(key)
@@ -314,6 +284,7 @@ def _check_optimizer_state(path: str, optim: dict[str, Any], saved: Mapping[str,
 
 
 def _checked(error_of: Callable[[], None]) -> CheckpointError | None:
+    """What ``error_of()`` refuses with (for :func:`~.agreement.agree_verdict`), or None."""
     try:
         error_of()
     except CheckpointError as exc:
@@ -322,9 +293,18 @@ def _checked(error_of: Callable[[], None]) -> CheckpointError | None:
 
 
 def _is_fresh(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether torch's ``get/set_optimizer_state_dict`` would initialise ``optimizer`` (no state
-    and no gradient: it then takes a zero-learning-rate step to create the state)."""
+    """Whether torch's ``get/set_optimizer_state_dict`` would initialise ``optimizer``."""
     return not optimizer.state and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
+
+
+def is_initialisation_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a ``step()`` about to run is torch's initialisation of a fresh optimizer
+    (``_init_optim_state``: no state, every learning rate 0, every trainable gradient zeros)."""
+    groups = optimizer.param_groups
+    if optimizer.state or any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+    return all(gr is not None and not local_tensor(gr).any() for gr in grads)
 
 
 def load(
@@ -339,16 +319,11 @@ def load(
     ``optimizer``) as this rank holds them; collective when distributed.
 
     Raises :class:`CheckpointError` naming the file, the fqn and both shapes for a shape that
-    does not match, and for model entries missing from the checkpoint (or, with ``strict``,
-    checkpoint model entries the model lacks); ``strict=False`` skips those keys and returns
-    them (model keys missing from the checkpoint, then checkpoint model entries the model has
-    no parameter or buffer for).
-
-    A refused load changes nothing, on any rank: every check runs before any tensor is read,
-    and the ranks agree on the verdict (an all-gather) before going on, so a refusal on one
-    rank is every rank's. A fresh optimizer (no state, no gradients) stays fresh: torch's
-    helper initialises its state with a zero-learning-rate step before the optimizer checks
-    can run; a refusal then puts it back to its state before the call (none).
+    does not match, for model entries missing from the checkpoint and (``strict``) checkpoint
+    model entries the model lacks; ``strict=False`` skips both and returns them. A refusal is
+    agreed by every rank before any tensor is read and changes nothing, on any rank (a fresh
+    optimizer, which torch's helper initialises with a zero-learning-rate step before the
+    optimizer checks can run, is put back to no state).
     """
     path = _resolve(os.fspath(path).rstrip(os.sep) or os.sep)
     saved = _metadata(path).state_dict_metadata

@@ -1,19 +1,12 @@
 """Counted collectives and :class:`CommCounter`: every byte the package moves, by phase.
 
-All collectives the package issues go through the wrappers here, which report to every
-active :class:`CommCounter`, whichever thread issues them: counters live in one process-wide
-registry (under a lock), because the autograd engine runs backward hooks, and so the
-runtime's reduce-scatters, on its own device threads on CUDA. The phase is per thread: the
-code that issues a collective sets it (the runtime inside its hooks, the optimizer in its
-step), so a collective from a device thread is not attributed to whatever the main thread
-is doing at that moment. Bytes are the logical payload a rank sends and receives (its own
-chunk excluded): all-to-all counts the splits to and from other ranks, all-gather counts
-``(W-1)`` times the local input each way, all-reduce counts the ring algorithm's
-``2·(W-1)/W·n`` each way. Phases are set by the runtime (``forward``,
-``backward``), the optimizer (``optimizer``) and default to ``other`` on every thread.
-
-Counting never replaces the profiler: tests cross-check these numbers against the
-``gloo:``/``nccl:`` ops that ``torch.profiler`` records.
+Every collective the package issues goes through a wrapper here, which reports it to every
+active :class:`CommCounter` (one process-wide registry under a lock: on CUDA the autograd engine
+runs backward hooks, and so the reduce-scatters, on its own threads). The phase (``forward``,
+``backward``, ``optimizer``, default ``other``) is per thread, set where a collective is issued.
+Bytes are the logical payload a rank sends and receives, its own chunk excluded (all-reduce:
+the ring's ``2·(W-1)/W·n`` each way). Tests cross-check them against ``torch.profiler``'s
+``gloo:``/``nccl:`` ops.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ import contextlib
 import ctypes
 import pickle
 import threading
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,20 +64,15 @@ class CommRecord:
 
 
 class CommCounter:
-    """Context manager that counts calls and bytes of every collective inside it, by phase.
-
-    While active it counts every collective the process issues through this module, from any
-    thread (autograd's device threads included), so a counter entered around a step also
-    sees the backward collectives that CUDA runs off the main thread. Safe to read while
-    other threads record.
+    """Context manager that counts calls and bytes of every collective the process issues
+    through this module while it is active, from any thread; safe to read while others record.
 
     Example::
 
         with CommCounter() as cc:
-            loss = model(x).mean(); loss.backward()
+            model(x).mean().backward()
             opt.step()
         assert cc.calls("optimizer") == 0 and cc.bytes("optimizer") == 0
-        print(cc.by_phase())
     """
 
     def __init__(self) -> None:
@@ -112,14 +100,10 @@ class CommCounter:
 
     def bytes(self, phase: str | None = None, direction: str = "total") -> int:
         """Bytes moved: ``direction`` is ``"sent"``, ``"received"`` or ``"total"`` (both)."""
+        if direction not in ("sent", "received", "total"):
+            raise ValueError(f"direction must be 'sent', 'received' or 'total', got {direction!r}")
         recs = self._select(phase)
-        if direction == "sent":
-            return sum(r.bytes_sent for r in recs)
-        if direction == "received":
-            return sum(r.bytes_received for r in recs)
-        if direction == "total":
-            return sum(r.bytes_sent + r.bytes_received for r in recs)
-        raise ValueError(f"direction must be 'sent', 'received' or 'total', got {direction!r}")
+        return sum(r.bytes_sent * (direction != "received") + r.bytes_received * (direction != "sent") for r in recs)
 
     def by_phase(self) -> dict[str, dict[str, int]]:
         """``{phase: {"calls", "bytes_sent", "bytes_received"}}`` for all four phases."""
@@ -131,14 +115,8 @@ class CommCounter:
         return out
 
     def by_op(self, phase: str | None = None) -> dict[str, int]:
-        counts: dict[str, int] = defaultdict(int)
-        for r in self._select(phase):
-            counts[r.op] += 1
-        return dict(counts)
-
-    def reset(self) -> None:
-        with _lock:
-            self.records.clear()
+        """``{op name: calls}`` (in ``phase``, or in all phases)."""
+        return dict(Counter(r.op for r in self._select(phase)))
 
 
 def current_phase() -> str:
@@ -148,8 +126,7 @@ def current_phase() -> str:
 
 @contextlib.contextmanager
 def comm_phase(phase: str) -> Iterator[None]:
-    """Attribute collectives this thread issues inside the block to ``phase`` (other threads
-    keep their own phase: set it where the collective is issued, e.g. inside a hook)."""
+    """Attribute collectives this thread issues inside the block to ``phase`` (other threads keep theirs)."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
     previous = _phase()
@@ -189,29 +166,18 @@ def all_to_all_single(
     op: str = "all_to_all_single",
     async_op: bool = False,
 ) -> Any:
-    """``dist.all_to_all_single`` with uneven splits, counted (own chunk excluded).
-
-    With ``async_op=True`` the collective is counted when issued (in the phase current then)
-    and its ``Work`` handle is returned; the caller waits on it before reading ``output``.
-    """
+    """``dist.all_to_all_single`` with uneven splits, counted (own chunk excluded); with
+    ``async_op=True`` counted when issued, its ``Work`` returned (wait before reading)."""
     W, rank = _world(group)
     row = (input[0].numel() if input.dim() > 1 and input.shape[0] else 1) * input.element_size()
-    if input_split_sizes is None:
-        ins = [input.shape[0] // W] * W
-    else:
-        ins = list(input_split_sizes)
-    if output_split_sizes is None:
-        outs = [output.shape[0] // W] * W
-    else:
-        outs = list(output_split_sizes)
-    sent = sum(n for r, n in enumerate(ins) if r != rank) * row
-    recv = sum(n for r, n in enumerate(outs) if r != rank) * row
-    record(op, sent, recv)
+    ins = [input.shape[0] // W] * W if input_split_sizes is None else list(input_split_sizes)
+    outs = [output.shape[0] // W] * W if output_split_sizes is None else list(output_split_sizes)
+    record(op, (sum(ins) - ins[rank]) * row, (sum(outs) - outs[rank]) * row)
     return dist.all_to_all_single(
         output,
         input,
-        output_split_sizes=list(outs) if output_split_sizes is not None else None,
-        input_split_sizes=list(ins) if input_split_sizes is not None else None,
+        output_split_sizes=None if output_split_sizes is None else outs,
+        input_split_sizes=None if input_split_sizes is None else ins,
         group=group,
         async_op=async_op,
     )
@@ -227,10 +193,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, name: st
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
     """torch's even all-gather into one tensor: ``all_gather_single`` where torch has it
     (torch 2.13 deprecates ``all_gather_into_tensor`` with a FutureWarning), else the older name."""
-    gather = getattr(dist, "all_gather_single", None)
-    if gather is None:
-        gather = dist.all_gather_into_tensor
-    gather(output, input, group=group)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, group=group)
 
 
 def all_gather_into_tensor(
@@ -251,63 +214,45 @@ def barrier(group: Any = None, name: str = "barrier") -> None:
 def broadcast(
     tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast", async_op: bool = False
 ) -> Any:
-    """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: the source sends
-    ``W - 1`` copies, every other rank receives one. ``async_op=True``: counted when issued,
-    the ``Work`` handle returned (wait on it before reading ``tensor``)."""
+    """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: ``W - 1`` copies
+    sent by the source, one received by every other rank (``async_op``: as all_to_all_single)."""
     W, rank = _world(group)
     n = _nbytes(tensor)
-    if rank == group_src:
-        record(name, n * (W - 1), 0)
-    else:
-        record(name, 0, n)
+    sends = rank == group_src
+    record(name, n * (W - 1) if sends else 0, 0 if sends else n)
     return dist.broadcast(tensor, group_src=group_src, group=group, async_op=async_op)
 
 
 def object_device(group: Any = None) -> torch.device:
-    """Where a group's collectives take their tensors: the current CUDA device when the group's
-    backend runs NCCL (and CUDA is there), else the CPU."""
+    """Where a group's collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
     nccl = "nccl" in str(dist.get_backend(group)).lower()
     if nccl and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    payload = bytearray(pickle.dumps(obj))
-    return torch.frombuffer(payload, dtype=torch.uint8).to(device)
-
-
 def _decode(data: torch.Tensor) -> Any:
-    # the bytes of a CPU uint8 tensor without numpy (which torch's *_object collectives need,
-    # and which the library does not depend on)
-    data = data.cpu().contiguous()
+    data = data.cpu().contiguous()  # its bytes without numpy (torch's *_object collectives need it)
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))
 
 
-def _object_sizes(data: torch.Tensor, group: Any) -> list[int]:
-    W, _ = _world(group)
-    sizes = torch.empty(W, dtype=torch.int64, device=data.device)
-    mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
-    _all_gather_single(sizes, mine, group)
-    return [int(n) for n in sizes.tolist()]
-
-
-def _padded(data: torch.Tensor, n: int) -> torch.Tensor:
-    out = torch.zeros(n, dtype=torch.uint8, device=data.device)
-    out[: data.numel()] = data
-    return out
+def _pickled(obj: Any, group: Any) -> tuple[torch.Tensor, list[int], int]:
+    """``obj``'s pickled bytes padded to the longest rank's, every rank's length, and that longest
+    (one all-gather of the lengths)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(object_device(group))
+    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=data.device)
+    _all_gather_single(sizes, torch.tensor([data.numel()], device=data.device), group)
+    n = int(sizes.max())
+    return torch.nn.functional.pad(data, (0, n - data.numel())), [int(k) for k in sizes.tolist()], n
 
 
 def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_object") -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (plan agreement, optimizer state
-    consolidation). As ``dist.all_gather_object`` (pickled bytes, padded to the longest), but
-    without numpy: ranks exchange sizes, then one ``all_gather_into_tensor`` of the bytes."""
+    """Every rank's picklable ``obj``, in rank order: ``dist.all_gather_object`` without numpy
+    (the lengths, then one all-gather of the padded bytes)."""
     W, _ = _world(group)
-    data = _encode(obj, object_device(group))
-    sizes = _object_sizes(data, group)
-    n = max(sizes)
+    data, sizes, n = _pickled(obj, group)
     out = torch.empty(W * n, dtype=torch.uint8, device=data.device)
-    _all_gather_single(out, _padded(data, n), group)
+    _all_gather_single(out, data, group)
     record(name, (n + 8) * (W - 1), (n + 8) * (W - 1))
     return [_decode(out[r * n : r * n + sizes[r]]) for r in range(W)]
 
@@ -316,12 +261,10 @@ def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_obj
     """Every rank's picklable ``obj`` on rank ``dst`` (a global rank), None elsewhere; as
     ``dist.gather_object`` but without numpy (sizes all-gathered, then one ``gather``)."""
     W, _ = _world(group)
-    data = _encode(obj, object_device(group))
-    sizes = _object_sizes(data, group)
-    n = max(sizes)
+    data, sizes, n = _pickled(obj, group)
     receiving = dist.get_rank() == dst
     parts = [torch.empty(n, dtype=torch.uint8, device=data.device) for _ in range(W)] if receiving else None
-    dist.gather(_padded(data, n), parts, dst=dst, group=group)
+    dist.gather(data, parts, dst=dst, group=group)
     record(name, 8 * (W - 1) + (0 if receiving else n), 8 * (W - 1) + (n * (W - 1) if receiving else 0))
     if parts is None:
         return None
@@ -335,15 +278,10 @@ def all_gather(
     name: str = "all_gather",
     async_op: bool = False,
 ) -> Any:
-    """Counted ``dist.all_gather``, also with differently sized outputs (NCCL supports them).
-
-    Counted as the owner-segment all-gather it is: this rank sends its ``input`` to the
-    ``W-1`` others and receives every other rank's chunk.
-    """
+    """Counted ``dist.all_gather``, also with differently sized outputs (NCCL supports them):
+    this rank's ``input`` to the ``W-1`` others, every other rank's chunk back."""
     W, rank = _world(group)
-    sent = _nbytes(input) * (W - 1)
-    recv = sum(_nbytes(t) for r, t in enumerate(output_list) if r != rank)
-    record(name, sent, recv)
+    record(name, _nbytes(input) * (W - 1), sum(_nbytes(t) for r, t in enumerate(output_list) if r != rank))
     return dist.all_gather(output_list, input, group=group, async_op=async_op)
 
 
@@ -355,15 +293,10 @@ def reduce_scatter(
     name: str = "reduce_scatter",
     async_op: bool = False,
 ) -> Any:
-    """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL).
-
-    Counted logically: this rank sends every other rank's chunk once and receives its own
-    chunk from the ``W-1`` others. ``async_op=True`` returns the ``Work`` handle.
-    """
+    """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL): every other
+    rank's chunk sent once, this rank's own received from the ``W-1`` others."""
     W, rank = _world(group)
-    sent = sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank)
-    recv = _nbytes(output) * (W - 1)
-    record(name, sent, recv)
+    record(name, sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank), _nbytes(output) * (W - 1))
     return dist.reduce_scatter(
         output, input_list, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=async_op
     )

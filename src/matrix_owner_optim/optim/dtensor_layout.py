@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..agreement import STEP_DIGITS, check_header_steps, step_digits
 from ..owner_dtensor import mesh_of_group
 from ..planning import Role
 from ..planning.cost import itemsize
@@ -167,6 +168,7 @@ class DTensorLayout(UpdateLayout):
         self._buckets: dict[tuple[Any, int, int | None, torch.dtype], _Bucket] = {}
         self._tails: list[RoutedParam] = []  # updated shard-locally (proxy aliases the local shard)
         self.resyncs = 0  # how many times owner copies were (re)built from the shards
+        self.steps = 0  # before_step calls: the TP assembly checks every owner is at the same one
         self._group_of: dict[int, Any] = {}  # id(matrix RoutedParam) -> its shard group
         self._experts: dict[int, RowPieces] = {}  # id(expert parallel stack) -> its state's pieces
         self._unplaced: list[tuple[Any, list[tuple[RoutedParam, MeshSlice, int]]]] = []  # stacks for agree()
@@ -260,6 +262,7 @@ class DTensorLayout(UpdateLayout):
 
     # -- the step ----------------------------------------------------------------------------------
     def before_step(self) -> None:
+        self.steps += 1
         for rp in self._tails:
             if rp.proxy is None:
                 continue
@@ -320,10 +323,11 @@ class DTensorLayout(UpdateLayout):
             assert m.tp is not None
             shape = m.tp.shape(m.shape, m.tp.rank)
             mine.append(torch.zeros(shape, dtype=b.dtype, device=b.device) if g is None else g.view(shape))
-        header = [float(dirty)] + [float(g is not None) for g in grads]
+        header = [float(dirty)] + [float(g is not None) for g in grads] + step_digits(self.steps)
         headers, full = assemble(
             b.tp_group, header, slices, mine, dtype=b.dtype, device=b.device, op="owner_grad_tp_all_gather"
         )
+        check_header_steps(self.steps, headers, who="TP gradient assembly", among="the TP group")
         whole = [g if any(h[1 + i] != 0 for h in headers) else None for i, g in enumerate(full)]
         return whole, any(h[0] != 0 for h in headers)
 
@@ -430,7 +434,7 @@ class DTensorLayout(UpdateLayout):
             )
             if b.tp_group is not None and b.mine:  # the whole gradients over TP (padded, header in front)
                 T = b.mine[0].tp.size  # type: ignore[union-attr]
-                width = max(message_sizes(1 + len(b.mine), _tp_slices(b.mine)))
+                width = max(message_sizes(1 + len(b.mine) + STEP_DIGITS, _tp_slices(b.mine)))
                 moved += 2 * (T - 1) * width
             total += moved * itemsize(b.dtype)
         return total

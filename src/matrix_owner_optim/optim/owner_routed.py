@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields
+from ..checkpoint import is_initialisation_step
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
 from ..owner_dtensor import is_owner_dtensor
@@ -148,6 +149,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._slots: dict[int, tuple[RoutedParam, RoleOptimizer]] = {}  # id(param) -> routing, optimizer
         self._consolidated: dict[int, Any] | int | None = None  # consolidate_state_dict()'s result
         self._has_state = False  # whether any rank holds state (a step was taken, or state loaded)
+        self._fresh_at_init = False  # the last step() was torch's initialisation of a fresh optimizer
         # per parent group: ids of the parameters it was routed with (to see a framework's swap)
         self._group_param_ids: list[list[int]] = []
         self._group_user: list[int] = []  # per parent group: which user group it was split from
@@ -366,10 +368,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     # -- the step --------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter this rank updates; returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        self._fresh_at_init = is_initialisation_step(self)  # then a load it refuses leaves it fresh
         if self._checked_steps is not None:
             self._checked_steps += 1
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
@@ -471,28 +472,33 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             self._consolidated = sd_.gather_owner_state(self._ordered(), self.state, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer saved on any layout and world size: pieces, full
-        tensors, fqn-keyed state, version 0.1.0's groups. Each rank keeps what it updates, in
-        the saved dtype, on the parameter's device. Raises ``KeyError`` naming the trainable
-        parameters this rank updates whose state is missing while others of their group have it.
-        """
+        """Load a state dict of this optimizer saved on any layout and world size: pieces, plain
+        or full tensors, fqn-keyed state, version 0.1.0's groups. Each rank keeps what it
+        updates, in the state's dtype on the parameter's device (``step`` stays where it is).
+        Raises ``KeyError`` naming the parameters this rank updates whose state is missing while
+        others of their group have state; a refusal after torch's initialisation step leaves none."""
         self._follow_param_swaps()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups = self.param_groups
-        saved_groups, loaded = sd_.agreed_local_state(  # every rank's checks agreed, then changes
-            state_dict,
-            groups,
-            self._routed,
-            self._group_user,
-            self._places(),
-            self.state,
-            self._label,
-            self._process_group,
-        )
+        groups, fresh, self._fresh_at_init = self.param_groups, self._fresh_at_init, False
+        try:
+            saved_groups, loaded = sd_.agreed_local_state(  # every rank's checks agreed, then changes
+                state_dict,
+                groups,
+                self._routed,
+                self._group_user,
+                self._places(),
+                self.state,
+                self._label,
+                self._process_group,
+            )
+        except Exception:
+            if fresh:  # refused (on every rank) after torch's initialisation step: no state again
+                self.load_state_dict({**torch.optim.Optimizer.state_dict(self), "state": {}})
+            raise
         saved_state = state_dict["state"]
         needed = [set(self._kinds[OptimizerKind(g["optimizer"])].defaults) for g in groups]
         sd_.restore_groups(groups, saved_groups, needed)  # in place: the child groups read them there

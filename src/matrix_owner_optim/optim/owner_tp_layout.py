@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Shard
 
+from ..agreement import STEP_DIGITS, check_header_steps, step_digits
 from ..owner_dtensor import mesh_of_group
 from ..planning.metadata import Role, chunk_row_sizes, get_shard_rank
 from ..tensors import local_tensor
@@ -65,6 +66,7 @@ class OwnerTPLayout(UpdateLayout):
         super().__init__(config)
         self._assembled: list[_Assembled] = []
         self._local: list[RoutedParam] = []
+        self.steps = 0  # before_step calls
 
     def add(self, entries: list[RoutedParam]) -> None:
         """Route ``entries`` (module docstring): on their owners, TP-split 2D matrices to the
@@ -107,6 +109,7 @@ class OwnerTPLayout(UpdateLayout):
         return out
 
     def before_step(self) -> None:
+        self.steps += 1  # the TP assembly checks every owner is at the same step
         give_grads(self._local)
         for dtype, mats in self._buckets().items():
             self._assemble(dtype, mats)
@@ -124,9 +127,11 @@ class OwnerTPLayout(UpdateLayout):
             mine.append(piece)
             mine.append(torch.zeros_like(piece) if grad is None else local_tensor(grad))
         group = mats[0].rp.param.device_mesh.get_group(1)  # type: ignore[attr-defined]
+        header += step_digits(self.steps)
         headers, whole = assemble(
             group, header, slices, mine, dtype=dtype, device=mats[0].full.device, op="owner_tp_gather"
         )
+        check_header_steps(self.steps, headers, who="TP assembly", among="the TP group")
         for i, a in enumerate(mats):
             a.full.copy_(whole[2 * i])
             a.full.grad = whole[2 * i + 1] if headers[a.tp.rank][i] > 0 else None
@@ -155,7 +160,9 @@ class OwnerTPLayout(UpdateLayout):
         total = 0
         for dtype, mats in self._buckets().items():
             T = mats[0].tp.size
-            width = max(message_sizes(len(mats), [(a.tp, tuple(a.full.shape)) for a in mats for _ in range(2)]))
+            width = max(
+                message_sizes(len(mats) + STEP_DIGITS, [(a.tp, tuple(a.full.shape)) for a in mats for _ in range(2)])
+            )
             total += 2 * (T - 1) * width * torch.empty((), dtype=dtype).element_size()
         return total
 
