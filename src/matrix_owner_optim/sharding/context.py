@@ -26,13 +26,15 @@ The end-of-backward callback is queued once per backward, by the first hook that
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..agreement import agree_nonfinite
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
 from ..replica_sync import ReplicaSync, held_pieces, issue_broadcast
@@ -47,6 +49,16 @@ class TreeSettings(Protocol):
     """What the context reads of its tree's settings, live (``tree.ShardTree`` is one)."""
 
     auto_prefetch: bool  # the next-unit prefetch, on or off for the whole tree
+    step_watchers: list[weakref.ref[Any]]  # optimizers whose step all-reduces (CheckedSteps)
+
+
+class CheckedSteps(Protocol):
+    """What a forward reads of an optimizer whose step all-reduces its step count
+    (``OwnerRoutedOptimizer`` with ``skip_nonfinite_grads``, linked by ``agreement.watch_steps``)."""
+
+    skip_nonfinite_grads: bool
+    _checked_steps: int | None  # step() calls since its first checked step (None: never checked)
+    _process_group: Any
 
 
 def _modules_of(members: list[nn.Module]) -> list[nn.Module]:
@@ -113,6 +125,8 @@ class ShardingContext:
         for (mod_id, name), h in self._registrations.items():
             self._planned_at.setdefault(mod_id, {})[name] = h
         self._walked: dict[int, list[tuple[nn.Module, tuple[nn.Module | None, ...]]]] = {}  # unit -> modules
+        self._steps_checked: dict[weakref.ref[Any], int] = {}  # the step count each watcher's last check sent
+        self._reduced_since_check = False  # a synced backward reduced gradients since the last step check
 
     # -- lookups ---------------------------------------------------------------------------------
     def unit_of(self, module: nn.Module) -> ShardedUnit | None:
@@ -236,6 +250,7 @@ class ShardingContext:
         grads = unit.take_grads()
         if not grads:
             return
+        self._reduced_since_check = True
         self.wait_reduce()
         self._in_flight = unit.issue_reduce(grads)
 
@@ -298,6 +313,7 @@ class ShardingContext:
         """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring), and
         under HSDP every unit's due broadcast issued asynchronously, in unit order (each unit
         lands its own before its all-gather, so the later ones overlap compute)."""
+        self.check_steps()  # before this pass's first collective
         self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
         self._replicas_due()
         interrupted = self.backward_active
@@ -318,6 +334,26 @@ class ShardingContext:
         with comm_phase("forward"):
             for unit in self.units:
                 unit.issue_replica_sync()
+
+    def check_steps(self) -> None:
+        """The step check that opens a forward pass (issue 43): where an optimizer of the tree's
+        parameters all-reduces its step count at every step (``CheckedSteps``), the first forward
+        pass after its step or after a synced backward issues that same all-reduce (three
+        integers, ``agreement.agree_nonfinite``) with this rank's count. A rank that called
+        ``step()`` more or fewer times than the others meets their forward (or their step) in it
+        instead of pairing with an all-gather, and every rank raises naming the step numbers.
+        Decided from what every rank did alike (its steps and backwards), so every rank issues it
+        or none; at most one per step, none without such an optimizer."""
+        for ref in self.settings.step_watchers:
+            opt: CheckedSteps | None = ref()
+            step = None if opt is None or not opt.skip_nonfinite_grads else opt._checked_steps
+            if step is None or (self._steps_checked.get(ref) == step and not self._reduced_since_check):
+                continue
+            self._steps_checked[ref] = step
+            flag = torch.zeros((), device=self.units[0].device if self.units else "cpu")
+            with comm_phase("forward"):
+                agree_nonfinite(step, flag, opt._process_group, who="fully_shard forward (its step check)")  # type: ignore[union-attr]
+        self._reduced_since_check = False
 
     def reset_iteration(self) -> None:
         """FSDP2's ``reset_iter_state``: after an exception aborted a forward or backward, drop

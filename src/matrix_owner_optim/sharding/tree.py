@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -76,6 +77,13 @@ class ShardTree:
     failure: str | None = None  # why planning failed
     context: ShardingContext | None = None  # the runtime, once the plan is fixed
     replicas: ReplicaSync | None = None  # HSDP: the replicas' state, once the plan is fixed
+    step_watchers: list[weakref.ref[Any]] = field(default_factory=list)  # optimizers whose step all-reduces
+
+    def watch_steps(self, optimizer: Any) -> None:
+        """``optimizer``'s step all-reduces its step count (``agreement.watch_steps``): the
+        tree's forward passes carry it too (``ShardingContext.check_steps``)."""
+        if not any(ref() is optimizer for ref in self.step_watchers):
+            self.step_watchers.append(weakref.ref(optimizer))
 
     def land_replicas(self) -> None:
         """HSDP: land every broadcast the tree has due (its runtime issues them; a no-op
