@@ -194,7 +194,7 @@ class ShardingContext:
         if not backward and outermost and self.method_depth == 0:
             self.check_registrations(unit)  # input validation: nothing registered since the plan
             self.begin_forward_pass()  # an outermost forward: a new iteration starts clean
-        if not backward and not any(u is unit for u in self._fwd_seq):
+        if not backward and unit not in self._fwd_seq:  # (units compare by identity)
             self._fwd_seq.append(unit)
         unit.pre_forward(backward)
         if not backward and not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap
@@ -208,7 +208,7 @@ class ShardingContext:
     def pre_backward(self, unit: ShardedUnit) -> None:
         """The first gradient for one of ``unit``'s outputs arrived."""
         self.begin_backward()
-        if not any(u is unit for u in self._bwd_seq):
+        if unit not in self._bwd_seq:
             self._bwd_seq.append(unit)
         unit.pre_backward()
         if not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap

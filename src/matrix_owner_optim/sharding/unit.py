@@ -175,6 +175,7 @@ class ShardedUnit:
         self._replica_splits: dict[int, ReplicaSplit] = {}  # by id of a cached reduce layout
         self._replica_generation = 0  # the tree's ReplicaSync.generation last broadcast
         self._replica_in_flight: PendingBroadcast | None = None
+        self._divide: tuple[tuple[torch.dtype, int, float | None], tuple[float, float]] | None = None
         self.rebuild_unsharded()
 
     def _set(self, state: ShardedState) -> None:
@@ -407,6 +408,14 @@ class ShardedUnit:
                 grads[i] = g
         return grads
 
+    def _divide_factors(self) -> tuple[float, float]:
+        """:func:`.collectives.gradient_divide_factors` of the unit's reduce dtype, data-parallel
+        size and ``gradient_divide_factor`` (computed again only when one of them changed)."""
+        key = (self.reduce_dtype, self.groups.dp_size, self.options.gradient_divide_factor)
+        if self._divide is None or self._divide[0] != key:
+            self._divide = (key, gradient_divide_factors(*key))
+        return self._divide[1]
+
     def accumulate(self) -> None:
         """Gradient sync off: move this backward's gradients into the accumulators."""
         for h in self.handles:
@@ -425,30 +434,28 @@ class ShardedUnit:
         after)."""
         groups = self.groups
         W, me = groups.world_size, groups.rank
-        pre, post = gradient_divide_factors(self.reduce_dtype, groups.dp_size, self.options.gradient_divide_factor)
+        pre, post = self._divide_factors()
         if groups.moves_nothing:
             # landing reads and writes only this package's own tensors' metadata and .grad: no
             # __torch_function__ per read (a third of a one-rank backward's own cost otherwise)
-            reduce_dtype, divide = self.reduce_dtype, pre * post != 1
+            reduce_dtype, divide, handles = self.reduce_dtype, pre * post != 1, self.handles
+            hooked = False
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 for i, g in grads.items():
-                    h = self.handles[i]
-                    if g.dtype != reduce_dtype:
+                    h = handles[i]
+                    if g.dtype is not reduce_dtype:
                         g = g.to(reduce_dtype)  # round as the reduction would
                     if divide:  # a custom divide factor (one rank: nothing summed)
                         g = g.div(pre).div_(post)
-                    if g.dtype != h.sharded.dtype:
-                        g = g.to(h.sharded.dtype)
+                    sharded = h.sharded
+                    if g.dtype is not sharded.dtype:
+                        g = g.to(sharded.dtype)
                     h.add_grad(g)
-                # no parameter with a hook now: none runs, so none can register another
-                hooked = False
-                for i in grads:
-                    if getattr(self.handles[i].sharded, "_post_accumulate_grad_hooks", None):
-                        hooked = True
-                        break
+                    # no parameter with a hook now: none runs, so none can register another
+                    hooked = hooked or bool(sharded._post_accumulate_grad_hooks)
             if hooked:
                 for i in sorted(grads):
-                    self.handles[i].run_post_accumulate_grad_hooks()
+                    handles[i].run_post_accumulate_grad_hooks()
             return None
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
