@@ -177,8 +177,8 @@ class ShardingContext:
                 self._prefetch("forward", unit, unit.options.forward_prefetch, self.forward_order)
         unit.swap_in()
 
-    def post_forward(self, unit: ShardedUnit) -> None:
-        unit.post_forward()
+    def post_forward(self, unit: ShardedUnit, backward: bool, grad: bool) -> None:
+        unit.post_forward(backward, grad)
 
     def pre_backward(self, unit: ShardedUnit) -> None:
         """The first gradient for one of ``unit``'s outputs arrived."""

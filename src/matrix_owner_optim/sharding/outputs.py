@@ -19,6 +19,8 @@ _MAX_DEPTH = 64  # a cycle through dataclass fields would otherwise recurse fore
 def grad_tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in ``output`` that requires a gradient: pytree leaves, and the fields of
     dataclass instances found among them (recursively), in traversal order."""
+    if isinstance(output, torch.Tensor):  # the common case, without pytree
+        return [output] if output.requires_grad else []
     found: list[torch.Tensor] = []
     _collect(output, found, 0)
     return found

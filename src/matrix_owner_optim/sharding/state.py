@@ -143,8 +143,9 @@ class OwnerShardState:
 
     def post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         ctx, unit = self.require_unit()
-        ctx.post_forward(unit)
-        if torch.is_grad_enabled() and not in_backward():
+        backward, grad = in_backward(), torch.is_grad_enabled()
+        ctx.post_forward(unit, backward, grad)
+        if grad and not backward:
             tensors = grad_tensors(output)  # dataclasses too, as FSDP2 (outputs.py)
             if len(tensors) == 1:  # one output (the common case): its own hook fires once per backward
                 tensors[0].register_hook(lambda _g: ctx.pre_backward(unit))

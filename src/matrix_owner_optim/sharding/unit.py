@@ -456,18 +456,17 @@ class ShardedUnit:
         with comm_phase("backward" if backward else "forward"):
             self.wait_gather()
 
-    def post_forward(self) -> None:
-        """Swap out; free unless a backward will read the data and the unit keeps it
-        (``reshard_after_forward=False``, or the root, as FSDP2's root stays for backward)."""
-        if in_backward():  # recomputation: the unit stays swapped in until its post-backward
+    def post_forward(self, backward: bool, grad: bool) -> None:
+        """Swap out; free unless a backward will read the data (``grad``) and the unit keeps it
+        (``reshard_after_forward=False``, or the root, as FSDP2's root stays for backward).
+        In a recomputation (``backward``) the unit stays swapped in until its post-backward."""
+        if backward:
             return
         self.training_state = TrainingState.IDLE
         if self.held:
             return
         self.swap_out()
-        if not torch.is_grad_enabled():  # no backward will read it
-            self.free()
-        elif self.options.reshard_after_forward and not self.is_root:
+        if not grad or (self.options.reshard_after_forward and not self.is_root):
             self.free()
 
     def pre_backward(self) -> None:
