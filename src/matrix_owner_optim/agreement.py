@@ -374,3 +374,18 @@ def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "Ow
         step, (highest, -lowest), who=who, among="process_group", counted="step() calls since the first checked one"
     )
     return bool(found)
+
+
+def watch_steps(params: Iterable[torch.Tensor], optimizer: Any) -> None:
+    """Link every ``fully_shard`` tree ``params`` belong to (weakly) to ``optimizer``, whose
+    step now all-reduces (:func:`agree_nonfinite`, from its first checked step on): each such
+    tree then opens its forward passes with the same all-reduce, carrying the optimizer's step
+    count (``sharding/context.py: ShardingContext.check_steps``), so a rank that called
+    ``step()`` more or fewer times than the others meets their forward (or their step) in one
+    collective and every rank fails by name, instead of pairing the check with an all-gather
+    until the process group's timeout."""
+    from .tensors import tree_link
+
+    trees = {id(t): t for p in params if (link := tree_link(p)) is not None and (t := link.tree) is not None}
+    for tree in trees.values():
+        tree.watch_steps(optimizer)

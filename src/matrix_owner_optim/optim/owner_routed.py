@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields
+from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields, watch_steps
 from ..checkpoint import is_initialisation_step
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
@@ -418,6 +418,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
         if self._checked_steps is None:
             self._checked_steps = 1  # this call: counted from the first checked step on
+            watch_steps([rp.param for rp in self._routed], self)  # forwards carry the count (sharding)
         return agree_nonfinite(self._checked_steps, flag, self._process_group)  # the step count rides along
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,22 +1,10 @@
 """Parameters assigned over the sharded ones (``load_state_dict(assign=True)``) adopted into the plan.
 
-torchtune's recipe builds the model on ``meta``, calls ``fully_shard``, then loads the checkpoint
-with ``set_model_state_dict(full_state_dict=True)`` (``load_from_full_model_state_dict``), which
-ends in ``load_state_dict(assign=True)``: every parameter object is replaced by the loaded value,
-a plain tensor or a plain ``DTensor`` ``distribute_tensor`` built over the parameter's mesh and
-placements. Stock FSDP2 accepts the assigned DTensors; the owner layout needs its own
-``OwnerDTensor`` objects (its units point at them). So a ``load_state_dict`` post hook on every
-``fully_shard`` module adopts what was assigned:
-
-* before the tree's plan is fixed: the value, made whole (a DTensor's ``full_tensor()``),
-  becomes a new replicated owner-layout DTensor at the same place (keeping ``requires_grad``),
-  linked to the lazy plan like the parameters ``fully_shard`` converted, so the first forward or
-  the optimizer plans it;
-* after: the value is copied into the planned parameter (``copy_`` keeps this rank's piece), which
-  is registered again, so the objects the optimizer holds stay the parameters.
-
-Nothing is adopted for a plain ``load_state_dict`` (values are copied in place there). Every rank
-loads the same keys, so the collectives a DTensor's ``full_tensor()`` issues match.
+torchtune loads with ``set_model_state_dict(full_state_dict=True)``, which ends in
+``load_state_dict(assign=True)`` and replaces every parameter object; the units point at their
+own ``OwnerDTensor`` objects, so a post hook on every ``fully_shard`` module adopts the values:
+before the plan is fixed as new replicated owner-layout parameters linked to the lazy plan,
+after it copied into the planned parameters (``copy_`` keeps this rank's piece), registered again.
 """
 
 from __future__ import annotations
@@ -47,10 +35,8 @@ def adoption_hook(state: OwnerShardState) -> Callable[[nn.Module, Any], None]:
 
 
 def replica_sync_hook(state: OwnerShardState) -> Callable[..., None]:
-    """A ``state_dict`` / ``load_state_dict`` pre hook: under HSDP with the replicas' broadcast
-    deferred to the next forward, land every broadcast the tree has due first, so a state dict
-    reads the stepped values on every replica and a load is not overwritten by a later landing
-    (collective over the replicate group, as the state-dict calls of a sharded model are)."""
+    """A ``state_dict`` / ``load_state_dict`` pre hook: land every HSDP broadcast the tree has
+    due first (collective over the replicate group)."""
 
     def hook(*args: Any, **kwargs: Any) -> None:
         state.tree.land_replicas()

@@ -1,15 +1,8 @@
-"""``fully_shard``: owner-shaped ZeRO-3 with FSDP2's call pattern and FSDP2's lazy initialisation.
+"""``fully_shard``: owner-shaped ZeRO-3 with FSDP2's call pattern and lazy initialisation.
 
-A ``fully_shard`` call records one state (``sharding/state.py``) for its module (or list of
-modules: one unit), converts the parameters to replicated owner-layout DTensors, adopts the calls
-made before inside it and installs the hooks; it moves no data. The plan balances the whole tree
-(the outermost call and every call inside it), so it is fixed lazily, as FSDP2 initialises
-lazily: at the first forward of any unit of the tree, ``unshard()`` / ``fix_plan()``, or the
-optimizer's construction. (``state_dict()`` before that holds the replicated parameters.)
-Fixing the plan changes the parameter objects in place, never the objects themselves, so an
-optimizer or any reference taken after the ``fully_shard`` calls stays valid, and meta-device
-initialisation works (build on ``meta``, ``fully_shard``, ``to_empty``, run the model's own init
-on full tensors, then train: non-owners drop what they do not own when the plan is fixed).
+A call records one state for its module (or list of modules: one unit), converts the parameters
+to replicated owner-layout DTensors, adopts the calls made before inside it and installs the
+hooks; no data moves until the tree's plan is fixed (DESIGN.md, "Lazy sharding").
 """
 
 from __future__ import annotations
@@ -58,38 +51,28 @@ def fully_shard(
             one all-gather and one reduce-scatter for all of them).
         mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
             2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
-            shard dim, and one global owner per matrix over all ranks (its holder in the
-            matrix's step replica, ``planning/replicas.py``): matrices' gradients are reduced
-            across replicas to it alone, the rest all-reduced, averaged over both dims; its
-            updated matrix reaches the other replicas after the step (``replica_sync.py``).
+            shard dim, one global owner per matrix (DESIGN.md, "HSDP: one global owner per matrix").
         reshard_after_forward: free non-owned tensors after forward and gather them again
             before backward (the root unit keeps its tensors, as in FSDP2). ``None`` is True;
-            an int N dividing the shard size is True for N == size, else keeps the gathered
-            copy for backward (``fsdp_api.FULLY_SHARD_ARGUMENTS`` says why).
+            an int N (``fsdp_api.FULLY_SHARD_ARGUMENTS``): True for N == shard size, else False.
         shard_placement_fn: FSDP2's per-parameter ``Shard(dim)``; only None (the plan places).
-        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` (compute
-            and all-gather dtype), ``reduce_dtype`` (gradient reduction and accumulation
-            dtype), ``output_dtype``, ``cast_forward_inputs``. Sharded parameters keep their dtype.
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (``param_dtype``,
+            ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``); sharded parameters keep
+            their dtype.
         offload_policy: only ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy`` is refused.
         ignored_params: parameters left as they are (not sharded, moved or reduced), as FSDP2.
         dp_mesh_dims: only None.
-        plan: a :class:`ShardingPlan` to apply instead of planning (must cover exactly the
-            model's parameters, for the mesh size; only owners and roles are taken from it,
-            units and segments follow the ``fully_shard`` calls). A tree-wide fact: give it on
-            one call (the root's); a call inside the tree given another plan is refused. On a
-            2D mesh the plan also says who steps a matrix: ``plan_mesh``'s (with step replicas)
-            one global owner; a plan without them (``plan_model``) every replica's holder, each
-            with its own optimizer state (the all-reduced HSDP before global owners).
+        plan: a :class:`ShardingPlan` to apply instead of planning (covering exactly the model's
+            parameters, for the mesh size; owners and roles are taken from it). On a 2D mesh a
+            plan with step replicas (``plan_mesh``) gives each matrix one global owner; without
+            them (``plan_model``) every replica's holder steps it.
         preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
-            ``"shampoo"``, a ``CostModel`` or an optimizer class; resolved here, once, by
-            ``planning.catalog.resolve_cost``). A tree-wide fact: name it on one call (the
-            root's); a call inside the tree naming another is refused, naming both. Default:
-            the optimizer that fixes the plan (``OwnerRoutedOptimizer`` built before the first
-            forward offers its own), else ``DEFAULT_COST`` (Muon's). Fixing the plan logs which
-            cost priced it.
+            ``"shampoo"``, a ``CostModel`` or an optimizer class, resolved by
+            ``planning.catalog.resolve_cost``). Default: the optimizer that fixes the plan
+            offers its own, else ``DEFAULT_COST`` (Muon's).
 
-    Returns ``module``. Nothing moves until the plan is fixed (module docstring); build the
-    optimizer after the ``fully_shard`` calls.
+    ``plan`` and ``preconditioner`` are tree-wide: give them on one call (the root's); a call
+    inside naming others is refused. Returns ``module``; nothing moves until the plan is fixed.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -188,11 +171,8 @@ def _mesh_words(group: Any, replicate_group: Any) -> str:
 
 
 def _check_mp_policy(mp_policy: Any) -> None:
-    """Refuse a mixed-precision policy the owner layout cannot honour, before anything is
-    recorded: anything but FSDP2's ``MixedPrecisionPolicy`` (FSDP1's ``MixedPrecision`` has
-    ``buffer_dtype`` / ``keep_low_precision_grads``, which have no meaning here and would be
-    ignored silently), and dtypes that are not floating point (the unsharded parameters must
-    require gradients)."""
+    """Refuse, before anything is recorded, anything but FSDP2's ``MixedPrecisionPolicy`` (FSDP1's
+    fields would be ignored silently) and dtypes that are not floating point."""
     if mp_policy is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -236,9 +216,8 @@ def _resolve_group(mesh: Any) -> tuple[Any, Any]:
 
 
 def mesh_device(mesh: Any, group: Any) -> torch.device:
-    """The device ``fully_shard`` keeps a unit's tensors on, as FSDP2 picks it: a
-    ``DeviceMesh``'s device type; for ``None`` or a ``ProcessGroup``, the current CUDA device
-    when CUDA is available and the group's backend runs NCCL, else the CPU."""
+    """The device ``fully_shard`` keeps a unit's tensors on, as FSDP2 picks it (a mesh's device
+    type; else the current CUDA device on an NCCL group, else the CPU)."""
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
         return comm.object_device(group)
@@ -248,10 +227,8 @@ def mesh_device(mesh: Any, group: Any) -> torch.device:
 
 
 def move_states_to_device(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s parameters and buffers to ``device`` in place (``.data`` replaced, the
-    objects kept), as FSDP2 moves a CPU-built model to its mesh's device. Tensors on ``meta``
-    stay there (``to_empty`` materialises them later), and so do tensors already on ``device``
-    (a child unit's, moved by its own ``fully_shard`` call), and ``ignored_params``."""
+    """Move ``module``'s parameters and buffers to ``device`` in place (the objects kept), as
+    FSDP2; ``meta`` tensors, tensors already there and ``ignored_params`` stay."""
     for t in itertools.chain(module.parameters(), module.buffers()):
         if t.device.type == "meta" or t.device == device or is_ignored(t):
             continue

@@ -1,10 +1,6 @@
-"""Fixing a tree's plan: plan (or validate the given plan), agree, re-point the parameters, build
-the units and the :class:`~.context.ShardingContext` that drives them.
-
-Called once per tree by ``ShardTree.fix`` (``sharding/tree.py``, reached through the root state's
-``lazy_init``), with the tree's plan source and the cost model that prices it, both resolved
-above. Every rank runs the same steps on the same model; the plan digest all-gather is the first
-collective, before any data moves.
+"""Fixing a tree's plan (``ShardTree.fix``, once): plan or validate, agree (the plan digest's
+all-gather is the first collective), re-point the parameters, build the units and their
+:class:`~.context.ShardingContext`.
 """
 
 from __future__ import annotations
@@ -33,7 +29,8 @@ from .handle import ParamHandle
 from .ignored import is_ignored
 from .nested import foreign_modules, foreign_parameters
 from .replicated import current_parameter
-from .unit import ShardedUnit, ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
+from .unit import ShardedUnit
+from .unit_options import ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
 
 __all__ = ["PlannedCall", "build_context", "check_plan_world_size"]
 
@@ -61,10 +58,8 @@ def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
 def build_context(
     states: Sequence[PlannedCall], *, plan: ShardingPlan | None, cost: CostModel, settings: TreeSettings
 ) -> ShardingContext:
-    """Plan the tree of ``states`` (one unit per call, planning order) as one model priced by
-    ``cost`` (or apply the given ``plan``), shard every parameter in place and build the units
-    (``context.units[i]`` is call ``i``'s); ``settings`` is the tree (its prefetch switch, and what
-    every parameter links to: ``tensors.TreeLink``)."""
+    """Plan the tree of ``states`` priced by ``cost`` (or apply ``plan``), shard every parameter
+    in place and build the units (``units[i]`` is call ``i``'s); ``settings`` is the tree."""
     group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [m for st in states for m in st.modules]
@@ -214,9 +209,8 @@ def _locations(
     fqn_of: dict[int, str],
     nested_modules: set[int],
 ) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Parameter id -> every (module, name) it is registered under (but on a nested tree's
-    modules: its own); refuses a parameter registered in two units (each unit gathers its own
-    parameters: a shared one has no home)."""
+    """Parameter id -> every (module, name) it is registered under (a nested tree's aside);
+    refuses a parameter registered in two units (a shared one has no home)."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
     unit_seen: dict[int, int] = {}
     seen: set[tuple[int, str]] = set()
@@ -271,9 +265,8 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int,
 
 
 def _normalize(plan: ShardingPlan, specs: list[TensorSpec], rows_as_tail: set[str]) -> dict[str, MatrixShard]:
-    """The plan's owners and roles with the units, names and flags of these fully_shard calls;
-    the tensor-parallel ``rows`` tensors planned as ``tail`` (``rows_as_tail``) keep ``rows`` as
-    the role the optimizer groups them by."""
+    """The plan's owners and roles with these calls' units, names and flags (``rows_as_tail``
+    keep ``rows`` as the role the optimizer groups them by)."""
     return {
         s.fqn: dataclasses.replace(
             plan[s.fqn],
@@ -288,23 +281,17 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec], rows_as_tail: set[st
 
 
 def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
-    """A tensor-parallel ``rows`` tensor (a vocab-parallel embedding, a colwise head) is planned
-    as a ``tail`` tensor: its TP slice held whole by one dp owner. Row blocks of a TP slice
-    split dim 0 twice (torch's ``_StridedShard``), which the 2D layout does not build; the
-    optimizer is the tail's either way (``rows`` tensors get the tail optimizer), and the
-    optimizer still groups it as ``rows`` (``MatrixShard.group_role``: the same param groups,
-    and state-dict keys, as on the 1D layouts)."""
+    """A tensor-parallel ``rows`` tensor is planned as ``tail`` (its TP slice whole on one dp
+    owner): row blocks of a TP slice would split dim 0 twice, which the 2D layout does not build;
+    the tail optimizer steps it either way, still grouped as ``rows``."""
     if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, role=Role.TAIL)
     return spec
 
 
 def _whole_slices(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
-    """A parameter on a 2D (dp, tp) or (efsdp, ep) mesh is planned whole: its TP or EP slice is
-    held whole by one dp owner (``OwnerShard(0, ranges)`` of one range over the global rows).
-    Split by expert or by band over dp, a slice would split dim 0 twice (the ranges over dp,
-    then TP's or EP's ``Shard(0)``), which the 2D layout does not build; an expert-parallel
-    slice is whole experts already, stepped expert by expert on its owner."""
+    """A parameter on a 2D (dp, tp) or (efsdp, ep) mesh is planned whole: its TP or EP slice
+    held whole by one dp owner (split over dp it would split dim 0 twice)."""
     if isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, whole=True)
     return spec

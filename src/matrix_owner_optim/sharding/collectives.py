@@ -1,18 +1,9 @@
 """Owner-segment collectives: one all-gather-v and one reduce-scatter-v per unit, unpadded.
 
-A unit's flat buffer is the concatenation of every rank's *segment*: the tensors that rank
-owns in the unit (model order) followed by its row blocks of the unit's ``rows`` tensors.
-Segments have different sizes, so the collectives are the uneven ("-v") kind:
-
-* NCCL (CUDA tensors on a group whose backend includes nccl): uneven-list
-  ``dist.all_gather`` / ``dist.reduce_scatter``, which NCCL runs without padding.
-* gloo and every other backend: ``all_to_all_single`` with uneven splits (gloo's uneven-list
-  ``all_gather`` raises, and its uneven-list ``reduce_scatter`` runs one all-reduce per chunk,
-  W times the bytes). All-gather-v sends this rank's segment to each other rank; reduce-scatter-v
-  sends each rank its segment of the local gradient and sums what arrives. A rank's own split
-  is zero in both, so nothing is copied to itself.
-
-Every call goes through the counted wrappers in :mod:`matrix_owner_optim.comm`.
+A unit's flat buffer is every rank's *segment* in rank order (the tensors it owns, then its row
+blocks). On NCCL the uneven-list ``all_gather`` / ``reduce_scatter``; on gloo and the rest one
+``all_to_all_single`` with uneven splits (DESIGN.md, "Collectives and bytes", says why), through
+the counted wrappers of :mod:`matrix_owner_optim.comm`.
 """
 
 from __future__ import annotations
@@ -154,10 +145,8 @@ class PendingGather:
 def all_gather_v(
     send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
 ) -> list[torch.Tensor] | PendingGather:
-    """Gather every rank's segment; returns one 1D tensor per rank (``send`` itself for ``rank``).
-
-    ``async_op=True`` issues the collective and returns a :class:`PendingGather` (prefetch).
-    """
+    """Gather every rank's segment: one 1D tensor per rank (``send`` itself for ``rank``), or
+    with ``async_op=True`` a :class:`PendingGather`."""
     W = len(sizes)
     if send.numel() != sizes[rank]:
         raise RuntimeError(f"segment of rank {rank} has {send.numel()} elements, layout says {sizes[rank]}")
@@ -190,9 +179,8 @@ def all_gather_v(
 
 
 def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
-    """Where each rank's segment starts in a reduce buffer laid out *others first*: every other
-    rank's segment in rank order, then this rank's own (so the part sent is one contiguous
-    slice and nothing is concatenated before the collective)."""
+    """Where each rank's segment starts in a reduce buffer laid out *others first* (every other
+    rank's in rank order, then this rank's own: the part sent is one contiguous slice)."""
     offsets, cursor = [0] * len(sizes), 0
     for r, n in enumerate(sizes):
         if r != rank:
@@ -205,12 +193,9 @@ def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
 def gradient_divide_factors(
     reduce_dtype: torch.dtype, data_parallel_size: int, factor: float | None = None
 ) -> tuple[float, float]:
-    """``(pre, post)``: divide the local gradients by ``pre`` before the sum over ranks and the
-    sum by ``post`` after it, so that the result is the sum over ``factor`` (default: the
-    data-parallel size, i.e. the average). FSDP2's rule: in a dtype whose range is narrower than
-    bfloat16's (float16), ``pre`` is the power of two near ``sqrt(factor)``, so neither the
-    local gradients nor their sum over- or underflow; otherwise everything is divided after the
-    sum (one kernel on the smaller tensor, and the result bitwise the plain average)."""
+    """``(pre, post)``: divide by ``pre`` before the sum over ranks and by ``post`` after it, so
+    the result is the sum over ``factor`` (default: the data-parallel size). FSDP2's rule (DESIGN.md,
+    "The lifecycle of a unit"): float16 splits it around the sum, other dtypes divide after."""
     if factor is None:
         factor = float(data_parallel_size)
     if factor <= 0 or not math.isfinite(factor):
@@ -224,10 +209,8 @@ def gradient_divide_factors(
 
 
 class PendingReduce:
-    """An issued reduce-scatter-v: :meth:`wait` returns this rank's summed segment.
-
-    Holds the send buffer until the collective completes (an asynchronous NCCL or gloo op reads
-    it after the call returns)."""
+    """An issued reduce-scatter-v: :meth:`wait` returns this rank's summed segment (the send
+    buffer is held until then: an asynchronous op reads it after the call returns)."""
 
     def __init__(
         self, work: Any, flat: torch.Tensor, out: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]
@@ -253,13 +236,9 @@ def reduce_scatter_v(
     async_op: bool = False,
     op: str = "reduce_scatter_v",
 ) -> torch.Tensor | PendingReduce:
-    """Sum over ranks of each rank's contribution to this rank's segment.
-
-    ``flat`` is this rank's contribution to every segment, laid out as
-    :func:`others_first_offsets` says (``op``: the name the collective is counted under). Returns this rank's summed segment (not averaged) in
-    ``flat``'s dtype, summed in rank order whoever owns the segment; with ``async_op=True`` a
-    :class:`PendingReduce` whose ``wait()`` returns it (``flat`` must not change until then).
-    """
+    """This rank's segment summed over ranks, in rank order (not averaged; ``flat``: this rank's
+    contribution to every segment, laid out :func:`others_first_offsets`; ``op``: the name it is
+    counted under), or with ``async_op=True`` a :class:`PendingReduce` returning it."""
     W = len(sizes)
     own_n = sizes[rank]
     others_n = flat.numel() - own_n

@@ -1,44 +1,30 @@
-"""The runtime of one tree of units: it drives every unit, the way FSDP2's root state does.
+"""The runtime of one tree of units (:class:`ShardingContext`), as FSDP2's root state.
 
-A :class:`ShardingContext` is made when a tree's plan is fixed (``sharding/build.py``) and is
-held by the tree (:class:`~.tree.ShardTree`, which every state of the tree points to). The
-module hooks call it, and it calls the units; units never call back. It keeps what the units
-share and what crosses units:
-
-* the process groups, the plan and the units (call order), and the tree's settings (read live:
-  ``set_auto_prefetch`` sets them on the tree, their one home);
-* the prefetch orders recorded from the previous pass, and the explicit prefetch targets;
-* the one reduce-scatter in flight (a :class:`~.unit.ReductionInFlight` record it lands);
-* the iteration state.
-
-Iteration state heals itself, as FSDP2 resets its own: a *forward pass* starts at the
-pre-forward of an outermost unit (one no enclosing unit is running forward for), outside
-backward. There, :meth:`ShardingContext.begin_forward_pass` puts every unit back to SHARDED and
-IDLE: data gathered by a forward that no backward followed, a prefetch nobody consumed, units
-left swapped in by an exception in forward, and the unreduced gradients of a backward that an
-exception interrupted (its end-of-backward callback never ran) are all dropped. Gathered data is
-therefore valid for one iteration only; the exceptions are what the user asked to keep (HELD by
-``unshard()``, RETAINED by ``reshard_after_backward=False``).
-
-The end-of-backward callback is queued once per backward, by the first hook that runs in it
-(the outermost graph task: nested tasks of reentrant activation checkpointing find it queued).
+Made when the tree's plan is fixed (``build.py``) and held by the :class:`~.tree.ShardTree`; the
+module hooks call it and it calls the units, never the other way. It keeps what crosses units:
+groups, plan, pass orders and prefetch, the one reduction in flight, the end-of-backward
+callback (queued once per backward, by the first hook that runs in it) and the iteration
+state, which heals at every outermost forward (DESIGN.md, "The lifecycle of a unit").
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..agreement import agree_nonfinite
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
 from ..replica_sync import ReplicaSync, held_pieces, issue_broadcast
 from .handle import ParamHandle
 from .ignored import is_ignored
-from .unit import ReductionInFlight, ShardedState, ShardedUnit, ShardGroups, TrainingState, in_backward
+from .unit import ReductionInFlight, ShardedState, ShardedUnit, TrainingState
+from .unit_options import ShardGroups
 
 __all__ = ["ShardingContext", "TreeSettings"]
 
@@ -47,11 +33,20 @@ class TreeSettings(Protocol):
     """What the context reads of its tree's settings, live (``tree.ShardTree`` is one)."""
 
     auto_prefetch: bool  # the next-unit prefetch, on or off for the whole tree
+    step_watchers: list[weakref.ref[Any]]  # optimizers whose step all-reduces (CheckedSteps)
+
+
+class CheckedSteps(Protocol):
+    """What a forward reads of an optimizer whose step all-reduces its step count
+    (``OwnerRoutedOptimizer``, linked by ``agreement.watch_steps``)."""
+
+    skip_nonfinite_grads: bool
+    _checked_steps: int | None  # step() calls since its first checked step (None: never checked)
+    _process_group: Any
 
 
 def _modules_of(members: list[nn.Module]) -> list[nn.Module]:
-    """Every module inside ``members``, each once, in ``nn.Module.modules()`` order: one loop
-    over ``_modules`` instead of a generator per level (read at every forward pass)."""
+    """Every module inside ``members``, each once, in ``nn.Module.modules()`` order (one loop)."""
     seen: set[int] = set()
     found: list[nn.Module] = []
     stack = list(reversed(members))
@@ -89,8 +84,6 @@ class ShardingContext:
         *,
         nested_modules: set[int] | None = None,
     ) -> None:
-        """``nested_modules``: ids of the modules inside the units that belong to a tree nested
-        in this one (``nested.py``): their parameters are that tree's to check."""
         self.groups = groups
         self.nested_modules = nested_modules or set()
         self.plan = plan
@@ -106,13 +99,14 @@ class ShardingContext:
         self._bwd_seq: list[ShardedUnit] = []
         self._in_flight: ReductionInFlight | None = None
         self._unit_of_module = {id(m): u for u in units for m in u.members}
-        self._registrations: dict[tuple[int, str], ParamHandle] = {
-            (id(mod), name): h for u in units for h in u.handles for mod, name in h.locations
-        }
-        self._planned_at: dict[int, dict[str, ParamHandle]] = {}  # the same, by module: one lookup per place
-        for (mod_id, name), h in self._registrations.items():
-            self._planned_at.setdefault(mod_id, {})[name] = h
+        self._planned_at: dict[int, dict[str, ParamHandle]] = {}  # id(module) -> name -> handle
+        for u in units:
+            for h in u.handles:
+                for mod, name in h.locations:
+                    self._planned_at.setdefault(id(mod), {})[name] = h
         self._walked: dict[int, list[tuple[nn.Module, tuple[nn.Module | None, ...]]]] = {}  # unit -> modules
+        self._steps_checked: dict[weakref.ref[Any], int] = {}  # the step count each watcher's last check sent
+        self._reduced_since_check = False  # a synced backward reduced gradients since the last step check
 
     # -- lookups ---------------------------------------------------------------------------------
     def unit_of(self, module: nn.Module) -> ShardedUnit | None:
@@ -125,11 +119,8 @@ class ShardingContext:
         return [u for u in self.units if id(u.module) in inside]
 
     def check_registrations(self, unit: ShardedUnit) -> None:
-        """Refuse parameters registered in ``unit``'s subtree after its plan was fixed: a new
-        parameter (or a new tensor assigned over a sharded one, or a sharded one registered at a
-        new place) has no owner and no segment, so no collective would gather it or average its
-        gradient and every rank would train its own copy. Checked at the start of every forward
-        pass of an outermost unit, on every rank alike (same model, same answer)."""
+        """Refuse parameters registered in ``unit``'s subtree after its plan was fixed (no owner,
+        so every rank would train its own copy); at every outermost forward, alike on every rank."""
         nothing: dict[str, ParamHandle] = {}
         for mod in self._modules_in(unit):  # no fqn strings unless wrong
             if id(mod) in self.nested_modules:
@@ -154,8 +145,7 @@ class ShardingContext:
                 )
 
     def _modules_in(self, unit: ShardedUnit) -> list[nn.Module]:
-        """Every module inside ``unit``'s modules, walked again only where a module's children
-        changed since the last walk (read at every forward pass: the check above)."""
+        """Every module inside ``unit``'s modules, walked again only where children changed."""
         walked = self._walked.get(unit.index)
         if walked is not None:
             for mod, children in walked:
@@ -169,18 +159,17 @@ class ShardingContext:
 
     def handle_at(self, module: nn.Module, name: str) -> ParamHandle | None:
         """The handle of the parameter the plan registered as ``module.<name>`` (None: none)."""
-        return self._registrations.get((id(module), name))
+        return self._planned_at.get(id(module), {}).get(name)
 
     # -- the hooks -------------------------------------------------------------------------------
-    def pre_forward(self, unit: ShardedUnit) -> None:
-        """Before ``unit``'s forward (or its checkpoint recomputation inside backward)."""
-        backward = in_backward()
+    def pre_forward(self, unit: ShardedUnit, backward: bool) -> None:
+        """Before ``unit``'s forward (``backward``: its checkpoint recomputation inside backward)."""
         parent = unit.parent
         outermost = parent is None or parent.training_state is not TrainingState.FORWARD
         if not backward and outermost and self.method_depth == 0:
             self.check_registrations(unit)  # input validation: nothing registered since the plan
             self.begin_forward_pass()  # an outermost forward: a new iteration starts clean
-        if not backward and not any(u is unit for u in self._fwd_seq):
+        if not backward and unit not in self._fwd_seq:  # (units compare by identity)
             self._fwd_seq.append(unit)
         unit.pre_forward(backward)
         if not backward and not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap
@@ -188,21 +177,19 @@ class ShardingContext:
                 self._prefetch("forward", unit, unit.options.forward_prefetch, self.forward_order)
         unit.swap_in()
 
-    def post_forward(self, unit: ShardedUnit) -> None:
-        unit.post_forward()
+    def post_forward(self, unit: ShardedUnit, backward: bool, grad: bool) -> None:
+        unit.post_forward(backward, grad)
 
     def pre_backward(self, unit: ShardedUnit) -> None:
         """The first gradient for one of ``unit``'s outputs arrived."""
         self.begin_backward()
-        if not any(u is unit for u in self._bwd_seq):
+        if unit not in self._bwd_seq:
             self._bwd_seq.append(unit)
         unit.pre_backward()
         if not self.groups.moves_nothing:  # one rank: a gather has nothing to overlap
             with comm_phase("backward"):
                 self._prefetch("backward", unit, unit.options.backward_prefetch, self.backward_order)
-        # swapped in for the backward: an activation-checkpoint recomputation reads the
-        # module's parameters and must find the gathered ones
-        unit.swap_in()
+        unit.swap_in()  # an activation-checkpoint recomputation reads the gathered parameters
 
     def post_backward(self, unit: ShardedUnit) -> None:
         """Every input gradient of one forward of ``unit`` is computed: reduce, then release."""
@@ -227,15 +214,14 @@ class ShardingContext:
 
     # -- gradients -------------------------------------------------------------------------------
     def _finish_gradients(self, unit: ShardedUnit) -> None:
-        """Reduce the gradients ``unit`` holds now (sync on), or accumulate them (sync off).
-        At most one reduce-scatter in flight: the previous one lands before the next is issued,
-        so one unit's send buffer bounds the memory in flight."""
+        """Reduce ``unit``'s gradients (sync on; the one in flight lands first) or accumulate them."""
         if not unit.options.requires_gradient_sync:
             unit.accumulate()
             return
         grads = unit.take_grads()
         if not grads:
             return
+        self._reduced_since_check = True
         self.wait_reduce()
         self._in_flight = unit.issue_reduce(grads)
 
@@ -245,15 +231,13 @@ class ShardingContext:
         return self._in_flight is not None
 
     def wait_reduce(self) -> None:
-        """Land the reduction in flight, if any: before the next one is issued and at the end
-        of backward (so ``.grad`` is complete before ``backward()`` returns)."""
+        """Land the reduction in flight, if any (before the next, and at the end of backward)."""
         record, self._in_flight = self._in_flight, None
         if record is not None:
             record.unit.land(record)
 
     def drop_reduce(self) -> None:
-        """Complete the reduction in flight (every rank issued it) without landing it: the
-        backward that issued it was interrupted, and its gradients are dropped."""
+        """Complete the reduction in flight without landing it (its backward was interrupted)."""
         record, self._in_flight = self._in_flight, None
         if record is not None:
             record.pending.wait()
@@ -265,9 +249,8 @@ class ShardingContext:
         return self.groups.replica_sync
 
     def replicas_stepped(self, params: Sequence[torch.Tensor], *, deferred: bool) -> None:
-        """The global owners stepped ``params`` (an optimizer's, or every parameter after a
-        plain optimizer's step): broadcast their pieces now, one broadcast per (step replica,
-        dtype), or (``deferred``) give every unit its broadcast due before its next all-gather."""
+        """The global owners stepped ``params``: broadcast their pieces now, or (``deferred``)
+        give every unit its broadcast due before its next all-gather."""
         replicas = self.replicas
         if replicas is None:
             return
@@ -278,26 +261,23 @@ class ShardingContext:
             issue_broadcast(replicas, held_pieces(params)).wait()
 
     def _replicas_due(self) -> None:
-        """HSDP with a plain torch optimizer (no ``OwnerRoutedOptimizer`` claimed the tree): if
-        a backward landed global owners' gradients since the last sync, they may have stepped,
-        so every unit gets its broadcast due."""
+        """HSDP with a plain torch optimizer: gradients landed since the last sync make every
+        unit's broadcast due (the global owners may have stepped)."""
         replicas = self.replicas
         if replicas is not None and replicas.pending and not replicas.by_optimizer:
             self.replicas_stepped([h.sharded for u in self.units for h in u.handles], deferred=True)
 
     def sync_replicas(self) -> None:
-        """HSDP: land every unit's due broadcast now, in unit order (before ``unshard()`` and
-        state-dict reads and writes, and a parameter's ``full_tensor()``; a forward lands each
-        unit's before its gather instead)."""
+        """HSDP: land every unit's due broadcast now, in unit order (reads outside a forward)."""
         self._replicas_due()
         for unit in self.units:
             unit.land_replica_sync()
 
     # -- iteration boundaries --------------------------------------------------------------------
     def begin_forward_pass(self) -> None:
-        """A new forward pass: every unit back to SHARDED/IDLE (see the module docstring), and
-        under HSDP every unit's due broadcast issued asynchronously, in unit order (each unit
-        lands its own before its all-gather, so the later ones overlap compute)."""
+        """A new forward pass: every unit back to SHARDED/IDLE except HELD and RETAINED data,
+        and under HSDP every unit's due broadcast issued asynchronously, in unit order."""
+        self.check_steps()  # before this pass's first collective
         self.drop_reduce()  # an interrupted backward's last reduction: completed, not landed
         self._replicas_due()
         interrupted = self.backward_active
@@ -319,10 +299,25 @@ class ShardingContext:
             for unit in self.units:
                 unit.issue_replica_sync()
 
+    def check_steps(self) -> None:
+        """The step check that opens a forward pass (DESIGN.md, "Collectives and bytes"): the
+        optimizer's step all-reduce (``agreement.agree_nonfinite``) with this rank's step count, at
+        the first forward pass after a step or a synced backward (alike on every rank), so a rank
+        at another step meets it and every rank raises by name."""
+        for ref in self.settings.step_watchers:
+            opt: CheckedSteps | None = ref()
+            step = None if opt is None or not opt.skip_nonfinite_grads else opt._checked_steps
+            if step is None or (self._steps_checked.get(ref) == step and not self._reduced_since_check):
+                continue
+            self._steps_checked[ref] = step
+            flag = torch.zeros((), device=self.units[0].device if self.units else "cpu")
+            with comm_phase("forward"):
+                agree_nonfinite(step, flag, opt._process_group, who="fully_shard forward (its step check)")  # type: ignore[union-attr]
+        self._reduced_since_check = False
+
     def reset_iteration(self) -> None:
-        """FSDP2's ``reset_iter_state``: after an exception aborted a forward or backward, drop
-        everything of the iteration now (the reduction in flight, unreduced and accumulated
-        gradients) and put every unit back to SHARDED/IDLE, the ones the user holds included."""
+        """FSDP2's ``reset_iter_state``: drop the whole iteration (the reduction in flight,
+        unreduced and accumulated gradients) and every unit back to SHARDED/IDLE, HELD included."""
         self.drop_reduce()
         if self.backward_active:
             self.interrupted_backwards += 1
@@ -343,9 +338,8 @@ class ShardingContext:
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """End of the whole backward: reduce what the post-backward hooks did not (units whose
-        inputs need no gradient, second uses; same decision on every rank), release the data
-        unless the user or ``reshard_after_backward`` keeps it, land the last reduction."""
+        """End of the whole backward: reduce what the post-backward hooks did not (the same on
+        every rank), release the data unless it is kept, land the last reduction."""
         self.backward_active = False
         with comm_phase("backward"):
             for unit in self.units:  # same order on every rank

@@ -1,17 +1,10 @@
 """FSDP2's API surface of torch 2.13 and what the owner layout does with each part.
 
-``torch.distributed.fsdp.fully_shard`` takes ``mesh``, ``reshard_after_forward``,
-``shard_placement_fn``, ``mp_policy``, ``offload_policy``, ``ignored_params`` and
-``dp_mesh_dims``; its ``FSDPModule`` has the methods listed in :data:`FSDP_MODULE_METHODS`. Scripts
-written for FSDP2 (PyTorch's own tests, torchtitan, torchtune, Lightning) call them, so every one
-is either implemented here with FSDP2's meaning (or the nearest faithful one, documented), or
-refused with an error that names the call and what to use instead; none is silently ignored.
-The documentation's FSDP2 parity page is generated from this module's two tables (docs/_hooks/generate.py).
-
-Argument handling of ``fully_shard`` (:func:`resolve_reshard_after_forward`,
-:func:`check_unsupported_arguments`; ``ignored_params`` in ``ignored.py``) and the methods a sharded module
-gains beyond the owner layout's own (:class:`FSDP2Methods`, mixed into
-:class:`~.module.OwnerShardedModule`) live here, so that ``api.py`` and ``module.py`` only call in.
+Every ``fully_shard`` argument and ``FSDPModule`` method (:data:`FSDP_MODULE_METHODS`) is either
+implemented with FSDP2's meaning (or the nearest faithful one, documented) or refused naming
+what to use instead; the docs' FSDP2 parity page is generated from the two tables here. The
+argument handling and :class:`FSDP2Methods` (mixed into :class:`~.module.OwnerShardedModule`)
+live here too, so that ``api.py`` and ``module.py`` only call in.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .state import OwnerShardState, state_of
+from .state import require_state
 
 __all__ = [
     "FSDP2Methods",
@@ -162,25 +155,16 @@ def check_unsupported_arguments(shard_placement_fn: Any, offload_policy: Any, dp
         )
 
 
-def _state(module: nn.Module) -> OwnerShardState:
-    state = state_of(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} was not passed to fully_shard")
-    return state
-
-
 class FSDP2Methods:
     """``FSDPModule`` methods beyond the owner layout's own: ``reset_iter_state``, FSDP2's older
     names, the ones accepted at their default, and the refusals (see :data:`FSDP_MODULE_METHODS`)."""
 
     def reset_iter_state(self) -> None:
-        """FSDP2's recovery after an exception aborted a forward or backward: call it on the root
-        module (the outermost ``fully_shard`` call) before the next iteration. Completes and drops
-        the reduction in flight and the failed iteration's unreduced gradients (also those
-        accumulated with gradient sync off), and reshards every unit (also ``unshard()`` ones, as
-        FSDP2). Gradients that had landed on the sharded parameters stay: ``zero_grad()`` them."""
+        """FSDP2's recovery after an exception aborted a forward or backward, on the root: drops
+        the iteration's unreduced and accumulated gradients and reshards every unit (``unshard()``
+        ones too); gradients that had landed stay (``zero_grad()`` them)."""
         assert isinstance(self, nn.Module)
-        state = _state(self)
+        state = require_state(self)
         if state.root is not state:
             raise RuntimeError(
                 f"reset_iter_state() was called on {type(self).__name__}, which is not the root of its "

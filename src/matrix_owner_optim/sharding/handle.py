@@ -1,26 +1,18 @@
-"""One parameter of a unit: its sharded tensor (what the user and the optimizer see), its
-unsharded tensor (what compute reads) and the places it is registered.
+"""One parameter of a unit (:class:`ParamHandle`) and where a unit's parameters are registered
+(:class:`RegistrationSlots`).
 
-Two tensor objects per parameter, as FSDP2: ``sharded`` (an owner-layout DTensor: this rank's
-piece, the very object the model had after ``fully_shard``) and ``unsharded`` (a leaf
-``nn.Parameter`` swapped in for compute). On the owner at full precision the unsharded tensor
-aliases the sharded one's storage (no copy, never freed); with a lower ``param_dtype`` it is a
-low-precision buffer, gathered like the others. Freed storage is released with
-``untyped_storage().resize_(0)``, so what autograd saved stays valid and is revived in place by
-the next gather.
-
-A tensor-parallel parameter (an owner-layout DTensor on a 2D (dp, tp) mesh, ``tp=True``) moves
-over dp as its TP slice: the unit gathers and reduces the slice, and the unsharded tensor
-registered for compute is a stock DTensor on the tp mesh with TP's placement, as torch's FSDP2
-wraps its all-gather output for 2D, so TP's forward and its collectives run untouched; its
-gradient arrives as a TP DTensor and is reduced as its local slice (``_slice_of_grad``).
-
-With gradient sync off, the unsharded gradients move after each backward into a per-parameter
-accumulator in ``reduce_dtype`` (fp32 for bf16 compute with fp32 reduce, as FSDP2 accumulates),
-which the next synced backward reduces once.
+Two tensor objects per parameter, as FSDP2: ``sharded`` (the owner-layout DTensor the user and
+the optimizer see) and ``unsharded`` (a leaf ``nn.Parameter`` swapped in for compute; on a rank
+holding the whole tensor at full precision an alias of its storage, else a buffer freed with
+``untyped_storage().resize_(0)`` and revived in place). A tensor-parallel parameter (``tp=True``)
+moves over dp as its TP slice, and its unsharded tensor is a stock DTensor on the tp mesh with
+TP's placement, as torch's FSDP2 wraps its all-gather output for 2D. With gradient sync off, the
+gradients accumulate per parameter in ``reduce_dtype``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -32,7 +24,7 @@ from ..owner_dtensor.two_dim import tp_mesh_of
 from ..planning.metadata import MatrixShard
 from ..tensors import local_tensor
 
-__all__ = ["ParamHandle"]
+__all__ = ["ParamHandle", "RegistrationSlots"]
 
 
 class ParamHandle:
@@ -88,11 +80,8 @@ class ParamHandle:
             local_tensor(grad).add_(g)
 
     def run_post_accumulate_grad_hooks(self) -> None:
-        """Run the hooks the user registered with ``register_post_accumulate_grad_hook`` on the
-        sharded parameter, now that its reduced ``.grad`` landed. Autograd never runs them: the
-        graph holds the unsharded tensor, not the sharded one. FSDP2 runs them at the same point
-        (``foreach_reduce``, after the reduce-scatter assigned ``.grad``), once per parameter
-        per reduction, on every rank (off the owner ``.grad`` is an empty piece)."""
+        """Run the user's post-accumulate-grad hooks of the sharded parameter now that its reduced
+        ``.grad`` landed (autograd's graph holds the unsharded tensor; FSDP2 runs them here too)."""
         with torch._C.DisableTorchFunctionSubclass():  # a metadata read: no subclass hook
             hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
         for hook in list((hooks or {}).values()):  # the user's code: torch functions as usual
@@ -152,9 +141,8 @@ class ParamHandle:
         self.accumulated = None
 
     def _slice_of_grad(self, g: torch.Tensor) -> torch.Tensor:
-        """A gradient as the plain tensor the reduction sums: under tensor parallelism TP's
-        gradient DTensor in TP's placement (a ``Partial`` one reduced over tp first, by TP's
-        own redistribute, as torch's FSDP2 does), then its local slice."""
+        """A gradient as the plain tensor the reduction sums: under TP its local slice in TP's
+        placement (a ``Partial`` one reduced over tp first, as torch's FSDP2 does)."""
         if not self.tp or not isinstance(g, DTensor):
             return g
         want = (self.sharded.placements[1],)  # type: ignore[attr-defined]
@@ -224,3 +212,27 @@ class ParamHandle:
         if g is not None:
             acc.add_(g.detach().to(acc.dtype))
         return acc
+
+
+class RegistrationSlots:
+    """Every place a unit's parameters are registered, with the tensor each direction puts there,
+    resolved once (rebuilt with the unsharded tensors): a swap is one loop of dict stores, as
+    FSDP2's ``_unsharded_param`` / ``_sharded_param`` swap."""
+
+    unsharded: list[tuple[nn.Module, str, torch.Tensor]]
+    sharded: list[tuple[nn.Module, str, torch.Tensor]]
+
+    def __init__(self, handles: Sequence[ParamHandle]) -> None:
+        self.unsharded = [(m, name, h.unsharded) for h in handles for m, name in h.locations]
+        self.sharded = [(m, name, h.sharded) for h in handles for m, name in h.locations]
+        self._first = self.unsharded[0] if self.unsharded else None
+
+    def swap(self, unsharded: bool) -> None:
+        """Register the unsharded tensors (compute) or the sharded ones (the user's view)."""
+        for module, name, t in self.unsharded if unsharded else self.sharded:
+            module._parameters[name] = t  # type: ignore[assignment]  # as FSDP2 swaps
+
+    def unsharded_registered(self) -> bool:
+        """Whether the unsharded tensors are the registered ones (read at the first place)."""
+        first = self._first
+        return first is not None and first[0]._parameters.get(first[1]) is first[2]

@@ -1,10 +1,6 @@
-"""FSDP2's ``ignored_params``: parameters ``fully_shard`` leaves exactly as they are.
-
-Marked on the parameter itself, so that every step that would touch it (conversion to an
-owner-layout DTensor, the move to the mesh's device, planning, the check for parameters
-registered after the plan) can skip it without knowing the call. Its gradient is not reduced
-(as in FSDP2): the script averages it itself or trains it on one rank's data, with its own
-optimizer (``OwnerRoutedOptimizer`` takes the sharded parameters).
+"""FSDP2's ``ignored_params``: parameters ``fully_shard`` leaves exactly as they are (not
+converted, moved, planned, checked or reduced), marked on the parameter itself so every step
+can skip it without knowing the call.
 """
 
 from __future__ import annotations
@@ -23,9 +19,7 @@ _IGNORED_ATTR = "_moo_fsdp_ignored"
 
 
 def mark_ignored(modules: list[nn.Module], ignored_params: Iterable[Any] | None) -> None:
-    """Mark ``ignored_params`` (FSDP2's argument) so that ``fully_shard`` leaves them alone: not
-    converted, not moved, not planned, their gradients not reduced. Each must be a parameter of
-    one of ``modules``."""
+    """Mark ``ignored_params``, each a parameter of one of ``modules``, to be left alone."""
     if ignored_params is None:
         return
     if isinstance(ignored_params, torch.Tensor):

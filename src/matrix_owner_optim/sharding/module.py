@@ -1,10 +1,7 @@
-"""What a module passed to ``fully_shard`` gains (FSDP2's ``FSDPModule``).
-
-A sharded module's class is swapped to a dynamic subclass that mixes in
-:class:`OwnerShardedModule`: ``unshard``, ``reshard``, ``fix_plan``, the ``set_*`` methods, and an
-``nn.Module._apply`` that keeps the layout through ``to_empty`` / ``.to``. The ``set_*`` methods
-record options on the call's state (``UnitOptions``) and never fix the plan, so they may be called
-before or after it; ``unshard()`` and ``fix_plan()`` fix it (they need the units).
+"""What a module passed to ``fully_shard`` gains (FSDP2's ``FSDPModule``): its class is swapped
+to a dynamic subclass mixing in :class:`OwnerShardedModule` (``unshard``, ``reshard``,
+``fix_plan``, the ``set_*`` methods, which only record ``UnitOptions``, and an
+``nn.Module._apply`` that keeps the layout through ``to_empty`` / ``.to``).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from ..planning.metadata import ShardingPlan, attach_matrix_shard, get_matrix_sh
 from ..tensors import local_tensor
 from .context import ShardingContext
 from .fsdp_api import FSDP2Methods
-from .state import OwnerShardState, PlanPhase, state_of
+from .state import OwnerShardState, PlanPhase, require_state, state_of
 from .unit import ShardedUnit, TrainingState
 
 __all__ = [
@@ -38,13 +35,6 @@ __all__ = [
     "states_of",
     "units_of",
 ]
-
-
-def _require_state(module: nn.Module) -> OwnerShardState:
-    state = state_of(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} was not passed to fully_shard")
-    return state
 
 
 def check_reshard_after_forward(value: Any) -> bool:
@@ -73,17 +63,15 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
     """Methods every module passed to :func:`fully_shard` gains (FSDP2's ``FSDPModule``)."""
 
     def fix_plan(self, preconditioner: CostSpec | None = None) -> ShardingPlan:
-        """Fix the sharding plan of this module's ``fully_shard`` tree now and shard it
-        (collective: call it on every rank). Otherwise the first forward or the optimizer's
-        construction fixes it. ``preconditioner`` (resolved by ``resolve_cost``) prices the
-        matrices unless a ``fully_shard`` call named one (default: ``DEFAULT_COST``)."""
+        """Fix the sharding plan of this module's tree now (collective: on every rank), else the
+        first forward or the optimizer fixes it; ``preconditioner`` prices it unless a call named one."""
         cost = resolve_cost(preconditioner) if preconditioner is not None else None
-        return _require_state(self).fix_plan(cost).plan
+        return require_state(self).fix_plan(cost).plan
 
     @property
     def sharding_plan(self) -> ShardingPlan:
         """The plan of this module's tree; it must be fixed (see :meth:`fix_plan`)."""
-        tree = _require_state(self).tree
+        tree = require_state(self).tree
         if tree.phase is PlanPhase.FAILED:
             tree.fix()  # raises with the reason
         if tree.context is None:
@@ -95,11 +83,9 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit and every unit nested in it; until :meth:`reshard`,
-        ``named_parameters()`` yields the full tensors on every rank.
-
-        ``async_op=True`` issues the all-gathers and returns a handle; call its ``wait()``
-        before reading the parameters (a forward waits by itself)."""
-        _require_state(self).fix_plan()
+        ``named_parameters()`` yields the full tensors on every rank (``async_op=True``: call the
+        handle's ``wait()`` before reading them; a forward waits by itself)."""
+        require_state(self).fix_plan()
         units = units_of(self)
         context = context_of(self)
         if context is not None:
@@ -124,8 +110,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
             unit.release()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: accumulate gradients locally (in ``reduce_dtype``, no collective) until a
-        backward with sync enabled, which reduces the accumulated sum once (DDP ``no_sync``)."""
+        """``False``: accumulate gradients locally (in ``reduce_dtype``) until a synced backward."""
         for st in states_of(self, recurse):
             st.options.requires_gradient_sync = bool(requires_gradient_sync)
 
@@ -136,36 +121,31 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
             st.options.reshard_after_forward = value
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``False`` keeps the gathered tensors after backward for the next micro-batch's forward
-        (no all-gather). As in FSDP2, set it back to ``True`` before the last micro-batch: the
-        kept tensors do not see an optimizer step."""
+        """``False`` keeps the gathered tensors for the next micro-batch's forward; as in FSDP2,
+        set it back before the last micro-batch (kept tensors do not see an optimizer step)."""
         for st in states_of(self, recurse):
             st.options.reshard_after_backward = bool(reshard_after_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Gradients become the sum over ranks divided by ``factor`` instead of the average
-        for this module's own unit, as FSDP2's method of the same name (call it on every sharded
-        module to change them all). In float16 the division is split around the sum (see
-        ``gradient_divide_factors``)."""
+        """This module's own unit's gradients become the sum over ranks divided by ``factor``
+        instead of the average, as FSDP2's method."""
         factor = float(factor)
         if factor <= 0 or not math.isfinite(factor):
             raise ValueError(f"set_gradient_divide_factor: factor must be positive and finite, got {factor}")
-        _require_state(self).options.gradient_divide_factor = factor
+        require_state(self).options.gradient_divide_factor = factor
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """FSDP2's micro-batching hint, accepted so FSDP2 scripts run unchanged, and nothing
-        else: here every reduction completes inside backward, so the end of any backward leaves
-        nothing in flight and there is nothing for the hint to change."""
-        _require_state(self)
+        """FSDP2's micro-batching hint, accepted and unneeded: every reduction completes inside backward."""
+        require_state(self)
 
     def set_modules_to_forward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
-        """After this module's all-gather in forward, issue those of ``modules`` (async), as
-        FSDP2's method of the same name; replaces the automatic next-unit prefetch here."""
-        _require_state(self).options.forward_prefetch = self._prefetch_targets(modules)
+        """After this module's all-gather in forward, issue those of ``modules`` (replaces the
+        automatic next-unit prefetch here)."""
+        require_state(self).options.forward_prefetch = self._prefetch_targets(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
         """After this module's re-gather in backward, issue those of ``modules`` (async)."""
-        _require_state(self).options.backward_prefetch = self._prefetch_targets(modules)
+        require_state(self).options.backward_prefetch = self._prefetch_targets(modules)
 
     def _prefetch_targets(self, modules: list[OwnerShardedModule]) -> list[nn.Module]:
         ctx = context_of(self)
@@ -178,12 +158,10 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def set_auto_prefetch(self, enabled: bool) -> None:
         """Turn the automatic next-unit prefetch (on by default) on or off for the whole model."""
-        _require_state(self).tree.auto_prefetch = bool(enabled)  # its one home: the context reads it there
+        require_state(self).tree.auto_prefetch = bool(enabled)  # its one home: the context reads it there
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        """Refused, as FSDP2 refuses it ("FSDP does not support deepcopy"): a sharded module's
-        parameters are this rank's pieces of tensors spread over a process group, which a copy
-        cannot share or own. Same answer on every rank, before and after the plan."""
+        """Refused, as FSDP2 refuses it: the parameters are pieces spread over a process group."""
         raise RuntimeError(
             f"copy.deepcopy of a module passed to fully_shard ({type(self).__name__}) is not "
             "supported, as with FSDP2's fully_shard: its parameters are this rank's pieces of "
@@ -194,17 +172,10 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
-        """``to_empty``, ``.to(device)``, ``.to(dtype)`` ... keep the layout (FSDP2's
-        ``FSDPModule`` does the same): the sharded parameters are converted piece by piece,
-        then the unit's unsharded tensors, aliases and dtypes are rebuilt from them.
-
-        Parameters on ``meta`` fix the tree's plan first (collective: every rank converts
-        alike), so ``to_empty`` allocates only this rank's pieces: ZeRO-3 memory from the first
-        allocation, as FSDP2's ``to_empty`` after ``fully_shard``. Conversion keeps every
-        parameter object (``nn.Module`` swaps a DTensor parameter's contents in place with
-        ``torch.utils.swap_tensors``, with or without
-        ``torch.__future__.set_swap_module_params_on_conversion``)."""
-        state = _require_state(self)
+        """``to_empty``, ``.to(...)``, ``half()`` keep the layout, piece by piece, keeping every
+        parameter object (DESIGN.md, "Lazy sharding"); parameters on ``meta`` fix the plan first
+        (collective), so ``to_empty`` allocates only this rank's pieces."""
+        state = require_state(self)
         if state.unit is None and _holds_meta(state):
             state.fix_plan()
         fn = _piecewise(fn)
@@ -236,9 +207,9 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
 
 def context_of(module: nn.Module) -> ShardingContext | None:
-    """The runtime of ``module``'s tree (None while its plan is pending). Module-level, as the
-    two below: the user's class gains no names beyond FSDP2's methods."""
-    return _require_state(module).tree.context
+    """The runtime of ``module``'s tree (None while pending; module-level: the user's class gains
+    no names beyond FSDP2's)."""
+    return require_state(module).tree.context
 
 
 def units_of(module: nn.Module) -> list[ShardedUnit]:
@@ -251,7 +222,7 @@ def units_of(module: nn.Module) -> list[ShardedUnit]:
 
 def states_of(module: nn.Module, recurse: bool) -> list[OwnerShardState]:
     """``module``'s state, and with ``recurse`` every state of a module inside it."""
-    own = _require_state(module)
+    own = require_state(module)
     if not recurse:
         return [own]
     found: list[OwnerShardState] = []
@@ -268,14 +239,9 @@ def _holds_meta(state: OwnerShardState) -> bool:
 
 
 def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``fn`` applied to an owner-layout tensor's local piece, the result laid out as before;
-    to any other tensor (buffers, plain parameters), as it is.
-
-    ``nn.Module._apply``'s functions convert tensors one element at a time (``to``,
-    ``empty_like``, ``half``, ``cuda``, ``share_memory_``), so a piece converts as its part of
-    the whole: no collective, no temporary full tensor, and a rank holding an empty piece gets
-    an empty piece of the new dtype and device. A function that changes a piece's shape has no
-    owner-layout meaning and is refused, naming the tensor's shape."""
+    """``fn`` applied to an owner-layout tensor's local piece (no collective, no full tensor),
+    the result laid out as before; to any other tensor as it is. A function that changes a
+    piece's shape has no owner-layout meaning and is refused."""
     if isinstance(fn, _Piecewise):
         return fn  # a nested sharded module: already converting pieces
     return _Piecewise(fn)

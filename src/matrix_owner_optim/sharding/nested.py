@@ -1,26 +1,13 @@
 """Trees nested inside another tree over another mesh: expert parallel's experts.
 
-torchtitan shards an MoE block in two meshes (its ``apply_fsdp`` before per-parameter meshes:
-``fully_shard(experts, mesh=efsdp_mesh)``, then ``fully_shard(block, mesh=fsdp_mesh)`` and the
-root over ``fsdp``): expert parallelism cut the routed experts' stacks ``Shard(0)`` over the
-``ep`` mesh, so the experts are sharded over ``efsdp`` (the ranks holding the same experts)
-while everything else is sharded over all the data-parallel ranks. One tree plans over one mesh
-(its units share the process groups and the plan), so the experts' call stays a tree of its own,
-*nested* in the enclosing tree: planned, gathered and reduced over its own mesh, its parameters
-left alone by the enclosing calls (not adopted, planned, linked or checked by them), as a
-parameter in ``ignored_params`` is.
-
-Only what is exact is accepted (:func:`nested_trees`): every parameter of the nested tree is an
-owner-layout tensor on a 2D mesh (``efsdp`` x ``ep``, the expert-parallel slice whole on its
-``efsdp`` owner) whose ranks are exactly the enclosing call's. Then the ep dim accounts for the
-rest of the data-parallel ranks: each ep rank's experts received the tokens of its whole ep group
-(the dispatch's all-to-all), so reducing their gradient over ``efsdp`` sums every rank's. A
-plain parameter sharded over a sub-mesh would miss the other ranks' gradients and is refused, as
-before, naming the mesh.
-
-Kept apart from ``state.py`` (which imports the tree and the runtime) so that fixing a plan
-(``build.py``) can ask which modules belong to a nested tree; it reads calls and trees through
-the two protocols below, so it imports neither (``state.py`` and ``tree.py`` import it).
+torchtitan shards the routed experts over ``efsdp`` (``fully_shard(experts, mesh=efsdp_mesh)``)
+and the rest over all data-parallel ranks. One tree plans over one mesh, so the experts' call
+stays a tree of its own, nested in the enclosing one, whose calls leave its parameters alone (as
+``ignored_params``). Accepted only where exact (:func:`nested_trees`): every parameter an
+owner-layout tensor on an (``efsdp``, ``ep``) mesh covering exactly the enclosing call's ranks,
+so reducing over ``efsdp`` sums every rank's gradient (the dispatch's all-to-all brought each ep
+rank its group's tokens). It reads calls and trees through two protocols, importing neither
+``state.py`` nor ``tree.py`` (which import it), so that ``build.py`` can ask it too.
 """
 
 from __future__ import annotations
@@ -74,10 +61,8 @@ def _ranks(group: Any) -> list[int]:
 
 
 def why_not_nested(tree: CallTree, group: Any, replicate_group: Any) -> str | None:
-    """None when ``tree`` (over another mesh than ``group``) stays a tree nested in a call over
-    ``group`` (no HSDP on either side, every parameter of its calls an owner-layout tensor on a
-    2D mesh whose ranks are exactly ``group``'s: module docstring); else why not, naming the
-    parameter."""
+    """None when ``tree`` (over another mesh) stays a tree nested in a call over ``group``
+    (module docstring); else why not, naming the parameter."""
     if replicate_group is not None or any(st.replicate_group is not None for st in tree.states):
         return "HSDP (a 2D shard mesh) is not nested"
     if any(st.group is group for st in tree.states):
@@ -96,16 +81,12 @@ def why_not_nested(tree: CallTree, group: Any, replicate_group: Any) -> str | No
 
 
 def nested_trees(trees: Iterable[TreeT], group: Any, replicate_group: Any) -> list[TreeT]:
-    """Of the ``trees`` inside a ``fully_shard`` call over ``group``, the ones over another
-    mesh that stay trees of their own, nested in the call's (module docstring); the others are
-    adopted (same mesh) or refused (``api._check_submodules``)."""
+    """Of the ``trees`` inside a call over ``group``, the ones that stay nested trees of their own."""
     return [t for t in trees if why_not_nested(t, group, replicate_group) is None]
 
 
 def foreign_modules(modules: Sequence[nn.Module], states: Sequence[Any]) -> set[int]:
-    """Ids of the modules inside ``modules`` that belong to a ``fully_shard`` call not among
-    ``states`` (a nested tree's, and everything inside those modules): a tree of ``states``
-    leaves their parameters alone."""
+    """Ids of the modules inside ``modules`` of a call not among ``states`` (a nested tree's)."""
     mine = {id(st) for st in states}
     out: set[int] = set()
     for m in modules:

@@ -1,13 +1,6 @@
-"""The tensors of a forward output that a backward can reach, in any structure FSDP2 reads.
-
-A unit hangs its pre-backward hook (gather again before its backward) on the gradient-requiring
-tensors of its forward output. ``torch.utils._pytree`` knows tuples, lists, dicts, NamedTuples
-and the types registered with it (transformers registers its ``ModelOutput``s), but not plain
-dataclasses: a block returning a ``@dataclass`` would look like one opaque leaf, no hook would be
-registered, and backward would read the freed unsharded weights. FSDP2 traverses dataclasses
-itself (``torch.distributed.fsdp._common_utils.collect_grad_tensors``); :func:`grad_tensors`
-does the same on top of pytree, so a dataclass inside a tuple, or a tuple inside a dataclass,
-is found too.
+"""The tensors of a forward output that a backward can reach, as FSDP2 collects them
+(``collect_grad_tensors``): pytree leaves and the fields of dataclasses among them, which pytree
+alone sees as opaque leaves (a block returning a ``@dataclass`` would get no pre-backward hook).
 """
 
 from __future__ import annotations
@@ -26,6 +19,8 @@ _MAX_DEPTH = 64  # a cycle through dataclass fields would otherwise recurse fore
 def grad_tensors(output: Any) -> list[torch.Tensor]:
     """Every tensor in ``output`` that requires a gradient: pytree leaves, and the fields of
     dataclass instances found among them (recursively), in traversal order."""
+    if isinstance(output, torch.Tensor):  # the common case, without pytree
+        return [output] if output.requires_grad else []
     found: list[torch.Tensor] = []
     _collect(output, found, 0)
     return found

@@ -1,11 +1,6 @@
 """HSDP's second stage of a unit's gradient reduction: this rank's summed segment across the
-replicas.
-
-After the reduce-scatter-v over the shard group each rank holds the sum of its segment over
-its shard group; the replicas of that segment then finish the average. A matrix HSDP gives one
-global owner (``MatrixShard.step_replica``) is reduce-scattered to that replica only (the others
-never read it); what every replica steps (the tail, ``rows`` tensors, frozen parameters) is
-all-reduced. Which ranges go where is a :class:`ReplicaSplit`, built once per reduce layout.
+replicas (DESIGN.md, "HSDP: one global owner per matrix"): a matrix's range reduce-scattered to
+its step replica, the rest all-reduced, as a :class:`ReplicaSplit` built once per reduce layout.
 """
 
 from __future__ import annotations
@@ -18,16 +13,15 @@ import torch
 from .. import comm
 from ..planning.metadata import MatrixShard
 from .collectives import SegmentLayout, reduce_scatter_v
-from .groups import ShardGroups
+from .unit_options import ShardGroups
 
 __all__ = ["ReplicaSplit", "reduce_across_replicas"]
 
 
 @dataclass(frozen=True)
 class ReplicaSplit:
-    """How one rank's reduced segment crosses the replicas (HSDP): the ranges each replica's
-    holders step (``step_replica``: reduce-scattered, each to its replica) and the ranges every
-    replica steps (tail, ``rows``, frozen: all-reduced). Ranges are (offset, length) in the segment."""
+    """How one rank's reduced segment crosses the replicas: (offset, length) ranges per step
+    replica (reduce-scattered to it) and the ranges every replica steps (all-reduced)."""
 
     by_replica: tuple[tuple[tuple[int, int], ...], ...]
     everywhere: tuple[tuple[int, int], ...]
@@ -54,11 +48,9 @@ def _scatter_back(total: torch.Tensor, ranges: Sequence[tuple[int, int]], flat: 
 
 
 def reduce_across_replicas(total: torch.Tensor, split: ReplicaSplit, groups: ShardGroups) -> None:
-    """The second stage of HSDP's gradient reduction, in place on this rank's summed segment:
-    each replica's ranges are reduce-scattered to it (one reduce-scatter-v over the replicate
-    group: the step owner gets the sum, the others keep partial values they never read), the
-    ranges every replica steps are all-reduced. Bytes: those of one all-reduce of the segment
-    (its reduce-scatter half here, the all-gather half is the updated matrices' broadcast)."""
+    """HSDP's second stage, in place on this rank's summed segment: one reduce-scatter-v over the
+    replicate group (each step replica gets its ranges' sum; the others keep partial values they
+    never read), then an all-reduce of the ranges every replica steps."""
     R, me = groups.replicate_size, groups.replicate_rank
     sizes = [sum(n for _, n in ranges) for ranges in split.by_replica]
     if sum(sizes):

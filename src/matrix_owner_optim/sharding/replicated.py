@@ -1,18 +1,10 @@
 """Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated.
 
-Each rank still holds the whole tensor until the tree's plan is fixed; then the same objects
-become this rank's pieces in place (``OwnerDTensor.relayout``), so the model's own init and
-``load_state_dict`` run on full tensors before, and every reference taken after the call stays
-valid. (``to_empty`` of parameters still on ``meta`` fixes the plan first, so that it allocates
-only this rank's pieces: ``module.py``'s ``_apply``.) A tied parameter stays one object at every place it is registered; one
-tied across two calls is found through the old object's link to its replacement.
-
-The link is a plain reference from the old object to the new one, never a weak reference to the
-new one: ``torch.utils.swap_tensors`` (which ``nn.Module._apply`` uses for every DTensor
-parameter: ``.to(dtype)``, ``to_empty``) refuses a tensor that has a weak reference, so a weak
-link would make ``model.to(...)`` fail whenever the user still holds an original parameter (a
-param-group list built before ``fully_shard``). Stock FSDP2 leaves no link at all. The old
-object keeps its replacement alive only as long as someone keeps the old object.
+Each rank holds the whole tensor until the plan is fixed; then the same objects become this
+rank's pieces in place (DESIGN.md, "Lazy sharding"). A tied parameter stays one object; one tied
+across two calls is found through the old object's plain (never weak) link to its replacement:
+``torch.utils.swap_tensors``, which ``nn.Module._apply`` uses, refuses a tensor with a weak
+reference.
 """
 
 from __future__ import annotations
@@ -40,12 +32,8 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
 
 def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
     """The 2D (dp, tp) mesh a tensor-parallel parameter ``p`` is laid out on when ``fully_shard``
-    shards over the 1D ``mesh`` (its dp dim): the two 1D meshes concatenated, dp first, as
-    torch's FSDP2 builds its 2D spec (``DeviceMesh._concatenate``: the groups both already
-    have, no new process group). None when ``p`` is not such a parameter (the caller refuses
-    it, naming what is supported): either mesh unnamed or not 1D, meshes of different roots or
-    overlapping, a placement other than ``Shard`` or ``Replicate()`` (``_StridedShard``,
-    ``Partial``)."""
+    shards over the 1D dp ``mesh``: the two concatenated, dp first, as torch's FSDP2 builds its 2D
+    spec (no new process group). None when ``p`` is not such a parameter (the caller refuses it)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     p_mesh = p.device_mesh
@@ -63,12 +51,9 @@ def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
 
 
 def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None, mesh: Any) -> None:
-    """Refuse a parameter that is already a DTensor of a kind the owner layout does not shard,
-    before anything is recorded. Tensor-parallel parameters (``parallelize_module`` on the tp
-    dim of a 2D (dp, tp) mesh, ``fully_shard`` over its dp dim) are sharded as TP slices held
-    whole by their dp owner (``owner_dtensor/two_dim.py``); anything else (another mesh,
-    ``_StridedShard``, ``Partial``, a 3D mesh, HSDP x TP) would fail at the first forward, deep
-    in DTensor's dispatch, so it is refused here, naming the parameter."""
+    """Refuse, before anything is recorded, a parameter that is a DTensor the owner layout does
+    not shard: anything but a tensor-parallel slice on a 2D (dp, tp) mesh (which would fail at the
+    first forward, deep in DTensor's dispatch), naming the parameter."""
     ignored = {id(p) for p in ignored_params or ()}
     for m in modules:
         for name, p in m.named_parameters():
@@ -101,10 +86,7 @@ def _replicated(p: torch.Tensor, mesh: Any, dp_mesh: Any) -> OwnerDTensor:
 
 def as_owner_dtensors(module: nn.Module, mesh: Any, dp_mesh: Any = None) -> None:
     """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated
-    (each rank holds the whole tensor until the plan is fixed; then the same objects become this
-    rank's pieces in place). A tied parameter stays one object at every place it is registered.
-    A tensor-parallel parameter becomes one on the 2D (dp, tp) mesh of ``dp_mesh`` (the mesh
-    ``fully_shard`` was given), its TP slice on every dp rank."""
+    (a tied one stays one object; a tensor-parallel one on the 2D (dp, tp) mesh of ``dp_mesh``)."""
     new: dict[int, nn.Parameter] = {}
     for _, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):

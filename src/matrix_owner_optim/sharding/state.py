@@ -1,23 +1,9 @@
 """One state object per ``fully_shard`` call (FSDP2's ``FSDPState``): options, hooks, lazy init.
 
-What is planned together is found through the module tree, as FSDP2 finds the states its root
-initialises: a ``fully_shard`` call *adopts* the states of the calls made before on modules
-inside it (blocks first, the root last), so the outermost call is the *root* of a tree. The
-tree's facts (its states in planning order, the plan given to it, the cost that prices it, its
-:class:`PlanPhase`, its context, the automatic prefetch) live in one
-:class:`~.tree.ShardTree` that every state of the tree points to (``OwnerShardState.tree``):
-adoption re-points the adopted states to the new tree, never copies a fact. Modules sharded
-without a common root call are separate trees, planned separately, as FSDP2 treats every module
-without an enclosing ``fully_shard`` as its own root.
-
-A tree is planned once, lazily (the plan balances the whole tree), by the root's
-:meth:`OwnerShardState.lazy_init` at the first of: the first forward of any unit of the tree,
-``unshard()`` / ``fix_plan()`` on one of its modules, or the optimizer's construction (through
-:func:`~matrix_owner_optim.lazy_plan.fix_lazy_plans`, the parameters' link to their state).
-Setters only record :class:`~.unit.UnitOptions`.
-
-The hooks are this object's methods: they fix the plan if needed and hand the unit to the
-tree's :class:`~.context.ShardingContext`, which drives it.
+A call adopts the states of the calls made before inside its modules, so the outermost call is
+the root of one :class:`~.tree.ShardTree` that every state points to; the plan is fixed lazily
+(DESIGN.md, "Lazy sharding"). The hooks are this object's methods: they fix the plan if needed
+and hand the unit to the tree's :class:`~.context.ShardingContext`.
 """
 
 from __future__ import annotations
@@ -36,9 +22,10 @@ from .context import ShardingContext
 from .nested import STATE_ATTR, foreign_parameters
 from .outputs import grad_tensors
 from .tree import PlanPhase, ShardTree
-from .unit import ShardedUnit, UnitOptions, in_backward
+from .unit import ShardedUnit, in_backward
+from .unit_options import UnitOptions
 
-__all__ = ["OwnerShardState", "PlanPhase", "ShardTree", "state_of", "trees_inside"]
+__all__ = ["OwnerShardState", "PlanPhase", "ShardTree", "require_state", "state_of", "trees_inside"]
 
 
 def state_of(module: nn.Module) -> OwnerShardState | None:
@@ -46,9 +33,16 @@ def state_of(module: nn.Module) -> OwnerShardState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
+def require_state(module: nn.Module) -> OwnerShardState:
+    """The state of a module passed to ``fully_shard``; refused for any other module."""
+    state = state_of(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} was not passed to fully_shard")
+    return state
+
+
 def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
-    """The trees of the ``fully_shard`` calls made before on modules inside ``modules`` (what a
-    call on them adopts), in module order."""
+    """The trees of the calls made before on modules inside ``modules`` (what a call adopts)."""
     trees: list[ShardTree] = []
     for m in modules:
         for sub in m.modules():
@@ -80,8 +74,6 @@ class OwnerShardState:
         mp_policy: Any,
         tree: ShardTree,
     ) -> None:
-        """``tree``: the tree this call forms (``ShardTree.join`` of the trees inside its modules);
-        :meth:`register` makes this state its root."""
         self.modules = modules
         self.group = group
         self.replicate_group = replicate_group
@@ -99,9 +91,8 @@ class OwnerShardState:
 
     # -- the tree --------------------------------------------------------------------------------
     def register(self) -> None:
-        """Become the root of ``tree`` and re-point every state in it to that one object, record
-        this state on its modules, install the hooks and link the parameters that wait for the
-        plan (``fully_shard``'s last step)."""
+        """Become the root of ``tree`` (every state re-pointed to it), record this state on its
+        modules, install the hooks and link the parameters that wait for the plan."""
         self.tree.states.append(self)
         for st in self.tree.states:
             st.tree = self.tree
@@ -112,9 +103,8 @@ class OwnerShardState:
         self.link_parameters()
 
     def link_parameters(self) -> None:
-        """Link every parameter of the call's modules that waits for the plan to this state
-        (again after ``nn.Module._apply`` may have made new parameter objects); a nested tree's
-        (``nested.py``) keep their own."""
+        """Link the call's parameters that wait for the plan to this state (a nested tree's keep
+        their own); again after ``nn.Module._apply``."""
         foreign = foreign_parameters(self.modules, self.tree.states)
         for m in self.modules:
             for p in m.parameters():
@@ -122,8 +112,7 @@ class OwnerShardState:
                     link_lazy_plan(p, self)
 
     def fix_plan(self, cost: CostModel | None = None) -> ShardingContext:
-        """Fix this call's tree's plan now (collective: every rank fixes it alike); the tree's
-        :class:`ShardingContext`. ``cost`` prices it unless a call of the tree named one."""
+        """Fix this call's tree's plan now (collective); ``cost`` prices it unless a call named one."""
         return self.root.lazy_init(cost)
 
     def lazy_init(self, cost: CostModel | None = None) -> ShardingContext:
@@ -143,20 +132,20 @@ class OwnerShardState:
     # -- hooks -----------------------------------------------------------------------------------
     def pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx, unit = self.require_unit()
-        ctx.pre_forward(unit)
+        backward = in_backward()
+        ctx.pre_forward(unit, backward)
         param_dtype = getattr(self.mp_policy, "param_dtype", None)
         if param_dtype is not None and getattr(self.mp_policy, "cast_forward_inputs", False):
             args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
-        if not in_backward() and torch.is_grad_enabled() and not unit.local_only:
-            # a local-only unit has nothing to reduce early and nothing to free: the
-            # end-of-backward callback lands its gradients (and runs their hooks)
+        if not backward and torch.is_grad_enabled() and not unit.local_only:  # local-only: landed at the end
             args, kwargs = _register_post_backward(ctx, unit, args, kwargs)
         return args, kwargs
 
     def post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         ctx, unit = self.require_unit()
-        ctx.post_forward(unit)
-        if torch.is_grad_enabled() and not in_backward():
+        backward, grad = in_backward(), torch.is_grad_enabled()
+        ctx.post_forward(unit, backward, grad)
+        if grad and not backward:
             tensors = grad_tensors(output)  # dataclasses too, as FSDP2 (outputs.py)
             if len(tensors) == 1:  # one output (the common case): its own hook fires once per backward
                 tensors[0].register_hook(lambda _g: ctx.pre_backward(unit))

@@ -1,34 +1,20 @@
 """One tree of ``fully_shard`` calls: the facts its calls share, in one object they all point to.
 
-A tree is the ``fully_shard`` calls planned together: the outermost call (the root) and every
-call inside it. What is true of the whole tree lives in one :class:`ShardTree`, as FSDP2 keeps
-tree-wide facts in one ``FSDPStateContext`` that every state points to: the plan given to it, the
-cost model that prices it, where its plan is (:class:`PlanPhase`), why planning failed, its
-runtime (:class:`~.context.ShardingContext`), HSDP's replica state (``replica_sync.ReplicaSync``)
-and the automatic prefetch. Every call's
-``OwnerShardState.tree`` is its tree. A call that adopts the calls made before inside it forms
-one new tree of theirs (:meth:`ShardTree.join`) and re-points their states to it; no fact is
-copied into a state, so none goes stale. Once the plan is fixed every parameter links to its
-tree (``OwnerDTensor._tree``, a ``tensors.TreeLink``), so ``full_tensor()``, the optimizer and
-state dicts reach the replicas' record and the runtime that lands their broadcasts through it
-(:meth:`ShardTree.land_replicas`, :meth:`ShardTree.replicas_stepped`).
-
-A tree has one plan source and one price. A call inside the tree that named another plan or
-cost model than the tree's (``fully_shard(plan=...)``, ``fully_shard(preconditioner=...)``) is
-refused when the tree forms, naming both calls. The plan is fixed once (:meth:`ShardTree.fix`,
-collective), priced by the cost a call named, else the one offered by whoever fixes it (the
-optimizer offers its matrix optimizer's), else ``planning.catalog.DEFAULT_COST``; the tree
-keeps the cost that priced it (``cost``) and logs it (logger ``matrix_owner_optim.sharding.tree``,
-INFO).
+As FSDP2's ``FSDPStateContext``: the plan given to the tree, the cost that prices it, its
+:class:`PlanPhase` and failure, its runtime, HSDP's replica record, the automatic prefetch and the
+optimizers whose step all-reduces (DESIGN.md, "Lazy sharding"). A call that adopts the calls
+inside it forms one new tree of theirs (:meth:`ShardTree.join`), refusing two different plans or
+cost models; the plan is fixed once (:meth:`ShardTree.fix`, collective) and logged (INFO).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -76,6 +62,13 @@ class ShardTree:
     failure: str | None = None  # why planning failed
     context: ShardingContext | None = None  # the runtime, once the plan is fixed
     replicas: ReplicaSync | None = None  # HSDP: the replicas' state, once the plan is fixed
+    step_watchers: list[weakref.ref[Any]] = field(default_factory=list)  # optimizers whose step all-reduces
+
+    def watch_steps(self, optimizer: Any) -> None:
+        """``optimizer``'s step all-reduces its step count (``agreement.watch_steps``): the
+        tree's forward passes carry it too (``ShardingContext.check_steps``)."""
+        if not any(ref() is optimizer for ref in self.step_watchers):
+            self.step_watchers.append(weakref.ref(optimizer))
 
     def land_replicas(self) -> None:
         """HSDP: land every broadcast the tree has due (its runtime issues them; a no-op
@@ -103,10 +96,9 @@ class ShardTree:
         cost: CostModel | None,
         name_of: Callable[[nn.Module], str],
     ) -> ShardTree:
-        """The tree a ``fully_shard`` call on ``module`` forms of the ``trees`` inside it (module
-        order) and its own ``plan`` and ``cost`` (None: not given). Changes nothing (the call's
-        state re-points the adopted states when it registers); refuses two different plans or
-        cost models, naming the two calls (``name_of`` names a module inside ``module``)."""
+        """The tree a call on ``module`` forms of the ``trees`` inside it and its own ``plan`` and
+        ``cost`` (None: not given); changes nothing, and refuses two plans or cost models naming
+        the two calls (``name_of`` names a module inside ``module``)."""
         tree = cls(plan=plan, plan_from=module if plan is not None else None)
         tree.cost, tree.cost_from = cost, module if cost is not None else None
         for t in trees:
@@ -136,9 +128,8 @@ class ShardTree:
         return tree
 
     def fix(self, offered: CostModel | None = None) -> ShardingContext:
-        """Fix the tree's plan now, once (collective: every rank fixes it alike) and return its
-        runtime. ``offered`` prices it unless a call named a cost (default: ``DEFAULT_COST``).
-        A failure leaves the tree FAILED with the reason: the model must be rebuilt."""
+        """Fix the tree's plan once (collective) and return its runtime; ``offered`` prices it
+        unless a call named a cost. A failure leaves the tree FAILED (the model must be rebuilt)."""
         if self.phase is PlanPhase.PLANNED:
             assert self.context is not None
             return self.context

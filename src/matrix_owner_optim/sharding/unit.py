@@ -1,51 +1,11 @@
-"""One ``fully_shard`` call's parameters and their data lifecycle, as one explicit state.
+"""One ``fully_shard`` call's parameters and their data lifecycle (:class:`ShardedUnit`).
 
-A *unit* is the set of parameters one ``fully_shard`` call manages. Where its data is, is one
-:class:`ShardedState`, one transition per method::
-
-    SHARDED    owner: full tensor resident; others: an empty piece (row blocks for ``rows``);
-      |        the sharded parameters are registered on the modules
-      | issue_gather()      all-gather-v issued asynchronously (prefetch, unshard(async_op=True))
-    GATHERING  storage of the unsharded tensors allocated, the collective in flight (a record)
-      | wait_gather()       (SHARDED -> GATHERED directly when nothing was issued)
-    GATHERED   every rank holds valid full tensors; the sharded parameters are still registered
-      | swap_in()
-    UNSHARDED  the unsharded tensors are registered: forward / backward compute reads them
-      | swap_out(), free()  back to SHARDED: non-aliased storage released in place
-
-and two states that keep gathered data past the point where it is normally freed, because the
-user asked for it:
-
-    HELD       unshard() by the user: gathered and registered until reshard() (``hold`` /
-               ``release``); forward, backward and the next forward pass leave it alone
-    RETAINED   gathered after a backward with ``reshard_after_backward=False``: swapped out,
-               kept for the next micro-batch's forward (which swaps it in without a gather)
-
-Invariants (asserted at every transition): a gather record exists exactly in GATHERING; the
-unsharded tensors are registered exactly in UNSHARDED and HELD.
-
-Under HSDP with the broadcast deferred (``replica_sync.py``, placement ``"forward"``) a unit
-also has a *pending replica sync*, orthogonal to the states above: due when its tree's
-``ReplicaSync.generation`` moved past the one it last broadcast (:attr:`ShardedUnit.replica_due`),
-issued asynchronously (:meth:`ShardedUnit.issue_replica_sync`, at the start of a forward pass)
-and landed (:meth:`ShardedUnit.land_replica_sync`) before :meth:`ShardedUnit.issue_gather` reads
-the unit's pieces, so every replica gathers the stepped values.
-
-The unit never calls up: the :class:`~.context.ShardingContext` that owns it decides *when*
-(hooks, prefetch, one reduction in flight) and calls these methods; a reduction the unit issues
-comes back as a :class:`ReductionInFlight` record that the context lands later. What the unit
-needs of its process groups is a :class:`~.groups.ShardGroups` value, the options the user sets
-on its module are a :class:`~.unit_options.UnitOptions` record the unit reads, its swaps go
-through :class:`~.slots.RegistrationSlots`, and HSDP's cross-replica stage of a reduction is
-``replica_reduce.py``.
-
-A *local-only* unit (:attr:`ShardedUnit.local_only`: one rank, no replicas, every unsharded
-tensor aliases its resident piece) pays only for what a rank has to do there: swap the
-registered tensors, follow ``requires_grad``, land the gradients. Its transitions keep the
-states above (the context and the user see the same lifecycle at every world size) but skip
-the per-parameter storage loops, the replica-sync checks and the collective-phase bookkeeping,
-which have nothing to act on; its landing runs post-accumulate-grad hooks only where some are
-registered.
+Where the unit's data is, is one :class:`ShardedState`, one transition per method, with the
+invariants asserted at every transition; which pass runs is a :class:`TrainingState`. DESIGN.md,
+"The lifecycle of a unit", draws the states and says what a local-only unit skips; "HSDP: one
+global owner per matrix" says when a unit's replica sync is due. The unit never calls up: its
+:class:`~.context.ShardingContext` decides when, and lands the :class:`ReductionInFlight` records
+the unit returns.
 """
 
 from __future__ import annotations
@@ -67,23 +27,11 @@ from .collectives import (
     gradient_divide_factors,
     reduce_scatter_v,
 )
-from .groups import ShardGroups
-from .handle import ParamHandle
+from .handle import ParamHandle, RegistrationSlots
 from .replica_reduce import ReplicaSplit, reduce_across_replicas
-from .slots import RegistrationSlots
-from .unit_options import UnitOptions, compute_dtype, one_compute_dtype
+from .unit_options import ShardGroups, UnitOptions, compute_dtype, one_compute_dtype
 
-__all__ = [
-    "ReductionInFlight",
-    "ShardGroups",
-    "ShardedState",
-    "ShardedUnit",
-    "TrainingState",
-    "UnitOptions",
-    "compute_dtype",
-    "in_backward",
-    "one_compute_dtype",
-]
+__all__ = ["ReductionInFlight", "ShardedState", "ShardedUnit", "TrainingState", "in_backward"]
 
 
 def in_backward() -> bool:
@@ -175,6 +123,7 @@ class ShardedUnit:
         self._replica_splits: dict[int, ReplicaSplit] = {}  # by id of a cached reduce layout
         self._replica_generation = 0  # the tree's ReplicaSync.generation last broadcast
         self._replica_in_flight: PendingBroadcast | None = None
+        self._divide: tuple[tuple[torch.dtype, int, float | None], tuple[float, float]] | None = None
         self.rebuild_unsharded()
 
     def _set(self, state: ShardedState) -> None:
@@ -239,9 +188,7 @@ class ShardedUnit:
         return sync is not None and self.groups.replicate_size > 1 and self._replica_generation != sync.generation
 
     def issue_replica_sync(self) -> None:
-        """Issue the due broadcast asynchronously (one per step replica and dtype holding pieces
-        here; none when nothing is due or it is in flight). Every rank of the replicate group
-        issues the same ones in the same unit order."""
+        """Issue the due broadcast asynchronously (none when nothing is due or it is in flight)."""
         sync = self.groups.replica_sync
         if not self.replica_due or self._replica_in_flight is not None:
             return
@@ -259,9 +206,8 @@ class ShardedUnit:
 
     # -- data ----------------------------------------------------------------------------------
     def issue_gather(self, *, for_user: bool = False) -> bool:
-        """SHARDED -> GATHERING: issue the all-gather-v asynchronously; True if it did (a no-op
-        in other states; at one rank the data is copied and the unit is GATHERED at once).
-        A deferred HSDP broadcast due on the unit lands first."""
+        """SHARDED -> GATHERING: issue the all-gather-v asynchronously (after a due HSDP broadcast
+        landed); True if it did. At one rank the unit is GATHERED at once."""
         if self.state is not ShardedState.SHARDED:
             return False
         if not self.local_only:  # (a local-only unit has no replicas: nothing is ever due)
@@ -295,9 +241,8 @@ class ShardedUnit:
         return True
 
     def wait_gather(self) -> None:
-        """-> GATHERED: every rank's segment lands in the unsharded tensors (issued now if
-        nothing was in flight). A gather the user issued lands as HELD; UNSHARDED and HELD stay;
-        RETAINED data is valid and becomes GATHERED."""
+        """-> GATHERED (HELD if the user issued it; UNSHARDED and HELD stay): every rank's segment
+        lands in the unsharded tensors, issued now if nothing was in flight."""
         if self.state in (ShardedState.GATHERED, ShardedState.UNSHARDED, ShardedState.HELD):
             return
         if self.state is ShardedState.RETAINED:
@@ -407,48 +352,47 @@ class ShardedUnit:
                 grads[i] = g
         return grads
 
+    def _divide_factors(self) -> tuple[float, float]:
+        """:func:`.collectives.gradient_divide_factors` of the unit's reduce dtype, data-parallel
+        size and ``gradient_divide_factor`` (computed again only when one of them changed)."""
+        key = (self.reduce_dtype, self.groups.dp_size, self.options.gradient_divide_factor)
+        if self._divide is None or self._divide[0] != key:
+            self._divide = (key, gradient_divide_factors(*key))
+        return self._divide[1]
+
     def accumulate(self) -> None:
         """Gradient sync off: move this backward's gradients into the accumulators."""
         for h in self.handles:
             h.accumulate(self.reduce_dtype)
 
     def issue_reduce(self, grads: dict[int, torch.Tensor]) -> ReductionInFlight | None:
-        """Reduce-scatter-v ``grads`` (from :meth:`take_grads`) asynchronously; the DDP average
-        lands on the owners when the context lands the returned record. At one rank without
-        replicas the local gradient is the average: it lands now and nothing is returned.
-
-        With HSDP the owner's segment then crosses the replicas (at landing): each matrix's
-        gradient is reduced to its global owner only, the rest all-reduced
-        (:func:`reduce_across_replicas`). The
-        division by the data-parallel size (or ``gradient_divide_factor``) is split around the
-        sum as :func:`.collectives.gradient_divide_factors` says (float16: part before, part
-        after)."""
+        """Reduce-scatter-v ``grads`` (from :meth:`take_grads`) asynchronously: the average lands
+        on the owners when the context lands the returned record (under HSDP after crossing the
+        replicas). At one rank without replicas it lands now and nothing is returned."""
         groups = self.groups
         W, me = groups.world_size, groups.rank
-        pre, post = gradient_divide_factors(self.reduce_dtype, groups.dp_size, self.options.gradient_divide_factor)
+        pre, post = self._divide_factors()
         if groups.moves_nothing:
             # landing reads and writes only this package's own tensors' metadata and .grad: no
             # __torch_function__ per read (a third of a one-rank backward's own cost otherwise)
-            reduce_dtype, divide = self.reduce_dtype, pre * post != 1
+            reduce_dtype, divide, handles = self.reduce_dtype, pre * post != 1, self.handles
+            hooked = False
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 for i, g in grads.items():
-                    h = self.handles[i]
-                    if g.dtype != reduce_dtype:
+                    h = handles[i]
+                    if g.dtype is not reduce_dtype:
                         g = g.to(reduce_dtype)  # round as the reduction would
                     if divide:  # a custom divide factor (one rank: nothing summed)
                         g = g.div(pre).div_(post)
-                    if g.dtype != h.sharded.dtype:
-                        g = g.to(h.sharded.dtype)
+                    sharded = h.sharded
+                    if g.dtype is not sharded.dtype:
+                        g = g.to(sharded.dtype)
                     h.add_grad(g)
-                # no parameter with a hook now: none runs, so none can register another
-                hooked = False
-                for i in grads:
-                    if getattr(self.handles[i].sharded, "_post_accumulate_grad_hooks", None):
-                        hooked = True
-                        break
+                    # no parameter with a hook now: none runs, so none can register another
+                    hooked = hooked or bool(sharded._post_accumulate_grad_hooks)
             if hooked:
                 for i in sorted(grads):
-                    self.handles[i].run_post_accumulate_grad_hooks()
+                    handles[i].run_post_accumulate_grad_hooks()
             return None
         layout = self.reduce_layout(frozenset(grads))
         with torch.no_grad(), comm_phase("backward"):
@@ -471,11 +415,9 @@ class ShardedUnit:
         return ReductionInFlight(self, pending, layout, post)
 
     def land(self, record: ReductionInFlight) -> None:
-        """A completed reduce-scatter-v: the owners' averaged gradients land as ``.grad`` of
-        the sharded parameters (summed into existing ones); every rank holds a ``.grad`` of
-        every reduced parameter (an empty piece off its owner), as FSDP2. Then each reduced
-        parameter's post-accumulate-grad hooks run, once, in the unit's parameter order (FSDP2
-        runs them there too: optimizer-in-backward steps each parameter as its gradient lands)."""
+        """A completed reduce-scatter-v lands as ``.grad`` of the sharded parameters (summed into
+        existing ones; an empty piece off the owner, as FSDP2), then each reduced parameter's
+        post-accumulate-grad hooks run once, in parameter order."""
         assert record.unit is self
         groups = self.groups
         total = record.pending.wait()
@@ -514,18 +456,17 @@ class ShardedUnit:
         with comm_phase("backward" if backward else "forward"):
             self.wait_gather()
 
-    def post_forward(self) -> None:
-        """Swap out; free unless a backward will read the data and the unit keeps it
-        (``reshard_after_forward=False``, or the root, as FSDP2's root stays for backward)."""
-        if in_backward():  # recomputation: the unit stays swapped in until its post-backward
+    def post_forward(self, backward: bool, grad: bool) -> None:
+        """Swap out; free unless a backward will read the data (``grad``) and the unit keeps it
+        (``reshard_after_forward=False``, or the root, as FSDP2's root stays for backward).
+        In a recomputation (``backward``) the unit stays swapped in until its post-backward."""
+        if backward:
             return
         self.training_state = TrainingState.IDLE
         if self.held:
             return
         self.swap_out()
-        if not torch.is_grad_enabled():  # no backward will read it
-            self.free()
-        elif self.options.reshard_after_forward and not self.is_root:
+        if not grad or (self.options.reshard_after_forward and not self.is_root):
             self.free()
 
     def pre_backward(self) -> None:

@@ -1,10 +1,6 @@
-"""What a unit is set to: the options the user sets on its module and the dtype it computes in.
-
-:class:`UnitOptions` is the record a ``fully_shard`` module's ``set_*`` methods write and the
-unit and its context read when they act (so a setter never needs the plan);
-:func:`compute_dtype` and :func:`one_compute_dtype` turn a ``MixedPrecisionPolicy`` and the
-parameters' dtypes into the one dtype a unit gathers and computes in (planning refuses a mix
-before any unit exists, ``build.py``; the unit checks again when it is rebuilt).
+"""What a unit is given: its tree's process groups (:class:`ShardGroups`), the options the user
+sets on its module (:class:`UnitOptions`, which a setter records without needing the plan) and
+the one dtype it gathers and computes in (:func:`compute_dtype`, :func:`one_compute_dtype`).
 """
 
 from __future__ import annotations
@@ -15,7 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["UnitOptions", "compute_dtype", "one_compute_dtype"]
+from ..planning.metadata import MatrixShard
+from ..replica_sync import ReplicaSync, steps_here
+
+__all__ = ["ShardGroups", "UnitOptions", "compute_dtype", "one_compute_dtype"]
 
 
 def compute_dtype(mp_policy: Any, dtype: torch.dtype) -> torch.dtype:
@@ -39,8 +38,7 @@ def one_compute_dtype(unit: int, dtypes: dict[str, torch.dtype]) -> torch.dtype 
 
 @dataclass(eq=False)
 class UnitOptions:
-    """What the user set on a ``fully_shard`` module (its ``set_*`` methods record here; the
-    unit and the context read it when they act, so a setter never needs the plan)."""
+    """What the user set on a ``fully_shard`` module (its ``set_*`` methods record here)."""
 
     reshard_after_forward: bool
     requires_gradient_sync: bool = True
@@ -48,3 +46,31 @@ class UnitOptions:
     gradient_divide_factor: float | None = None  # None: the data-parallel size (the average)
     forward_prefetch: list[nn.Module] | None = None  # explicit targets; None: automatic
     backward_prefetch: list[nn.Module] | None = None
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The process groups a tree of units runs on, one value all its units share (built when the
+    plan is fixed, ``build.py``): a unit never reaches for a process group itself."""
+
+    group: Any  # the shard group: owners, all-gather-v and reduce-scatter-v
+    rank: int
+    world_size: int
+    replicate_group: Any = None  # HSDP: the replicas of this shard group
+    replicate_size: int = 1
+    replicate_rank: int = 0  # HSDP: this process's replica
+    replica_sync: ReplicaSync | None = None  # HSDP: the tree's replica record (replica_sync.py)
+
+    def steps_here(self, shard: MatrixShard) -> bool:
+        """Whether this replica's holder of ``shard`` gets its averaged gradient and steps it (HSDP)."""
+        return steps_here(shard, self.replica_sync)
+
+    @property
+    def dp_size(self) -> int:
+        """Gradients are averaged over shard x replicate ranks."""
+        return self.world_size * self.replicate_size
+
+    @property
+    def moves_nothing(self) -> bool:
+        """One rank and no replicas: no collective has anyone to reach."""
+        return self.world_size == 1 and self.replicate_size == 1
