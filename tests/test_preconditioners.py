@@ -126,6 +126,22 @@ def test_muon_fp32_matches_reference(shape: tuple[int, int], kw: dict[str, Any])
         assert not torch.equal(bf16, ours)
 
 
+def _muon_both_paths(
+    p0: list[torch.Tensor], grads: list[list[torch.Tensor]], **opts: Any
+) -> dict[bool, list[torch.Tensor]]:
+    """The parameters after Muon(lr=0.02, **opts) steps ``grads`` from ``p0``, batched and not."""
+    out = {}
+    for batched in (True, False):
+        ps = [p.clone().requires_grad_() for p in p0]
+        opt = Muon(ps, lr=0.02, batched=batched, **opts)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        out[batched] = [p.detach() for p in ps]
+    return out
+
+
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) -> None:
     # Three same-shape matrices per bucket (wide and tall) plus a lone one; 6 steps.
@@ -133,15 +149,7 @@ def test_muon_batched_equals_per_matrix_within_round_off(ns_dtype: torch.dtype) 
     gen = torch.Generator().manual_seed(25)
     p0 = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(6)]
-    out = {}
-    for batched in (True, False):
-        ps = [p.clone().requires_grad_() for p in p0]
-        opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, batched=batched)
-        for step_grads in grads:
-            for p, g in zip(ps, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        out[batched] = [p.detach() for p in ps]
+    out = _muon_both_paths(p0, grads, ns_dtype=ns_dtype)
     # Measured max relative difference of the accumulated update: 1.9e-6 (float32; NS
     # amplifies round-off a little) and 0 (bfloat16, here); bounds: 1e-5 and bf16's 2^-8 scale.
     bound = 1e-5 if ns_dtype == torch.float32 else 4e-3
@@ -173,15 +181,7 @@ def test_muon_batched_rounds_as_per_matrix_and_per_matrix_as_torch(ns_dtype: tor
     p0 = [torch.randn(s, generator=gen) for s in shapes]
     p0[-2] = p0[-2].bfloat16()  # a bf16 parameter in a float32 bucket's neighbour
     grads = [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in p0] for _ in range(4)]
-    out = {}
-    for batched in (True, False):
-        ps = [p.clone().requires_grad_() for p in p0]
-        opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, nesterov=nesterov, batched=batched)
-        for step_grads in grads:
-            for p, g in zip(ps, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        out[batched] = [p.detach() for p in ps]
+    out = _muon_both_paths(p0, grads, ns_dtype=ns_dtype, nesterov=nesterov)
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False], strict=True))
     if ns_dtype == torch.bfloat16:  # torch.optim.Muon iterates in bfloat16 only
         ref = [p.clone().requires_grad_() for p in p0]
@@ -219,15 +219,7 @@ def test_muon_cpu_stacks_stay_within_the_cache_budget(ns_dtype: torch.dtype) -> 
     assert [sum(c for *_, c in st) for st in stacks] == [cap] * (40 // cap) + [40 % cap] + [cap + 5]
     assert stacks[-1] == [(40, 0, cap + 5)]
     assert step.batches(pieces, (128, 96), torch.device("meta")) == [pieces]  # off the CPU: one stack
-    out = {}
-    for batched in (True, False):
-        ps = [p.clone().requires_grad_() for p in p0]
-        opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, batched=batched)
-        for step_grads in grads:
-            for p, g in zip(ps, step_grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-        out[batched] = [p.detach() for p in ps]
+    out = _muon_both_paths(p0, grads, ns_dtype=ns_dtype)
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False], strict=True))
 
 

@@ -10,10 +10,12 @@ world size in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -132,10 +134,7 @@ class MatrixShard:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -187,10 +186,7 @@ class MatrixShard:
     def local_numel(self, rank: int) -> int:
         if not self.holds_rows and not self.is_owned_by(rank):
             return 0
-        n = 1
-        for s in self.local_shape(rank):
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.local_shape(rank))
 
     def to_json(self) -> dict[str, Any]:
         return self._json(lists=True)
@@ -329,16 +325,7 @@ class ShardingPlan:
             "roles": roles,
             "ranks_without_matrices": len(idle),
             "imbalance": self.imbalance(),
-            "ranks": [
-                {
-                    "rank": x.rank,
-                    "resident_bytes": x.resident_bytes,
-                    "optimizer_flops": x.optimizer_flops,
-                    "owned_matrices": x.owned_matrices,
-                    "owned_tensors": x.owned_tensors,
-                }
-                for x in self.loads
-            ],
+            "ranks": [dataclasses.asdict(x) for x in self.loads],  # RankLoad's fields, in order
         }
 
     def to_json(self) -> dict[str, Any]:
