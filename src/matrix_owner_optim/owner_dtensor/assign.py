@@ -1,19 +1,11 @@
 """Whole-tensor assignment, ``t.data = value``, on an owner-layout tensor (DESIGN.md, "The
 representation").
 
-torch's ``Tensor.data`` setter swaps the tensor's implementation for ``value``'s; on a DTensor
-wrapper that would keep the old piece and spec (its Python attributes) and silently change
-nothing, so ``torch.nn.utils.vector_to_parameters`` (``param.data = vec[a:b].view_as(param)``)
-left the parameters as they were. Here the tensor takes ``value``'s whole value, on every rank:
-
-* ``value`` an owner-layout tensor of the same layout (mesh, placements, shape): its piece and
-  spec, so the tensor shares ``value``'s storage, as torch's ``data =`` shares it;
-* any other ``value`` of the same shape (a plain tensor: the whole value, the same on every rank,
-  as every load assumes; a DTensor of another layout: gathered, every rank takes part): this
-  rank's piece of it (a view of a plain ``value`` on the rank that holds rows);
-* another shape: refused on every rank, by name (a piece's shape is its placement's).
-
-``value``'s dtype is the tensor's new dtype, as with torch. ``set_`` stays refused (``ops.py``).
+torch's ``Tensor.data`` setter swaps the tensor's implementation for ``value``'s, which on a
+DTensor wrapper keeps the old piece and spec (``vector_to_parameters`` changed nothing). Here the
+tensor takes ``value``'s whole value on every rank: its piece and spec for the same layout (the
+storage shared, as torch shares it), else this rank's piece of it (a plain tensor is the whole
+value; another DTensor is gathered); another shape is refused on every rank, by name.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .dispatch import OwnerDTensorType, local_rank
-from .ops import OpClass, OperatorInfo
+from .ops import OpClass, OperatorInfo, operator_info
 from .placement import OwnerShard, contiguous_stride, owned_ranges, same_layout
 
 aten = torch.ops.aten
@@ -35,32 +35,15 @@ _LIMIT = 4096  # entries per mesh before its table starts over (shapes in a mode
 # The rules whose decision can be recorded (``dispatch.py`` names the rule every call took).
 LEARNABLE_RULES = frozenset({"holder-local", "same layout", "replicated", "copy_", "row blocks", "partial join"})
 
-# Pointwise operators whose float scalars matter to the result's metadata by kind only (and every
-# list operator but ``_foreach_norm``, whose order picks the partial norm).
-_FLOAT_BY_KIND = frozenset(
-    "add sub mul div lerp addcmul addcdiv fill clamp clamp_min clamp_max pow rsub maximum minimum where sqrt neg "
-    "abs".split()
-)
-_LISTS = ("_foreach_", "_fused_", "_amp_foreach_")
-_BY_KIND: dict[int, bool] = {}  # id(operator) -> whether its floats enter by kind
 _PLAIN_SCALARS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 _FLOAT = object()  # the key of a float whose value does not enter the decision
-
-
-def _by_kind(func: Any) -> bool:
-    kind = _BY_KIND.get(id(func))  # (an operator's own hash is a Python call)
-    if kind is None:
-        name = str(func._overloadpacket.__name__)
-        kind = name.rstrip("_") in _FLOAT_BY_KIND or (name.startswith(_LISTS) and name != "_foreach_norm")
-        _BY_KIND[id(func)] = kind
-    return kind
 
 
 def _sig(a: Any, cls: OwnerDTensorType, func: Any) -> Any:
     """A non-owner argument's part of the key, or None when it cannot be keyed."""
     t = type(a)
     if t is float:
-        return _FLOAT if _by_kind(func) else (float, a)
+        return _FLOAT if operator_info(func).float_by_kind else (float, a)
     if t in _PLAIN_SCALARS:
         return (t, a)
     if t is torch.Tensor:

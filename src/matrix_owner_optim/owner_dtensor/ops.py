@@ -79,6 +79,14 @@ STORAGE_SURGERY = _overloads(
     "set_.default resize_.default resize_as_.default"
 )
 
+# Pointwise operators whose float scalars matter to the result's metadata by kind only (type
+# promotion reads a scalar's kind), and every list operator but ``_foreach_norm`` (its order picks
+# the partial norm): a learning-rate schedule must not grow the cache of decisions.
+_FLOAT_BY_KIND = frozenset(
+    "add sub mul div lerp addcmul addcdiv fill clamp clamp_min clamp_max pow rsub maximum minimum where sqrt neg "
+    "abs".split()
+)
+_LISTS = ("_foreach_", "_fused_", "_amp_foreach_")
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 _VALUE_TYPES = ("bool", "int", "float", "Scalar", "SymInt", "SymBool", "complex")
 
@@ -101,6 +109,7 @@ class OperatorInfo:
     collective: bool  # a torch.distributed collective (refused with stock DTensor's errors)
     reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
     row_blocks: bool  # a reduction DTensor's rule computes exactly on Shard(0) rows (ROW_BLOCK_REDUCTIONS)
+    float_by_kind: bool = False  # its float scalars enter its result's metadata by kind only (decisions.py)
     written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
@@ -179,6 +188,7 @@ def operator_info(func: Any) -> OperatorInfo:
         reduction=torch.Tag.reduction in func.tags,
         row_blocks=func in ROW_BLOCK_REDUCTIONS and _stock_rule(func),
         written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
+        float_by_kind=base.rstrip("_") in _FLOAT_BY_KIND or (base.startswith(_LISTS) and base != "_foreach_norm"),
     )
     if info["collective"]:
         why = (

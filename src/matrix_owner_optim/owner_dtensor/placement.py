@@ -1,10 +1,5 @@
-"""The placements of the owner layout: ``OwnerShard``, a ``Shard(0)`` with explicit row ranges.
-
-A tensor held whole by its owner has the range ``[0, rows)`` on the owner and an empty range
-elsewhere; several non-empty ranges describe a tensor split at row boundaries over several
-owners (experts). ``compute_local_shape_and_global_offset`` (DCP, ``get/set_model_state_dict``)
-reads the ranges through the placement; gathering them is one broadcast (one holder) or one
-all-to-all (several).
+"""The placements of the owner layout: ``OwnerShard``, a ``Shard(0)`` with explicit row ranges
+(DESIGN.md, "The representation"), and the layout comparisons and gathers built on them.
 """
 
 from __future__ import annotations

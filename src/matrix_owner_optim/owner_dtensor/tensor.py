@@ -1,7 +1,5 @@
-"""``OwnerDTensor``: the DTensor subclass every owner-layout tensor is, and its operators.
-
-See the package docstring for the layout and the operator rules.
-"""
+"""``OwnerDTensor``: the DTensor subclass every owner-layout tensor is, and its operators
+(DESIGN.md, "The representation")."""
 
 from __future__ import annotations
 
