@@ -91,7 +91,10 @@ def _key(func: Any, args: tuple, kwargs: dict, cls: OwnerDTensorType) -> tuple[A
             return None
         parts.append(name)
         parts.append(s)
-    return None if first is None else (first, tuple(parts))
+    if first is None:
+        return None
+    parts.append(first._local_tensor.device)  # a meta-initialised piece is not a materialised one
+    return first, tuple(parts)
 
 
 def fast_call(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict) -> Any:
