@@ -6,7 +6,9 @@ dispatch's host overhead, not arithmetic: a plain tensor, a stock DTensor (``Sha
 form) and an owner-layout tensor held by rank 0 (rank 0 is the holder and computes; rank 1 holds
 empty pieces and computes nothing). The list rows take 53 tensors (PyTorch's test Transformer
 has 53 parameters). Rounds alternate the layouts (one sample of each per round), so load from
-other processes hits every column alike; the figures are medians over rounds.
+other processes hits every column alike; the figures are medians over rounds, in wall time and
+in the rank's thread CPU time (``time.thread_time``: what the call costs the host, unchanged by
+other processes taking the cores; a loaded machine's wall figures are mostly waiting).
 
 Writes ``benchmarks/results/dispatch_cost.json`` (with a ``tables`` key) and prints the table
 (microseconds per call; ratio = owner layout / stock DTensor on the same rank, same run).
@@ -52,11 +54,12 @@ def _ops() -> dict[str, Callable[[list, list], Any]]:
     }
 
 
-def _sample(fn: Callable[[], Any], inner: int) -> float:
-    t0 = time.perf_counter()
+def _sample(fn: Callable[[], Any], inner: int) -> tuple[float, float]:
+    """(wall, thread CPU) microseconds per call."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) / inner * 1e6
+    return (time.perf_counter() - t0) / inner * 1e6, (time.thread_time() - c0) / inner * 1e6
 
 
 def _job(rank: int, world_size: int, rounds: int, inner: int) -> dict:
@@ -83,12 +86,13 @@ def _job(rank: int, world_size: int, rounds: int, inner: int) -> dict:
             calls = {name: (lambda a=a, b=b, fn=fn: fn(a, b)) for name, (a, b) in layouts.items()}
             for call in calls.values():  # warm up (the first call of a metadata decides its rule)
                 _sample(call, inner)
-            samples: dict[str, list[float]] = {name: [] for name in calls}
+            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
             for r in range(rounds):
                 order = list(calls) if r % 2 == 0 else list(reversed(calls))
                 for name in order:
                     samples[name].append(_sample(calls[name], inner))
-            out[op] = {name: statistics.median(s) for name, s in samples.items()}
+            out[op] = {name: statistics.median(w for w, _ in s) for name, s in samples.items()}
+            out[op].update({f"{name} (thread CPU)": statistics.median(c for _, c in s) for name, s in samples.items()})
     return out
 
 
@@ -101,6 +105,9 @@ def _table(ranks: list[dict], ops: list[str], before: dict | None, machine: str)
         "ratio holder / stock",
         "owner, non-holder (rank 1)",
         "ratio non-holder / stock",
+        "thread CPU: stock, holder, non-holder",
+        "thread CPU ratio holder / stock",
+        "thread CPU ratio non-holder / stock",
     ]
     if before is not None:
         columns += ["before: holder", "before: non-holder"]
@@ -115,6 +122,10 @@ def _table(ranks: list[dict], ops: list[str], before: dict | None, machine: str)
             round(r0["owner layout"] / r0["stock DTensor"], 2),
             round(r1["owner layout"], 1),
             round(r1["owner layout"] / r1["stock DTensor"], 2),
+            f"{r0['stock DTensor (thread CPU)']:.1f}, {r0['owner layout (thread CPU)']:.1f}, "
+            f"{r1['owner layout (thread CPU)']:.1f}",
+            round(r0["owner layout (thread CPU)"] / r0["stock DTensor (thread CPU)"], 2),
+            round(r1["owner layout (thread CPU)"] / r1["stock DTensor (thread CPU)"], 2),
         ]
         if before is not None:
             b = before.get(op)

@@ -16,8 +16,8 @@ reference are tests/_tp.py's two TP blocks (hidden sizes 10 and 6). One spawned 
 * the layouts: placements and local pieces as the plan says (the TP slice on the owner, empty
   elsewhere), and DCP's view of them (``compute_local_shape_and_global_offset``);
 * every matrix's optimizer state only on its owners ``(o, *)``, and the resident bytes per rank;
-* the 2D operator rules: a pointwise result keeps the layout (ranges included), a reduction is
-  refused on every rank, naming the operator;
+* the 2D operator rules: a pointwise result keeps the layout (ranges included), a reduction or
+  another unplaceable call is gathered (and written back), as on a 1D mesh;
 * DCP of the model's state dict (each owner writes its TP slice) loads bitwise into a fresh
   planned model;
 * a steady step's collectives: one all-gather over tp per dtype on the owners, the bytes
@@ -45,6 +45,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 
 import _titan_checkpoint
 from _ranks import spawn_ranks
@@ -165,16 +166,20 @@ def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
     )
     out["param_bytes"] = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
     out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    # the 2D operator rules: pointwise keeps the layout (ranges included); others refused by name
+    # the 2D operator rules: pointwise keeps the layout (ranges included); what no 2D rule places
+    # is gathered, as on a 1D mesh (a sum of the whole tensor, and an in-place write back)
     w = model.layers[1].w2.weight
     doubled = w.detach() * 2
     out["doubled"] = (repr(tuple(doubled.placements)), repr(tuple(w.placements)))
     out["doubled_exact"] = torch.equal(doubled.full_tensor(), 2 * out["params"]["layers.1.w2.weight"])
-    try:
-        w.detach().sum()
-        out["sum"] = "no error"
-    except NotImplementedError as exc:
-        out["sum"] = str(exc)
+    full = out["params"]["layers.1.w2.weight"]
+    total = w.detach().sum()
+    out["sum_exact"] = torch.equal(total.full_tensor(), full.sum()) and total.placements == (Replicate(), Replicate())
+    rolled = doubled.clone()
+    rolled.copy_(doubled.roll(1, 0))  # roll is not pointwise: gathered, this rank's piece written back
+    out["rolled_exact"] = torch.equal(rolled.full_tensor(), (2 * full).roll(1, 0)) and repr(
+        tuple(rolled.placements)
+    ) == repr(tuple(w.placements))
     # DCP of the model: each owner writes its TP slice; a fresh planned model loads it in place
     dcp.save(model.state_dict(), checkpoint_id=f"{ckpt}/{case}")
     fresh = tp_sharded(mesh, stock=False)
@@ -399,13 +404,12 @@ def test_tp_slices_are_held_whole_by_their_dp_owner() -> None:
         }
 
 
-def test_2d_operator_rules_keep_the_layout_or_refuse_by_name() -> None:
+def test_2d_operator_rules_keep_the_layout_or_gather() -> None:
     for r in results():
         t = r["muon_f32"]
         assert t["doubled"][0] == t["doubled"][1] and "OwnerShard" in t["doubled"][0], t["doubled"]
         assert t["doubled_exact"]
-        assert t["sum"].startswith("aten.sum.default on an owner-layout tensor on a 2D (dp, tp) mesh"), t["sum"]
-        assert "full_tensor()" in t["sum"], t["sum"]
+        assert t["sum_exact"] and t["rolled_exact"]
 
 
 def test_dcp_of_the_model_loads_bitwise_into_a_fresh_planned_model() -> None:

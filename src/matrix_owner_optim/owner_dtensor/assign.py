@@ -1,19 +1,11 @@
 """Whole-tensor assignment, ``t.data = value``, on an owner-layout tensor (DESIGN.md, "The
 representation").
 
-torch's ``Tensor.data`` setter swaps the tensor's implementation for ``value``'s; on a DTensor
-wrapper that would keep the old piece and spec (its Python attributes) and silently change
-nothing, so ``torch.nn.utils.vector_to_parameters`` (``param.data = vec[a:b].view_as(param)``)
-left the parameters as they were. Here the tensor takes ``value``'s whole value, on every rank:
-
-* ``value`` an owner-layout tensor of the same layout (mesh, placements, shape): its piece and
-  spec, so the tensor shares ``value``'s storage, as torch's ``data =`` shares it;
-* any other ``value`` of the same shape (a plain tensor: the whole value, the same on every rank,
-  as every load assumes; a DTensor of another layout: gathered, every rank takes part): this
-  rank's piece of it (a view of a plain ``value`` on the rank that holds rows);
-* another shape: refused on every rank, by name (a piece's shape is its placement's).
-
-``value``'s dtype is the tensor's new dtype, as with torch. ``set_`` stays refused (``ops.py``).
+torch's ``Tensor.data`` setter swaps the tensor's implementation for ``value``'s, which on a
+DTensor wrapper keeps the old piece and spec (``vector_to_parameters`` changed nothing). Here the
+tensor takes ``value``'s whole value on every rank: its piece and spec for the same layout (the
+storage shared, as torch shares it), else this rank's piece of it (a plain tensor is the whole
+value; another DTensor is gathered); another shape is refused on every rank, by name.
 """
 
 from __future__ import annotations
@@ -23,18 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from .placement import same_placement, spec_piece
+from .placement import same_layout, spec_for, spec_piece
 
 __all__ = ["assign_data"]
-
-
-def _same_layout(a: DTensor, b: DTensor) -> bool:
-    return (
-        a.device_mesh == b.device_mesh
-        and tuple(a.shape) == tuple(b.shape)
-        and len(a.placements) == len(b.placements)
-        and all(same_placement(x, y) for x, y in zip(a.placements, b.placements, strict=True))
-    )
 
 
 def assign_data(cls: Any, t: Any, value: Any) -> None:
@@ -52,7 +35,7 @@ def assign_data(cls: Any, t: Any, value: Any) -> None:
             "t.data = value for a partial owner-layout value (a 0-dim result held by one rank): "
             "assign to a tensor of the layout itself"
         )
-    if isinstance(value, cls) and _same_layout(value, t):
+    if isinstance(value, cls) and same_layout(value, t):
         new = cls._wrap(value._local_tensor, value._spec, value._holder)
     else:
         if isinstance(value, DTensor):
@@ -60,21 +43,9 @@ def assign_data(cls: Any, t: Any, value: Any) -> None:
         else:
             full = value.detach()
         piece = spec_piece(full, t)
-        new = cls._wrap(piece, _spec_for(t, piece.dtype), t._holder)
+        new = cls._wrap(piece, spec_for(t._spec, piece.dtype), t._holder)
     with torch._C.DisableTorchFunctionSubclass():  # the wrapper's own metadata (dtype) as torch sets it
         torch._C.TensorBase.data.__set__(t, new)  # type: ignore[attr-defined]
     t._local_tensor = new._local_tensor
     t._spec = new._spec
     t._holder = new._holder
-
-
-def _spec_for(t: Any, dtype: torch.dtype) -> Any:
-    """``t``'s spec, for ``dtype`` (a new spec only where the dtype changes)."""
-    spec = t._spec
-    meta = spec.tensor_meta
-    if meta is not None and meta.dtype == dtype:
-        return spec
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    assert meta is not None
-    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))

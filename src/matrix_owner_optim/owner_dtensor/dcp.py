@@ -1,11 +1,6 @@
-"""DCP's checkpoint protocol for owner-layout DTensors: this rank's rows as one chunk.
-
-(On a 2D (dp, tp) mesh: this rank's TP slice where it owns it, cut as
-``compute_local_shape_and_global_offset`` cuts it; the TP ranks of a ``Replicate()`` tp
-placement write the same chunk, which DCP deduplicates as for stock DTensors.)
-
-A rank writes the rows it holds (one chunk) and nothing where it holds none, so a checkpoint
-written at W ranks loads at any W' on any layout.
+"""DCP's checkpoint protocol for owner-layout DTensors: this rank's rows (on a 2D mesh its TP
+slice, where it owns it) as one chunk and nothing where it holds none, so a checkpoint written
+at W ranks loads at any W' on any layout (DESIGN.md, "State dicts and checkpoints").
 """
 
 from __future__ import annotations

@@ -1,44 +1,11 @@
-"""The owner layout's operator rules: one rule per call, chosen from metadata only.
+"""The owner layout's operator rules: one rule per call, chosen from metadata only, on 1D and 2D
+meshes alike (DESIGN.md, "The representation", has the rule table, its order and the reasons).
 
-``OwnerDTensor.__torch_dispatch__`` hands every call here. The rule is picked from the operator's
-class (``ops.py``) and the arguments' placements, shapes and meshes, never from a value or a
-local piece's size, so every rank of the mesh picks the same rule: a call is exact on every rank
-or refused on every rank, and any collective a rule issues is issued by every rank.
-
-The rules, in the order they are tried (``dispatch``):
-
-* **refused** (collectives, storage surgery, in-place views, sparse layouts): an error naming the
-  operator and what to do, on every rank (for collectives, the error stock DTensor raises).
-* **factories** (``new_empty``, ``new_zeros``, ...): they read only dtype and device, so their
-  result is a plain tensor, the same on every rank (how ``nn.init.orthogonal_`` builds its draw).
-* **lists** (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``): ``lists.py``, element by element.
-* ``copy_`` into an owner-layout tensor: this rank's piece of the source (the load path).
-* **value** (``item()``, ``bool()``, ``equal``): a collective read; every rank gets the value.
-* **random**: every rank draws the whole tensor from its own generator and keeps its piece, so
-  under one seed every tensor gets the values one process draws for it.
-* **replicated**: every tensor whole on every rank: computed locally, as on plain tensors.
-* **partial join**: ``stack``/``cat`` of 0-dim partial values (``clip_grad_norm_``'s norms).
-* **holder-local**: every tensor held by one rank: that rank computes, the others compute shapes
-  on ``meta`` and hold an empty piece (0-dim results: a ``Partial`` with zeros elsewhere); then
-  operators whose meta kernel is not exact take an agreement (see below). An
-  operator whose meta kernel is not exercised by DTensor is first tried on ``meta`` by every
-  rank; if that fails (no kernel, a shape read from data), every rank gathers instead.
-* **same layout**: a pointwise operator on tensors of one placement and shape: local pieces.
-* **row blocks**: a sum, mean or finite-order norm of ``Shard(0)`` rows (FSDP2's form) with
-  DTensor's own rule (``ops.ROW_BLOCK_REDUCTIONS``); max / min reductions are gathered.
-* **gathered**: anything else: full values, computed on every rank, and every written argument
-  (in place, ``out=``, lists) gets its piece back; new results are replicated.
-
-Plain tensors mixed with owner-layout tensors are taken as replicated (the whole value, the same
-on every rank). A holder-local call of an operator whose meta kernel is hand-written beside its
-device kernel (not pointwise, not structured: ``OperatorInfo.meta_exact``) ends with an
-agreement (one all-gather of two integers per rank, skipped at W=1): an error the holder raised
-on its *values* is raised on every rank, and a result whose metadata is not what ``meta`` gave
-the others (torch's meta kernel of ``native_batch_norm`` in eval mode) is computed gathered
-instead; so do operators that read indices from data (``gather``, ``scatter``, ``index``), whose
-out-of-range index is raised on every rank. Pointwise and structured operators (every operator
-of an optimizer's step) take no collective; known limit: one of them that fails on its values
-raises on the holder only.
+``OwnerDTensor.__torch_dispatch__`` hands every call that no recorded decision (``decisions.py``)
+and no 2D local rule (``two_dim.py``) took here. The rule is picked from the operator's class
+(``ops.py``) and the arguments' placements, shapes and meshes, never from a value or a piece's
+size, so every rank picks the same rule and issues the same collectives. What no rule places is
+gathered: whole values, the operator, every written argument's piece back (both mesh ranks).
 """
 
 from __future__ import annotations
@@ -48,13 +15,14 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..planning.metadata import chunk_row_range
 from .base import OwnerTensorBase
 from .holder_agreement import agree
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
-from .placement import OwnerShard, owned_ranges, placement_key, same_placement
+from .placement import OwnerShard, owned_ranges, placement_key, same_placement, spec_for
 from .values import copy_into, full_of, write_piece
 
 # The class arrives as ``cls`` (``__torch_dispatch__`` passes itself); this module reads it through
@@ -63,7 +31,7 @@ OwnerDTensorType = type[OwnerTensorBase]
 
 aten = torch.ops.aten
 
-__all__ = ["Call", "adopt", "dispatch", "full_of", "lay_out_like", "run_rules", "write_piece"]
+__all__ = ["Call", "adopt", "full_of", "lay_out_like", "replicated", "run_rules", "write_piece"]
 
 
 @dataclass
@@ -81,16 +49,19 @@ class Call:
     owners: list = field(init=False)
     stocks: list = field(init=False)
     written: set[int] = field(init=False)  # ids of the argument tensors the operator writes
+    two_d: bool = field(init=False)  # an owner-layout argument is on a 2D (dp, tp) mesh
 
     def __post_init__(self) -> None:
         self.flat, self.spec = tree_flatten((self.args, self.kwargs))
         self.owners = [a for a in self.flat if isinstance(a, self.cls)]
         self.stocks = [a for a in self.flat if isinstance(a, DTensor) and not isinstance(a, self.cls)]
         self.written = {id(t) for t in mutated_arguments(self.info, self.args, self.kwargs)}
+        self.two_d = any(o.device_mesh.ndim == 2 for o in self.owners)
 
     @property
     def mesh(self) -> Any:
-        return self.owners[0].device_mesh
+        """The call's mesh: the first owner-layout argument's (a 2D one's where there is one)."""
+        return next((o.device_mesh for o in self.owners if o.device_mesh.ndim == 2), self.owners[0].device_mesh)
 
     def one_mesh(self) -> bool:
         mesh = self.mesh
@@ -127,23 +98,27 @@ def local_rank(mesh: Any) -> int:
     return int(coordinate[0]) if coordinate is not None else mesh.get_local_rank()
 
 
-def _replicated(p: Any) -> bool:
-    return isinstance(p, Replicate)
+def _replicated(t: Any) -> bool:
+    return all(isinstance(p, Replicate) for p in t._spec.placements)
 
 
 def _all_replicated(call: Call) -> bool:
-    return all(_replicated(o.placement) for o in call.owners) and all(
-        all(_replicated(p) for p in s.placements) for s in call.stocks
-    )
+    return all(_replicated(o) for o in call.owners) and all(_replicated(s) for s in call.stocks)
+
+
+def replicated(cls: OwnerDTensorType, t: torch.Tensor, mesh: Any) -> Any:
+    """``t`` (the same whole value on every rank) as a replicated owner-layout tensor on ``mesh``."""
+    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+    return cls._wrap(t, spec, None)
 
 
 def lay_out_like(cls: OwnerDTensorType, like: Any, full: torch.Tensor) -> Any:
     """A new result ``full`` (the same on every rank) laid out as ``like``: this rank's piece
     copied out of it (so the whole tensor is not kept alive), or replicated when shapes differ."""
-    if tuple(full.shape) != tuple(like.shape) or not isinstance(like, cls) or _replicated(like.placement):
-        return cls.make(full, like.device_mesh, Replicate(), full.shape, full.stride())
+    if tuple(full.shape) != tuple(like.shape) or not isinstance(like, cls) or _replicated(like):
+        return replicated(cls, full, like.device_mesh)
     piece = like.piece_of_full(full).clone(memory_format=torch.contiguous_format)
-    return cls.make(piece, like.device_mesh, like.placement, like.shape, holder=like.holder)
+    return cls._wrap(piece, spec_for(like._spec, piece.dtype), like._holder)
 
 
 # -- the rules --------------------------------------------------------------------------------------
@@ -218,7 +193,7 @@ def _replicated_rule(call: Call) -> Any:
     converted = [a._local_tensor if isinstance(a, DTensor) else a for a in call.flat]
     out = call.run(converted)
     mesh = call.mesh
-    return call.returns(out, converted, lambda t: call.cls.make(t, mesh, Replicate(), t.shape, t.stride()))
+    return call.returns(out, converted, lambda t: replicated(call.cls, t, mesh))
 
 
 def _join_partials(call: Call) -> Any:
@@ -242,11 +217,11 @@ def _join_partials(call: Call) -> Any:
 
 def _single_holder(call: Call) -> int | None:
     """The one rank holding every non-replicated tensor of the call, or None."""
-    if not call.one_mesh() or not all(all(_replicated(p) for p in s.placements) for s in call.stocks):
+    if not call.one_mesh() or not all(_replicated(s) for s in call.stocks):
         return None
     holders = set()
     for o in call.owners:
-        if _replicated(o.placement):
+        if _replicated(o):
             continue
         if o.holder is None or not isinstance(o.placement, (OwnerShard, Partial)):
             return None
@@ -255,18 +230,11 @@ def _single_holder(call: Call) -> int | None:
 
 
 def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
-    """The holder computes; the others compute shapes on ``meta`` and hold an empty piece.
-
-    An operator whose meta kernel is not exact by construction (``OperatorInfo.meta_exact``)
-    then takes an agreement (``holder_agreement.py``, one all-gather of two integers per rank at W > 1):
-    an error on the holder is raised on every rank, and a result whose metadata differs from
-    what ``meta`` gave the others (``native_batch_norm`` in eval mode) is computed gathered
-    instead. Exact operators (pointwise, structured: an optimizer's whole step) stay free of
-    collectives. None: gather."""
+    """The holder computes; the others compute shapes on ``meta`` and hold an empty piece; an
+    operator whose meta kernel is not exact by construction then agrees (``holder_agreement.py``).
+    None: gather."""
     for a in call.flat:  # every written tensor must be held by the holder: nothing else changes
-        if id(a) in call.written and not (
-            isinstance(a, call.cls) and a.holder == holder and not _replicated(a.placement)
-        ):
+        if id(a) in call.written and not (isinstance(a, call.cls) and a.holder == holder and not _replicated(a)):
             return None
     mesh = call.mesh
     me = local_rank(mesh)
@@ -325,9 +293,8 @@ def _holder_local(call: Call, holder: int, info: OperatorInfo) -> Any:
 
 
 def _placeholder(like: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
-    """A non-holder's piece ``empty`` with the conjugate and negative bits of the result
-    ``like`` (a DTensor wrapper takes them from its piece, and torch's composite operators
-    branch on them: ``resolve_conj`` clones where ``is_conj()``)."""
+    """A non-holder's piece ``empty`` with the conjugate and negative bits of the result ``like``
+    (a wrapper takes them from its piece; torch's composites branch on ``is_conj()``)."""
     if like.is_conj():
         empty = empty.conj()
     if like.is_neg():
@@ -405,7 +372,7 @@ def _row_blocks(call: Call) -> Any:
             return None  # an infinite order is a partial max (NaN lost in the combine): gathered
     W = call.mesh.size()
     for o in call.owners:
-        if _replicated(o.placement):
+        if _replicated(o):
             continue
         if type(o.placement) is not Shard or o.dim() == 0:
             return None
@@ -457,7 +424,7 @@ def _gathered(call: Call) -> Any:
     is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in call.func._schema.returns)
 
     def wrap(t: torch.Tensor) -> Any:
-        r = call.cls.make(t, mesh, Replicate(), t.shape, t.stride())
+        r = replicated(call.cls, t, mesh)
         if is_view:
             r._gathered_view = True
         return r
@@ -465,17 +432,12 @@ def _gathered(call: Call) -> Any:
     return call.returns(out, converted, wrap)
 
 
-def dispatch(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo) -> Any:
-    """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
-    owner-layout tensor (see the module docstring for the rules and their order)."""
-    return run_rules(cls, func, args, kwargs, info)[2]
-
-
 def run_rules(
     cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info: OperatorInfo
 ) -> tuple[str, int | None, Any]:
-    """:func:`dispatch`, also naming the rule the call took and its holder (``decisions.py``
-    records the local rules' decisions)."""
+    """Run ``func`` (not a list operator: ``lists.py``) on arguments of which at least one is an
+    owner-layout tensor; the rule it took and its holder too (``decisions.py`` records the local
+    rules' decisions)."""
     call = Call(cls, func, args, kwargs or {}, info)
     if func in (aten.resize_.default, aten.resize_as_.default) and _keeps_shape(call):
         return "no-op", None, call.args[0]  # out= kernels resize their out tensor to the shape it already has
@@ -489,15 +451,8 @@ def run_rules(
                 "itself (or its full_tensor() and copy_ it back)"
             )
     if func in SHAPE_VIEWS and _keeps_shape_view(call):
-        like = call.args[0]
-        view = call.cls.make(
-            like._local_tensor.view(like._local_tensor.shape),
-            like.device_mesh,
-            like.placement,
-            like.shape,
-            holder=like.holder,
-        )
-        return "view", None, view
+        like = call.args[0]  # the same piece under the same spec
+        return "view", None, cls._wrap(like._local_tensor.view(like._local_tensor.shape), like._spec, like._holder)
     if func in NEW_FACTORIES:  # only self's dtype and device are read: a plain (replicated) tensor
         return "factory", None, func(args[0]._local_tensor, *args[1:], **(kwargs or {}))
     if func is aten.copy_.default and isinstance(args[0], cls):
@@ -506,6 +461,8 @@ def run_rules(
         return "value", None, _value(call)
     if info.cls is OpClass.RANDOM and not _all_replicated(call):
         return "random", None, _random(call, info)
+    if call.two_d:  # the 2D mesh's local rules ran first (two_dim.local_2d)
+        return "gathered", None, _gathered(call)
     if _all_replicated(call):
         return "replicated", None, _replicated_rule(call)
     if info.join:

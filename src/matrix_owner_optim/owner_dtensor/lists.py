@@ -1,28 +1,10 @@
-"""List operators on owner-layout tensors: ``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``.
-
-torch's optimizers (foreach and fused), ``clip_grad_norm_`` and ``GradScaler`` call these with a
-list of tensors of several layouts (a parameter, its gradient and its state share one layout;
-the next parameter may have another). The operator is elementwise over its lists, so the rule is
-per element ``j`` (the ``j``-th tensor of every list):
-
-* **local**: every DTensor of the element has one placement, shape and mesh, and its plain tensors
-  are 0-dim (a fused optimizer's ``state_steps``): the element runs on its local pieces. All local
-  elements run in one call of the operator, so a fused or foreach kernel stays one kernel.
-* **gathered**: anything else (a plain full tensor copied into a parameter, a partial value):
-  the element alone on whole values, every written list gets its piece back.
-
-Reductions: ``_foreach_norm`` of local pieces is a partial norm per element (zeros where a rank
-holds nothing), as DTensor's own ``_foreach_norm`` rule gives; ``_foreach_max`` is gathered (the
-max of an empty piece is an error, not an identity). ``_amp_foreach_non_finite_check_and_unscale_``
-(GradScaler's unscale) then takes the max of ``found_inf`` over each mesh, as DTensor's own handler
-does, and under HSDP over the replicate group too (a matrix's gradient lives on its global owner's
-replica only: ``replica_sync.py``; read through the gradient's link to its tree,
-``OwnerDTensor._tree``), so every rank of the whole mesh skips the same step.
-
-Tensor-parallel slices held by their dp owner (2D owner-layout tensors, ``two_dim.py``) take the
-same local rule (a 2D piece keeps its spec; a norm is ``two_dim.norm_2d``'s partial value). The
-gathered rule has no 2D form: such an element is refused on every rank, naming the operator,
-except ``_foreach_copy_``, whose elements are ``copy_`` calls with a 2D rule of their own.
+"""List operators on owner-layout tensors (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``), element
+by element (DESIGN.md, "The representation", has the rule): elements of one layout run on their
+local pieces in one kernel call (a 2D element keeps its spec; a ``_foreach_norm`` element is a
+partial norm), the others on whole values with written lists' pieces back; GradScaler's
+``found_inf`` is max-reduced over every mesh the gradients are split on, as DTensor's handler
+does, and under HSDP over the replicate group too (``replica_sync.py``), so every rank skips the
+same step.
 """
 
 from __future__ import annotations
@@ -37,8 +19,8 @@ from .. import comm
 from .decisions import learn_list
 from .dispatch import OwnerDTensorType, full_of, lay_out_like, write_piece
 from .ops import OperatorInfo, norm_partial
-from .placement import same_placement
-from .two_dim import is_2d, norm_2d, refuse_2d, wrap_2d
+from .placement import same_layout
+from .two_dim import is_2d, norm_2d, wrap_2d
 
 aten = torch.ops.aten
 
@@ -61,13 +43,7 @@ def _element_ref(elem: list[Any]) -> tuple[bool, Any]:
         if t is None:
             continue
         if isinstance(t, DTensor):
-            if (
-                t.device_mesh != ref.device_mesh
-                or tuple(t.shape) != tuple(ref.shape)
-                or len(t.placements) != len(ref.placements)
-                or not all(same_placement(a, b) for a, b in zip(t.placements, ref.placements, strict=True))
-                or any(isinstance(p, Partial) for p in t.placements)
-            ):
+            if not same_layout(t, ref, holders=False) or any(isinstance(p, Partial) for p in t.placements):
                 return False, ref
         elif t.dim() > 0:
             return False, ref
@@ -90,8 +66,8 @@ def _wrap_local(cls: OwnerDTensorType, t: torch.Tensor, ref: Any, norm: Any) -> 
     if norm is not None:
         if isinstance(ref, cls) and isinstance(ref.placement, Replicate):
             return cls.make(t, ref.device_mesh, Replicate(), ())
-        if isinstance(ref, cls) and ref.holder is not None:
-            local = t if ref.is_holder else torch.zeros_like(t)
+        if isinstance(ref, cls):  # one holder's (zeros elsewhere) or row blocks' partial norm
+            local = t if ref.holder is None or ref.is_holder else torch.zeros_like(t)
             return cls.make(local, ref.device_mesh, norm, (), holder=ref.holder)
         if all(isinstance(p, Replicate) for p in ref.placements):
             return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False)
@@ -125,10 +101,6 @@ def run_lists(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict, info:
             local_js.append(j)
         else:
             gathered_js.append(j)
-    if base != "_foreach_copy_":
-        for j in gathered_js:
-            if any(isinstance(args[i][j], cls) and is_2d(args[i][j]) for i in lists):
-                refuse_2d(func, f"list element {j} is not one 2D layout in every list (and plain 0-dim values)")
     results: list[Any] = [None] * n
     returns_list = False
     if local_js:

@@ -43,87 +43,50 @@ class OpClass(enum.Enum):
     GENERAL = "general"  # everything else: replicated / holder-local / same-layout / rows / gathered
 
 
+def _overloads(names: str) -> frozenset[Any]:
+    """The aten overloads named ``op.overload`` in ``names`` (whitespace-separated)."""
+    return frozenset(getattr(getattr(aten, n.split(".")[0]), n.split(".")[1]) for n in names.split())
+
+
 # Operators whose result is their first argument's shape element by element, beyond those aten
 # tags ``pointwise`` (views and factories of the same shape, in-place fills and copies).
-ELEMENTWISE = frozenset(
-    {
-        aten.detach.default,
-        aten.alias.default,
-        aten.clone.default,
-        aten._to_copy.default,
-        aten.zeros_like.default,
-        aten.ones_like.default,
-        aten.empty_like.default,
-        aten.full_like.default,
-        aten.fill_.Scalar,
-        aten.fill_.Tensor,
-        aten.zero_.default,
-        aten.lerp_.Scalar,
-        aten.lerp_.Tensor,
-        aten.lerp.Scalar,
-        aten.lerp.Tensor,
-    }
+ELEMENTWISE = _overloads(
+    "detach.default alias.default clone.default _to_copy.default zeros_like.default ones_like.default "
+    "empty_like.default full_like.default fill_.Scalar fill_.Tensor zero_.default lerp_.Scalar lerp_.Tensor "
+    "lerp.Scalar lerp.Tensor"
 )
-
-NORMS = frozenset({aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim})
-
+NORMS = _overloads("linalg_vector_norm.default norm.Scalar norm.ScalarOpt_dim")
 # Reductions of Shard(0) row blocks that DTensor's own rules compute exactly as a partial sum
 # (or a finite-order partial norm): a gradient norm, a sum, a mean. Not the max / min family: a
 # partial max is combined by the backend's MAX, which drops NaN (gloo's max(nan, x) is x), and
 # DTensor's argmax / argmin of row blocks fail on some shapes; those are gathered.
-ROW_BLOCK_REDUCTIONS = frozenset(
-    {
-        aten.sum.default,
-        aten.sum.dim_IntList,
-        aten.mean.default,
-        aten.mean.dim,
-        *NORMS,
-    }
-)
-JOINS = frozenset({aten.stack.default, aten.cat.default})
-
+ROW_BLOCK_REDUCTIONS = NORMS | _overloads("sum.default sum.dim_IntList mean.default mean.dim")
+JOINS = _overloads("stack.default cat.default")
 # Random in-place operators whose result does not read the values they overwrite: the whole
 # tensor is drawn into fresh storage, no gather needed.
-OVERWRITING_RANDOM = frozenset(
-    {
-        aten.uniform_.default,
-        aten.normal_.default,
-        aten.random_.default,
-        getattr(aten.random_, "from"),
-        aten.random_.to,
-        aten.exponential_.default,
-        aten.geometric_.default,
-        aten.log_normal_.default,
-        aten.cauchy_.default,
-        aten.bernoulli_.float,
-    }
+OVERWRITING_RANDOM = _overloads(
+    "uniform_.default normal_.default random_.default random_.from random_.to exponential_.default "
+    "geometric_.default log_normal_.default cauchy_.default bernoulli_.float"
 )
-
 # Factories that read only their first argument's dtype and device: the result has no relation to
 # the layout, so it is a plain tensor (the same on every rank: replicated by the layout's rule).
-NEW_FACTORIES = frozenset(
-    {
-        aten.new_empty.default,
-        aten.new_empty_strided.default,
-        aten.new_zeros.default,
-        aten.new_ones.default,
-        aten.new_full.default,
-    }
+NEW_FACTORIES = _overloads(
+    "new_empty.default new_empty_strided.default new_zeros.default new_ones.default new_full.default"
 )
-
 # Storage surgery that would make a piece disagree with its placement.
-STORAGE_SURGERY = frozenset(
-    {
-        aten.set_.source_Storage,
-        aten.set_.source_Storage_storage_offset,
-        aten.set_.source_Tensor,
-        aten.set_.source_Tensor_storage_offset,
-        aten.set_.default,
-        aten.resize_.default,
-        aten.resize_as_.default,
-    }
+STORAGE_SURGERY = _overloads(
+    "set_.source_Storage set_.source_Storage_storage_offset set_.source_Tensor set_.source_Tensor_storage_offset "
+    "set_.default resize_.default resize_as_.default"
 )
 
+# Pointwise operators whose float scalars matter to the result's metadata by kind only (type
+# promotion reads a scalar's kind), and every list operator but ``_foreach_norm`` (its order picks
+# the partial norm): a learning-rate schedule must not grow the cache of decisions.
+_FLOAT_BY_KIND = frozenset(
+    "add sub mul div lerp addcmul addcdiv fill clamp clamp_min clamp_max pow rsub maximum minimum where sqrt neg "
+    "abs".split()
+)
+_LISTS = ("_foreach_", "_fused_", "_amp_foreach_")
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
 _VALUE_TYPES = ("bool", "int", "float", "Scalar", "SymInt", "SymBool", "complex")
 
@@ -146,6 +109,7 @@ class OperatorInfo:
     collective: bool  # a torch.distributed collective (refused with stock DTensor's errors)
     reduction: bool  # aten tags it a reduction (sum, mean, norms, amax, ...)
     row_blocks: bool  # a reduction DTensor's rule computes exactly on Shard(0) rows (ROW_BLOCK_REDUCTIONS)
+    float_by_kind: bool = False  # its float scalars enter its result's metadata by kind only (decisions.py)
     written: tuple[tuple[int, str, bool], ...] = ()  # (position, name, keyword-only) of written arguments
     why_refused: str = ""
 
@@ -224,6 +188,7 @@ def operator_info(func: Any) -> OperatorInfo:
         reduction=torch.Tag.reduction in func.tags,
         row_blocks=func in ROW_BLOCK_REDUCTIONS and _stock_rule(func),
         written=tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments) if writes[i]),
+        float_by_kind=base.rstrip("_") in _FLOAT_BY_KIND or (base.startswith(_LISTS) and base != "_foreach_norm"),
     )
     if info["collective"]:
         why = (

@@ -1,10 +1,5 @@
-"""The placements of the owner layout: ``OwnerShard``, a ``Shard(0)`` with explicit row ranges.
-
-A tensor held whole by its owner has the range ``[0, rows)`` on the owner and an empty range
-elsewhere; several non-empty ranges describe a tensor split at row boundaries over several
-owners (experts). ``compute_local_shape_and_global_offset`` (DCP, ``get/set_model_state_dict``)
-reads the ranges through the placement; gathering them is one broadcast (one holder) or one
-all-to-all (several).
+"""The placements of the owner layout: ``OwnerShard``, a ``Shard(0)`` with explicit row ranges
+(DESIGN.md, "The representation"), and the layout comparisons and gathers built on them.
 """
 
 from __future__ import annotations
@@ -28,7 +23,9 @@ __all__ = [
     "gather_ranges",
     "owned_ranges",
     "placement_key",
+    "same_layout",
     "same_placement",
+    "spec_for",
     "spec_piece",
 ]
 
@@ -144,6 +141,32 @@ def same_placement(a: Any, b: Any) -> bool:
     if isinstance(a, OwnerShard):
         return a.dim == b.dim and a.ranges == b.ranges
     return bool(a == b)
+
+
+def same_layout(a: Any, b: Any, holders: bool = True) -> bool:
+    """Whether two DTensors are pieces of one layout: mesh, shape, placements (ranges included:
+    an ``OwnerShard`` compares equal to a ``Shard`` of its dim for DTensorSpec's sake, but
+    ``torch.chunk``'s rows are another layout) and (``holders``) the holder of a held value."""
+    return (
+        a.device_mesh == b.device_mesh
+        and tuple(a.shape) == tuple(b.shape)
+        and len(a.placements) == len(b.placements)
+        and all(same_placement(x, y) for x, y in zip(a.placements, b.placements, strict=True))
+        and (not holders or getattr(a, "_holder", None) == getattr(b, "_holder", None))
+    )
+
+
+def spec_for(spec: Any, dtype: torch.dtype) -> Any:
+    """``spec`` (contiguous) for a piece of ``dtype``: the spec itself (specs are immutable) where
+    the dtype is its own and its strides are contiguous, else a new one with contiguous strides."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = spec.tensor_meta
+    if meta.dtype == dtype and tuple(meta.stride) == contiguous_stride(meta.shape):
+        return spec
+    return DTensorSpec(
+        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, contiguous_stride(meta.shape), dtype)
+    )
 
 
 def placement_key(p: Any) -> Any:

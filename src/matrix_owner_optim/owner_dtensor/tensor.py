@@ -1,7 +1,5 @@
-"""``OwnerDTensor``: the DTensor subclass every owner-layout tensor is, and its operators.
-
-See the package docstring for the layout and the operator rules.
-"""
+"""``OwnerDTensor``: the DTensor subclass every owner-layout tensor is, and its operators
+(DESIGN.md, "The representation")."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ from .decisions import LEARNABLE_RULES, MISS, fast_call, learn
 from .dispatch import local_rank, run_rules
 from .lists import run_lists
 from .ops import OpClass, operator_info
-from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges
-from .two_dim import dispatch_2d, full_value_2d, spec_2d, tp_mesh_of
+from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges, spec_for, spec_piece
+from .two_dim import NOT_LOCAL, full_value_2d, local_2d, spec_2d
 
 aten = torch.ops.aten
 
@@ -60,13 +58,7 @@ def like_layout(t: OwnerDTensor, local: torch.Tensor) -> OwnerDTensor:
     A piece of ``t``'s dtype on a contiguous ``t`` shares ``t``'s spec (specs are immutable):
     a gradient is wrapped this way once per parameter per step, and building a new
     ``DTensorSpec`` each time was most of the layout's own cost in a W=1 step."""
-    spec = t._spec
-    meta = spec.tensor_meta
-    if meta is not None and meta.dtype == local.dtype and tuple(meta.stride) == contiguous_stride(meta.shape):
-        return OwnerDTensor._wrap(local, spec, t._holder)
-    if t.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner (two_dim.py)
-        return OwnerDTensor._wrap(local, spec_2d(t.device_mesh, tuple(t.placements), t.shape, local.dtype), t._holder)
-    return OwnerDTensor.make(local, t.device_mesh, t.placement, t.shape, holder=t._holder)
+    return OwnerDTensor._wrap(local, spec_for(t._spec, local.dtype), t._holder)
 
 
 # (id(group), device type) -> mesh, held weakly: a DeviceMesh keeps its process group alive, and
@@ -203,6 +195,8 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
 
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor of this tensor's global shape (a view, no copy)."""
+        if self.device_mesh.ndim == 2:  # the TP slice on the owner, nothing elsewhere
+            return spec_piece(full, self)
         if isinstance(self.placement, Replicate):
             return full
         if self.dim() == 0:
@@ -242,7 +236,7 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         through the link to its tree) a parameter whose replicas' broadcast is deferred to the
         next forward lands it first."""
         if self.device_mesh.ndim == 2:  # a tensor-parallel slice held by its dp owner
-            return self._full_2d()
+            return full_value_2d(self)
         link = self._tree
         tree = None if link is None else link.tree
         replicas = None if tree is None else tree.replicas
@@ -260,21 +254,6 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
             full = torch.empty(tuple(self.shape), dtype=self.dtype, device=self._local_tensor.device)
         comm.broadcast(as_bytes(full), group_src=src, group=replicas.group, name="replica_full_state")
         return full
-
-    def _full_2d(self) -> torch.Tensor:
-        """:meth:`full_value` on the 2D (dp, tp) mesh: over dp from the owner, then over tp."""
-        if isinstance(self.placement, Replicate):  # before the plan: every dp rank holds the TP slice
-            tp = DTensor.from_local(
-                self._local_tensor,
-                tp_mesh_of(self),
-                [self.placements[1]],
-                run_check=False,
-                shape=self.shape,
-                stride=self.stride(),
-            )
-            return tp.full_tensor().clone()
-        assert self._holder is not None
-        return full_value_2d(self, self._holder)
 
     def _full_in_group(self) -> torch.Tensor:
         """:meth:`full_value` over this tensor's own mesh (the shard group)."""
@@ -299,26 +278,19 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         self, device_mesh: Any = None, placements: Sequence[Any] | None = None, *, async_op: bool = False, **kwargs: Any
     ) -> DTensor:  # type: ignore[override]
         """To ``Replicate`` on its own mesh (what ``full_tensor()`` and state-dict gathering ask)."""
-        mesh = device_mesh if device_mesh is not None else self.device_mesh
-        if self.device_mesh.ndim == 2 and mesh == self.device_mesh and placements is not None:
-            if len(placements) == 2 and all(isinstance(p, Replicate) for p in placements):
-                return DTensor.from_local(
-                    self._full_2d(),
-                    mesh,
-                    [Replicate(), Replicate()],
-                    run_check=False,
-                    shape=self.shape,
-                    stride=self.stride(),
-                )
-        if mesh is not self.device_mesh or placements is None or not all(isinstance(p, Replicate) for p in placements):
+        mesh = self.device_mesh
+        if (
+            (device_mesh is not None and device_mesh is not mesh and device_mesh != mesh)
+            or placements is None
+            or len(placements) != mesh.ndim
+            or not all(isinstance(p, Replicate) for p in placements)
+        ):
             raise NotImplementedError(
                 f"an owner-layout tensor redistributes only to Replicate() on its own mesh (full_tensor()); "
                 f"got {placements}. Gather with full_tensor() and distribute the result"
             )
         full = self.full_value()
-        return DTensor.from_local(
-            full, self.device_mesh, [Replicate()], run_check=False, shape=self.shape, stride=self.stride()
-        )
+        return DTensor.from_local(full, mesh, placements, run_check=False, shape=self.shape, stride=self.stride())
 
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank, in new storage (see :meth:`full_value`)."""
@@ -368,26 +340,33 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         """Every aten call on an owner-layout tensor: one rule, chosen from metadata only
         (``dispatch.py`` for single calls, ``lists.py`` for list operators)."""
+        if func is _DETACH and type(args[0]) is cls:  # an alias: the same piece and spec, decided
+            a = args[0]
+            out = cls._wrap(a._local_tensor.detach(), a._spec, a._holder)
+            out._tree = a._tree  # p.detach().full_tensor() lands a deferred HSDP sync too
+            return out
         kwargs = kwargs or {}
         out = fast_call(cls, func, args, kwargs)  # a decision recorded for this metadata
         if out is MISS:
             info = operator_info(func)
             if info.cls is OpClass.LIST:  # element by element, 2D elements included
                 return run_lists(cls, func, args, kwargs, info)
-            if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its own rules
-                return dispatch_2d(cls, func, args, kwargs, info)
+            if _any_2d(args, kwargs):  # a tensor-parallel slice held by its dp owner: its local rules
+                out = local_2d(cls, func, args, kwargs, info)
+                if out is not NOT_LOCAL:
+                    return out
             rule, holder, out = run_rules(cls, func, args, kwargs, info)
             if rule in LEARNABLE_RULES:
                 learn(cls, func, args, kwargs, info, rule, holder, out)
-        if func in _ALIASES and isinstance(out, OwnerDTensor):
-            out._tree = args[0]._tree  # p.detach().full_tensor() lands a deferred HSDP sync too
+        if (func is _DETACH or func is _ALIAS) and isinstance(out, OwnerDTensor):
+            out._tree = args[0]._tree
         return out
 
 
 _SET_DATA = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]
 _METHOD_WRAPPER = type(_SET_DATA)
 
-_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+_DETACH, _ALIAS = torch.ops.aten.detach.default, torch.ops.aten.alias.default
 
 
 def _is_2d_owner(a: Any) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .base import OwnerTensorBase
-from .placement import same_placement, spec_piece
+from .placement import same_layout, spec_piece
 
 __all__ = ["copy_into", "full_of", "write_piece"]
 
@@ -82,19 +82,6 @@ def write_piece(dst: Any, full: torch.Tensor, func: Any = None) -> None:
     dst.copy_(full)
 
 
-def _same_layout(a: DTensor, b: DTensor) -> bool:
-    """Whether two DTensors are pieces of one layout: mesh, shape, placements (ranges included:
-    an ``OwnerShard`` compares equal to a ``Shard`` of its dim for DTensorSpec's sake, but
-    ``torch.chunk``'s rows are another layout) and the holder of a 0-dim value."""
-    return (
-        a.device_mesh == b.device_mesh
-        and tuple(a.shape) == tuple(b.shape)
-        and len(a.placements) == len(b.placements)
-        and all(same_placement(x, y) for x, y in zip(a.placements, b.placements, strict=True))
-        and getattr(a, "_holder", None) == getattr(b, "_holder", None)
-    )
-
-
 def copy_into(dst: Any, src: Any) -> Any:
     """``dst.copy_(src)`` for an owner-layout ``dst`` on a 1D or a 2D mesh: this rank's piece of
     ``src``'s whole value into ``dst``'s piece, cut where ``compute_local_shape_and_global_offset``
@@ -103,7 +90,7 @@ def copy_into(dst: Any, src: Any) -> Any:
     local TP slice; a plain tensor is the whole value (the same on every rank, as every load
     assumes); any other DTensor is gathered first (every rank takes part); a number fills."""
     local = dst._local_tensor
-    if isinstance(src, DTensor) and _same_layout(src, dst):
+    if isinstance(src, DTensor) and same_layout(src, dst):
         local.copy_(src._local_tensor)
         return dst
     if dst.device_mesh.ndim == 2 and isinstance(src, DTensor) and src.device_mesh.ndim == 1:
@@ -126,9 +113,6 @@ def copy_into(dst: Any, src: Any) -> Any:
         return dst
     if tuple(full.shape) != tuple(dst.shape):
         full = full.expand(dst.shape)  # broadcasting, as copy_ does (raises on shapes that do not)
-    if dst.device_mesh.ndim == 2:
-        local.copy_(spec_piece(full, dst))
-        return dst
     if dst.dim() == 0 and isinstance(dst.placement, Partial) and not dst.is_holder:
         return dst
     local.copy_(dst.piece_of_full(full))
