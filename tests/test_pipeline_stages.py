@@ -105,8 +105,12 @@ def _stage_optimizer(stage: nn.Module) -> OwnerRoutedOptimizer:
 @functools.cache
 def reference(order: str = "forward") -> dict[str, Any]:
     """One process, the whole model and batch: torch.optim.Muon on the blocks' matrices, AdamW
-    on the rest (the routing the stages' optimizers are given). ``order="reversed"`` takes the
-    batch's rows in reverse: the same sums in another order (the noise floor)."""
+    on the rest (the routing the stages' optimizers are given). The gradient is accumulated over
+    the pipeline's micro-batches (each dp coordinate's ``MICRO`` slices of its half, in order),
+    as DDP-averaged gradients are the reference elsewhere: the whole batch's one backward sums in
+    another grouping, which torch.optim.Muon's bfloat16 Newton-Schulz amplifies to 1e-3 on CPUs
+    whose matmuls do not happen to round the two alike. ``order="reversed"`` takes each
+    micro-batch's rows in reverse: the same sums in another order (the noise floor)."""
     model = build()
     named = dict(model.named_parameters())
     opts = [
@@ -114,11 +118,18 @@ def reference(order: str = "forward") -> dict[str, Any]:
         torch.optim.AdamW([p for n, p in named.items() if not _is_matrix(n)], **ADAMW),
     ]
     losses = []
+    chunks = 2 * MICRO  # (dp coordinate, micro-batch) pairs, of equal size
     for x, y in batches():
-        if order == "reversed":
-            x, y = x.flip(0), y.flip(0)
-        loss = loss_fn(model[1](model[0](x)), y)
-        loss.backward()
+        size = x.shape[0] // chunks
+        micro_losses = []
+        for c in range(chunks):
+            xc, yc = x[c * size : (c + 1) * size], y[c * size : (c + 1) * size]
+            if order == "reversed":
+                xc, yc = xc.flip(0), yc.flip(0)
+            loss = loss_fn(model[1](model[0](xc)), yc)
+            (loss / chunks).backward()
+            micro_losses.append(loss.detach())
+        loss = torch.stack(micro_losses).mean()
         for o in opts:
             o.step()
             o.zero_grad()
