@@ -13,6 +13,7 @@ load is every rank's). Steps whose collective one rank could enter alone carry t
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import dataclasses
 import enum
@@ -68,7 +69,29 @@ class _Record:
 
     rank: int
     fields: dict[str, str]
-    peers: dict[str, frozenset[int]]
+    peers: dict[str, _RankRuns]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankRuns:
+    """A set of ranks as sorted ``[start, stop)`` runs: a mesh's ranks are a few runs, so every
+    rank's record stays small at W=2048 (W frozensets of W ranks each took seconds to unpickle)."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> _RankRuns:
+        runs: list[list[int]] = []
+        for r in sorted(ranks):
+            if runs and runs[-1][1] == r:
+                runs[-1][1] = r + 1
+            else:
+                runs.append([r, r + 1])
+        return cls(tuple((a, b) for a, b in runs))
+
+    def __contains__(self, rank: object) -> bool:
+        i = bisect.bisect_right(self.runs, (rank, float("inf"))) - 1
+        return i >= 0 and self.runs[i][0] <= rank < self.runs[i][1]  # type: ignore[operator]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +176,8 @@ def _first_conflict(records: Sequence[_Record]) -> tuple[str, _Record, _Record] 
     (fields in order, then pairs in rank order: the same on every rank)."""
     ordered = sorted(records, key=lambda r: r.rank)
     for name in dict.fromkeys(f for r in records for f in r.fields):
+        if len({r.fields.get(name, "<absent>") for r in records}) == 1:
+            continue  # one value on every rank: no pair can differ (linear in ranks; the pair scan is the error path's)
         for a, b in itertools.combinations(ordered, 2):
             must = b.rank in a.peers.get(name, ()) or a.rank in b.peers.get(name, ())
             if must and a.fields.get(name, "<absent>") != b.fields.get(name, "<absent>"):
@@ -214,7 +239,8 @@ def _agree(
     for g in groups:
         if dist.get_world_size(g) == 1:
             continue
-        records = comm.all_gather_object(_Record(dist.get_rank(), fields, peers), group=g, name=name)
+        runs = {f: _RankRuns.of(r) for f, r in peers.items()}
+        records = comm.all_gather_object(_Record(dist.get_rank(), fields, runs), group=g, name=name)
         conflict = _first_conflict(records)
         if conflict is None:
             continue
