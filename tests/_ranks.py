@@ -23,3 +23,20 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: A
     unless the caller names one."""
     kwargs.setdefault("start_method", "forkserver")
     return launch.spawn_ranks(fn, world_size, *args, **kwargs)
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn`` on this rank once every rank is ready (a barrier) and return what it raised
+    (type and text, or None) and how long it took: the failure-time checks' one measurement."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "elapsed": time.monotonic() - start}

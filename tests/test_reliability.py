@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from _ranks import spawn_ranks
+from _ranks import attempt, spawn_ranks
 from _ref import fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim import checkpoint as ckpt
@@ -234,19 +234,6 @@ AGREE_TIMEOUT_S = 60.0
 FAIL_FAST_S = 10.0  # the contract (issue 43): within 10 s; measured well under 1 s when idle
 
 
-def _attempt(fn) -> dict:
-    """Run ``fn`` once every rank is ready (a barrier) and return what it raised (type, text)
-    and how long it took to."""
-    dist.barrier()
-    start = time.monotonic()
-    try:
-        fn()
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"error": error, "elapsed": time.monotonic() - start}
-
-
 def _sharded(mesh=None) -> GPT:
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -270,25 +257,25 @@ def _disagree_job(rank: int, W: int, case: str) -> dict:
     if case == "optimizer":
         opts["matrix"] = "shampoo" if odd else "muon"
         opts["matrix_options"] = {"lr": 0.02} if odd else OPTS["matrix_options"]
-        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, **opts))
     if case == "options":
         opts["matrix_options"] = {**OPTS["matrix_options"], "lr": 0.03 if odd else 0.02}
-        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, **opts))
     if case == "roles":
         roles = {"layers.0.attn.proj.weight": "tail" if odd else "matrix"}
-        return _attempt(lambda: OwnerRoutedOptimizer(model, roles=roles, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, roles=roles, **opts))
     if case == "skip_flag":
-        return _attempt(lambda: OwnerRoutedOptimizer(model, skip_nonfinite_grads=odd, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, skip_nonfinite_grads=odd, **opts))
     if case == "tail_after_forward":  # the plan was fixed by a forward: the optimizer agrees alone
         model(*_batch(0, rank, W))
         opts["tail"] = "adam" if odd else "adamw"
-        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, **opts))
     if case == "mesh_optimizer":  # rank W-1 on a (W, 1) HSDP mesh of the same ranks
         model = _sharded(hsdp if odd else flat)
-        return _attempt(lambda: OwnerRoutedOptimizer(model, **opts))
+        return attempt(lambda: OwnerRoutedOptimizer(model, **opts))
     if case == "mesh_forward":
         model = _sharded(hsdp if odd else flat)
-        return _attempt(lambda: model(*_batch(0, rank, W)))
+        return attempt(lambda: model(*_batch(0, rank, W)))
     if case == "agree":  # the same configuration everywhere: trains as before
         opt = OwnerRoutedOptimizer(model, **opts)
         model(*_batch(0, rank, W)).backward()
@@ -404,7 +391,7 @@ def _load_job(rank: int, W: int, root: str) -> dict:
                 o.step()
                 o.zero_grad()
             before = _snapshot(m, o)
-            seen = _attempt(lambda m=m, o=o: ckpt.load(path, m, o))
+            seen = attempt(lambda m=m, o=o: ckpt.load(path, m, o))
             after = _snapshot(m, o)
             fresh_after = not o.state and not any(
                 "step" in st for inner in (o.matrix_optimizer, o.tail_optimizer) if inner for st in inner.state.values()
@@ -421,7 +408,7 @@ def _load_job(rank: int, W: int, root: str) -> dict:
     sd["state"] = {k: v for k, v in sd["state"].items() if k != dropped}
     m, o = built()
     before = _snapshot(m, o)
-    seen = _attempt(lambda: o.load_state_dict(sd))
+    seen = attempt(lambda: o.load_state_dict(sd))
     out["load_state_dict/fresh"] = {
         **seen,
         "unchanged": _same_snapshot(before, _snapshot(m, o)),
@@ -436,7 +423,7 @@ def _load_job(rank: int, W: int, root: str) -> dict:
     for case, options in (("package", StateDictOptions(strict=False)), ("torch", None)):
         m, o = built()
         before = _snapshot(m, o)
-        seen = _attempt(lambda m=m, o=o, options=options: set_optimizer_state_dict(m, o, osd, options=options))
+        seen = attempt(lambda m=m, o=o, options=options: set_optimizer_state_dict(m, o, osd, options=options))
         out[f"set_optimizer_state_dict/{case}"] = {
             **seen,
             "unchanged": _same_snapshot(before, _snapshot(m, o)),
@@ -497,7 +484,7 @@ def _step_skew_job(rank: int, W: int) -> dict:
         opt.skip_nonfinite_grads = False
         opt.step()  # step 2 here, unchecked
         opt.skip_nonfinite_grads = True
-    return _attempt(opt.step)  # step 2 on the others, step 3 here: the checks meet
+    return attempt(opt.step)  # step 2 on the others, step 3 here: the checks meet
 
 
 def assert_steps_named(results: list[dict], who: str, low: int) -> None:

@@ -13,14 +13,12 @@ forward; the optimizer step without the check still moves zero bytes.
 from __future__ import annotations
 
 import re
-import time
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _ranks import spawn_ranks
+from _ranks import attempt, spawn_ranks
 from _ref import fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.comm import CommCounter
@@ -62,14 +60,7 @@ def _skew_job(rank: int, W: int, case: str) -> dict:
         else:
             opt.step()
 
-    dist.barrier()
-    start = time.monotonic()
-    try:
-        go_on()
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"error": error, "elapsed": time.monotonic() - start}
+    return attempt(go_on)
 
 
 # (case, W) -> the rank that raises from step() and each rank's step number
