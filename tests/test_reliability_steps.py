@@ -23,11 +23,11 @@ import warnings
 import pytest
 import torch
 
-from _ranks import spawn_ranks
+from _ranks import attempt, spawn_ranks
 from _ref import fully_shard_model
 from matrix_owner_optim import OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.models.gpt import GPT
-from test_reliability import AGREE_TIMEOUT_S, CFG, OPTS, _attempt, _batch, assert_steps_named
+from test_reliability import AGREE_TIMEOUT_S, CFG, OPTS, _batch, assert_steps_named
 
 pytestmark = pytest.mark.multirank
 
@@ -50,7 +50,7 @@ def _hsdp_skew_job(rank: int, W: int, placement: str) -> dict:
     if rank == W - 1:
         opt.step()  # step 3 here only
     opt.zero_grad()
-    return _attempt(lambda: model(*_batch(2, rank, W)).backward())
+    return attempt(lambda: model(*_batch(2, rank, W)).backward())
 
 
 @pytest.mark.parametrize("W", [2, 3])
@@ -71,7 +71,7 @@ def _header_skew_job(rank: int, W: int) -> dict:
         header = torch.tensor([1.0, 0.0, *step_digits(step)], dtype=torch.bfloat16)
         rows = torch.empty(W * header.numel(), dtype=torch.bfloat16)
         comm.all_gather_into_tensor(rows, header, name="owner_grad_tp_all_gather")
-        out[case] = _attempt(
+        out[case] = attempt(
             lambda step=step, rows=rows: check_header_steps(
                 step, rows.view(W, -1).tolist(), who="TP gradient assembly", among="the TP group"
             )
