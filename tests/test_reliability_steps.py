@@ -10,10 +10,10 @@ timeout (60 s here, so a hang shows as a failure of the 10 s bound):
   meets the others' broadcasts at the next forward.
 * Tensor-parallel assembly (``optim/dtensor_layout.py``, ``optim/owner_tp_layout.py``): the
   all-gathered header carries every TP owner's step count (4 header values). No training
-  sequence makes two assemblies meet at different steps (a rank's extra assembly meets the
-  others' forward TP collectives instead: docs/reliability.md), so the check is tested on the
-  header the layouts send, all-gathered and checked by the same calls; the layouts' own path
-  runs in tests/test_tensor_parallel*.py.
+  sequence makes two assemblies meet at different steps (on the owner layout a rank's extra
+  step meets the others' forward in the step check first: tests/test_step_agreement.py), so the
+  header check is tested on the header the layouts send, all-gathered and checked by the same
+  calls; the layouts' own path runs in tests/test_tensor_parallel*.py.
 """
 
 from __future__ import annotations

@@ -485,7 +485,8 @@ def _global_owner(rank: int, W: int, shard: int = 2, rtol: float = PARAM_RTOL, e
         for o in ref_opts:
             o.step()
             o.zero_grad()
-        assert set(cc.by_op("optimizer")) <= {"replicate_broadcast"}, cc.by_op("optimizer")
+        ops = cc.by_op("optimizer")  # the broadcasts, after the step check over the replicate group
+        assert set(ops) <= {"replicate_broadcast", "step_check"} and ops["step_check"] == 1, ops
         model.unshard()  # every replica's full parameters, right after the step (no forward between)
         try:
             for name, p in model.named_parameters():

@@ -1,4 +1,4 @@
-"""Ranks at different steps fail by name when the optimizer's step all-reduces (issue 43).
+"""Ranks at different steps fail by name where the optimizer's step has a collective (issue 43).
 
 With ``skip_nonfinite_grads=True`` every ``OwnerRoutedOptimizer.step()`` all-reduces its
 non-finite flag and step count (``agreement.agree_nonfinite``). A rank that calls ``step()`` once
@@ -7,7 +7,9 @@ all-gather and every rank would wait until the process group's timeout. The forw
 ``fully_shard`` tree whose optimizer checks opens with the same all-reduce, carrying the step
 count (``ShardingContext.check_steps``), so the two meet and every rank raises, naming the step
 numbers, within seconds. Ranks that step together pay one 24-byte all-reduce per step, in the
-forward; the optimizer step without the check still moves zero bytes.
+forward; the optimizer step without the check still moves zero bytes. A step with collectives of
+its own (an owner-layout TP assembly, HSDP's broadcasts at the step) checks the same way over
+that group without being asked (``OwnerRoutedOptimizer.step_check_groups``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,81 @@ def test_a_rank_at_another_step_fails_by_name_on_every_rank(case: str, W: int) -
         assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
 
 
+def _collective_skew_job(rank: int, W: int, mesh_kind: str, case: str) -> dict:
+    """Without ``skip_nonfinite_grads``, on a mesh whose optimizer step has a collective of its own:
+    HSDP (``(W, 1)``, every rank a replica, ``replica_broadcast="step"``: the global owners
+    broadcast at the end of ``step()``) or owner-layout TP (``(1, W)``: the TP owners assemble
+    each matrix in ``step()``). One step everywhere, then rank W-1 steps once more (``extra``) or
+    skips the next step (``missed``) while the others go on; what each rank raised, and how fast."""
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import _tp
+
+    torch.manual_seed(0)
+    if mesh_kind == "hsdp":
+        mesh = init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard"))
+        model = fully_shard_model(GPT(CFG), mesh=mesh)
+        opt = OwnerRoutedOptimizer(model, replica_broadcast="step", **OPTS)
+
+        def loss(step: int) -> torch.Tensor:
+            return model(*_batch(step, rank, W))
+
+    else:
+        mesh = init_device_mesh("cpu", (1, W), mesh_dim_names=("dp", "tp"))
+        model = _tp.tp_sharded(mesh, stock=False)
+        opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options=OPTS["matrix_options"], tail="adamw")
+
+        def loss(step: int) -> torch.Tensor:
+            return model(*_tp.micro(step, mesh))
+
+    loss(0).backward()
+    opt.step()  # step 1 everywhere
+    opt.zero_grad()
+    odd = rank == W - 1
+
+    def go_on() -> None:
+        if case == "extra" and odd:
+            opt.step()  # step 2 here: its broadcast / assembly would meet the others' forward
+        loss(1).backward()
+        if case == "missed" and odd:
+            loss(2).backward()  # on to the next forward; the others step
+        else:
+            opt.step()
+
+    return attempt(go_on)
+
+
+COLLECTIVE_SKEWS = {  # (mesh, case, W) -> the group named, the rank in step() and each rank's step
+    ("hsdp", "extra", 2): ("the replicate group", {1}, [1, 2]),
+    ("hsdp", "extra", 3): ("the replicate group", {2}, [1, 1, 2]),
+    ("hsdp", "missed", 2): ("the replicate group", {0}, [2, 1]),
+    ("tp", "extra", 2): ("the TP group", {1}, [1, 2]),
+    ("tp", "missed", 2): ("the TP group", {0}, [2, 1]),
+}
+
+
+@pytest.mark.parametrize(
+    ("mesh_kind", "case", "W"), list(COLLECTIVE_SKEWS), ids=[f"{m}-{c}-W{w}" for m, c, w in COLLECTIVE_SKEWS]
+)
+def test_a_rank_at_another_step_fails_by_name_where_the_step_has_collectives(mesh_kind: str, case: str, W: int) -> None:
+    """The step check needs no ``skip_nonfinite_grads`` where the step has a collective anyway
+    (``OwnerRoutedOptimizer.step_check_groups``): the step opens with it over the group its
+    collectives use, and so does the next forward, so the odd rank's step meets the others'
+    forward (or their step its forward) and every rank raises by name, fast."""
+    among, in_step, at = COLLECTIVE_SKEWS[(mesh_kind, case, W)]
+    results = spawn_ranks(_collective_skew_job, W, mesh_kind, case, timeout_s=JOB_TIMEOUT_S)
+    for rank, seen in enumerate(results):
+        print(f"\n{mesh_kind} {case} W={W}: rank {rank} raised after {seen['elapsed']:.2f} s: {seen['error']}")
+        where = r"OwnerRoutedOptimizer\.step\(\)" if rank in in_step else r"fully_shard forward \(its step check\)"
+        assert seen["error"] is not None and re.search(
+            rf"RuntimeError: {where}: the ranks of {among} are at different steps: "
+            rf"rank {rank} is at step {at[rank]}, the group's range from 1 to 2",
+            seen["error"],
+        ), (rank, seen)
+        assert seen["elapsed"] < FAIL_FAST_S, (rank, seen)
+
+
 def _together_job(rank: int, W: int, skip: bool) -> dict:
     """Three steps of two micro-batches each (the first without gradient sync), every rank
     alike: the step checks each forward pass issues, by phase, and the losses."""
@@ -107,7 +184,11 @@ def _together_job(rank: int, W: int, skip: bool) -> dict:
             opt.zero_grad()
         checks.append(
             {
-                phase: [(r.op, r.bytes_sent) for r in cc.records if r.phase == phase and r.op == "nonfinite_check"]
+                phase: [
+                    (r.op, r.bytes_sent)
+                    for r in cc.records
+                    if r.phase == phase and r.op in ("nonfinite_check", "step_check")
+                ]
                 for phase in ("forward", "optimizer")
             }
             | {"optimizer_bytes": cc.bytes("optimizer")}
@@ -126,7 +207,7 @@ def test_ranks_that_step_together_pay_one_small_all_reduce_per_step() -> None:
     for rank in range(W):
         assert on[rank]["losses"] == off[rank]["losses"], rank
         fwd = [c["forward"] for c in on[rank]["checks"]]
-        assert fwd == [[], [("nonfinite_check", ring)], [("nonfinite_check", ring)]], fwd
+        assert fwd == [[], [("step_check", ring)], [("step_check", ring)]], fwd
         assert all(c["optimizer"] == [("nonfinite_check", ring)] for c in on[rank]["checks"])
         assert all(c["forward"] == [] and c["optimizer"] == [] for c in off[rank]["checks"])
         assert all(c["optimizer_bytes"] == 0 for c in off[rank]["checks"])

@@ -21,7 +21,7 @@ reference are tests/_tp.py's two TP blocks (hidden sizes 10 and 6). One spawned 
 * DCP of the model's state dict (each owner writes its TP slice) loads bitwise into a fresh
   planned model;
 * a steady step's collectives: one all-gather over tp per dtype on the owners, the bytes
-  ``bytes_per_step()`` says;
+  ``bytes_per_step()`` says, after the step check over the TP group;
 * what ``fully_shard`` still refuses at the call, naming the parameter: a TP block sharded over
   its own tp mesh, and HSDP x TP;
 * torch's tools on the layout, against the same layout and one process: DCP of
@@ -142,8 +142,9 @@ def _train(mesh: Any, case: str, ckpt: str) -> dict[str, Any]:
             with CommCounter() as cc:
                 opt.step()
             out["ops"] = cc.by_op("optimizer")
-            out["sent"] = cc.bytes("optimizer", "sent")
-            out["received"] = cc.bytes("optimizer", "received")
+            moved = [r for r in cc.records if r.phase == "optimizer" and r.op != "step_check"]
+            out["sent"] = sum(r.bytes_sent for r in moved)  # the layout's (the step check is the optimizer's)
+            out["received"] = sum(r.bytes_received for r in moved)
             layout = next(pl for pl in opt.layouts() if pl.name == "owner_tp")
             out["bytes_per_step"] = layout.bytes_per_step()
         else:
@@ -440,8 +441,8 @@ def test_steady_step_moves_what_bytes_per_step_says() -> None:
         for case in CASES:
             t = r[case]
             owns = any(x["owner"] == rank // 2 and n.endswith(MATRICES) for n, x in t["layout"].items())
-            if owns:
-                assert t["ops"] == {"owner_tp_gather": 1}, (rank, t["ops"])  # one dtype
+            if owns:  # one dtype; the step opens with its step check over the TP group (24 B)
+                assert t["ops"] == {"step_check": 1, "owner_tp_gather": 1}, (rank, t["ops"])
             else:
                 assert not t["ops"], (rank, t["ops"])
             assert t["sent"] + t["received"] == t["bytes_per_step"], (rank, case, t["sent"], t["received"])

@@ -37,6 +37,7 @@ __all__ = [
     "check_sharding_agreement",
     "describe",
     "agree_nonfinite",
+    "agree_steps",
     "check_header_steps",
     "check_same_step",
     "step_digits",
@@ -387,19 +388,33 @@ def check_header_steps(step: int, headers: Sequence[Sequence[float]], *, who: st
     check_same_step(step % (1 << 8 * STEP_DIGITS), seen, who=who, among=among, counted="optimizer steps")
 
 
-def agree_nonfinite(step: int, flag: torch.Tensor, group: Any, *, who: str = "OwnerRoutedOptimizer.step()") -> bool:
+def agree_nonfinite(
+    step: int,
+    flag: torch.Tensor,
+    group: Any,
+    *,
+    who: str = "OwnerRoutedOptimizer.step()",
+    among: str = "process_group",
+    op: str = "nonfinite_check",
+) -> bool:
     """Whether any rank of ``group`` found a non-finite gradient (``flag`` 1.0 here): one
     all-reduce (max) of the flag, ``step`` and ``-step``, so every rank also learns the group's
     step range (:func:`check_same_step`)."""
     if not _distributed() or dist.get_world_size(group) == 1:
         return bool(flag.item())
     payload = torch.stack([(flag > 0).long().reshape(()), torch.tensor(step), torch.tensor(-step)]).to(flag.device)
-    comm.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, name="nonfinite_check")
+    comm.all_reduce(payload, op=dist.ReduceOp.MAX, group=group, name=op)
     found, highest, lowest = (int(v) for v in payload.tolist())
-    check_same_step(
-        step, (highest, -lowest), who=who, among="process_group", counted="step() calls since the first checked one"
-    )
+    check_same_step(step, (highest, -lowest), who=who, among=among, counted="step() calls since the first checked one")
     return bool(found)
+
+
+def agree_steps(
+    step: int, among: str, group: Any, device: torch.device, *, who: str = "OwnerRoutedOptimizer.step()"
+) -> None:
+    """:func:`agree_nonfinite` with no flag: the step check over ``group`` (named ``among`` in
+    the error), whose step collective or forward this rank is about to enter."""
+    agree_nonfinite(step, torch.zeros((), device=device), group, who=who, among=among, op="step_check")
 
 
 def watch_steps(params: Iterable[torch.Tensor], optimizer: Any) -> None:

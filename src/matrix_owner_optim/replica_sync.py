@@ -34,6 +34,7 @@ __all__ = [
     "held_pieces",
     "hold_on_step_replica",
     "issue_broadcast",
+    "replica_groups",
     "replicas_of",
     "replicas_stepped",
     "steps_here",
@@ -103,6 +104,18 @@ def claim_sync(params: Sequence[torch.Tensor]) -> None:
         replicas = _one_replica_steps(p)
         if replicas is not None:
             replicas.by_optimizer = True
+
+
+def replica_groups(params: Sequence[torch.Tensor]) -> list[Any]:
+    """The replicate groups (of more than one rank) of the trees ``params`` belong to, each
+    once, in the order of their first parameter: the groups :func:`replicas_stepped` broadcasts
+    over."""
+    groups: list[Any] = []
+    for p in params:
+        replicas = replicas_of(p)
+        if replicas is not None and replicas.size > 1 and not any(g is replicas.group for g in groups):
+            groups.append(replicas.group)
+    return groups
 
 
 def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:

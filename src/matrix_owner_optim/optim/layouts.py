@@ -25,7 +25,14 @@ from ..planning.bands import row_band_of
 from ..planning.catalog import DEFAULT_COST
 from ..planning.cost import CostModel
 from ..planning.metadata import Role, ShardingPlan, get_shard_group, get_shard_rank
-from ..replica_sync import DEFAULT_REPLICA_BROADCAST, claim_sync, replicas_of, replicas_stepped, steps_here
+from ..replica_sync import (
+    DEFAULT_REPLICA_BROADCAST,
+    claim_sync,
+    replica_groups,
+    replicas_of,
+    replicas_stepped,
+    steps_here,
+)
 from ..tensors import local_tensor
 from .routing import RoutedParam
 from .state_place import RowPieces, StatePlace
@@ -123,6 +130,14 @@ class UpdateLayout(ABC):
         """Bytes this rank sends and receives in one step (0 when the step is local)."""
         return 0
 
+    def step_groups(self) -> list[tuple[str, Any]]:
+        """The process groups (each with the name errors give it) this layout's step issues
+        collectives over on this rank of an owner-layout tree, in an order every member of each
+        group shares: the optimizer's step check opens the step with its step count over each,
+        and the tree's forward does too (DESIGN.md, "Ranks at different steps"). A local step:
+        none."""
+        return []
+
     def extra_resident_bytes(self) -> int:
         """Working memory the layout keeps beyond parameters, gradients and optimizer state."""
         return 0
@@ -179,6 +194,13 @@ class LocalLayout(UpdateLayout):
         # HSDP: each matrix's global owner sends the new values to the other replicas' holders,
         # now or before each unit's next all-gather
         replicas_stepped([rp.param for rp in self.entries], self.config.replica_broadcast)
+
+    def step_groups(self) -> list[tuple[str, Any]]:
+        """HSDP with ``replica_broadcast="step"``: the replicate group of each tree whose global
+        owners broadcast at the end of the step (none when they broadcast in the forward)."""
+        if self.config.replica_broadcast != "step":
+            return []
+        return [("the replicate group", g) for g in replica_groups([rp.param for rp in self.entries])]
 
     def state_place(self, rp: RoutedParam) -> StatePlace | None:
         """Owner-held state is the owner's (whole, of its own shape); ``rows`` row blocks and

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..agreement import agree_before_planning, agree_nonfinite, optimizer_fields, watch_steps
+from ..agreement import agree_before_planning, agree_nonfinite, agree_steps, optimizer_fields, watch_steps
 from ..checkpoint import is_initialisation_step
 from ..comm import comm_phase
 from ..lazy_plan import fix_lazy_plans
@@ -371,8 +371,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
         self._fresh_at_init = is_initialisation_step(self)  # then a load it refuses leaves it fresh
-        if self._checked_steps is not None:
+        checked = self.step_check_groups()
+        if self._checked_steps is not None:  # every call counts from the first checked one on
             self._checked_steps += 1
+        elif checked:  # the first: the trees' forwards carry the count from now on
+            watch_steps([rp.param for rp in self._routed], self)
+            self._checked_steps = 1
         self._check_hyperparameters("OwnerRoutedOptimizer.step()")
         self._follow_param_swaps()
         if not self._report_logged:  # what went where, on rank 0 at the first step (logging)
@@ -380,6 +384,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             report.log_report(self)
         with comm_phase("optimizer"), torch.no_grad():
             self.last_step_skipped = self.skip_nonfinite_grads and self._any_nonfinite_grad()
+            for among, group in checked[1 if self.skip_nonfinite_grads else 0 :]:  # before the layouts' collectives
+                agree_steps(self._checked_steps, among, group, self._routed[0].param.device)  # type: ignore[arg-type]
             if self.last_step_skipped:
                 self.skipped_steps += 1
                 return loss
@@ -416,10 +422,20 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             for gs in by_dtype.values():
                 peak = torch.stack(torch._foreach_norm(gs, math.inf)).float().max().to(device)
                 flag = torch.maximum(flag, (~torch.isfinite(peak)).float())
-        if self._checked_steps is None:
-            self._checked_steps = 1  # this call: counted from the first checked step on
-            watch_steps([rp.param for rp in self._routed], self)  # forwards carry the count (sharding)
+        assert self._checked_steps is not None  # step() counted this one
         return agree_nonfinite(self._checked_steps, flag, self._process_group)  # the step count rides along
+
+    def step_check_groups(self) -> list[tuple[str, Any]]:
+        """The groups whose ranks must be at the same step when this rank's ``step()`` issues a
+        collective: ``process_group`` when it all-reduces its non-finite flag, then each group the
+        layouts' step collectives use (a TP assembly, HSDP's broadcasts at the step). The step
+        opens with its step count over each (24 bytes), and so does the next forward of each
+        ``fully_shard`` tree, so a rank that steps once more or once less than the others meets
+        their check and every rank fails by name (DESIGN.md, "Ranks at different steps")."""
+        groups = [("process_group", self._process_group)] if self.skip_nonfinite_grads else []
+        for layout in self.layouts():
+            groups += [(n, g) for n, g in layout.step_groups() if not any(g is h for _, h in groups)]
+        return groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""

@@ -114,6 +114,15 @@ class OwnerTPLayout(UpdateLayout):
         for dtype, mats in self._buckets().items():
             self._assemble(dtype, mats)
 
+    def step_groups(self) -> list[tuple[str, Any]]:
+        """The TP group of each dtype's assembly (its owners'; the same matrices on each)."""
+        groups: list[Any] = []
+        for mats in self._buckets().values():
+            group = mats[0].rp.param.device_mesh.get_group(1)  # type: ignore[attr-defined]
+            if not any(g is group for g in groups):
+                groups.append(group)
+        return [("the TP group", g) for g in groups]
+
     def _assemble(self, dtype: torch.dtype, mats: list[_Assembled]) -> None:
         """One all-gather over the owners' TP group: every owner gets every matrix whole, and
         its gradient (the header says which gradients exist, the same on every TP owner)."""

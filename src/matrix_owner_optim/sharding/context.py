@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from ..agreement import agree_nonfinite
+from ..agreement import agree_steps
 from ..comm import comm_phase
 from ..planning.metadata import ShardingPlan
 from ..replica_sync import ReplicaSync, held_pieces, issue_broadcast
@@ -37,12 +37,14 @@ class TreeSettings(Protocol):
 
 
 class CheckedSteps(Protocol):
-    """What a forward reads of an optimizer whose step all-reduces its step count
+    """What a forward reads of an optimizer whose step checks its step count
     (``OwnerRoutedOptimizer``, linked by ``agreement.watch_steps``)."""
 
-    skip_nonfinite_grads: bool
     _checked_steps: int | None  # step() calls since its first checked step (None: never checked)
-    _process_group: Any
+
+    def step_check_groups(self) -> list[tuple[str, Any]]:
+        """The groups (with their names) its step opens with the step check over, in order."""
+        ...
 
 
 def _modules_of(members: list[nn.Module]) -> list[nn.Module]:
@@ -300,19 +302,21 @@ class ShardingContext:
                 unit.issue_replica_sync()
 
     def check_steps(self) -> None:
-        """The step check that opens a forward pass (DESIGN.md, "Collectives and bytes"): the
-        optimizer's step all-reduce (``agreement.agree_nonfinite``) with this rank's step count, at
-        the first forward pass after a step or a synced backward (alike on every rank), so a rank
-        at another step meets it and every rank raises by name."""
+        """The step check that opens a forward pass (DESIGN.md, "Ranks at different steps"): the
+        optimizer's step all-reduce (``agreement.agree_steps``) of this rank's step count over each
+        group its step checks, at the first forward pass after a step or a synced backward (alike
+        on every rank), so a rank at another step meets it and every rank raises by name."""
         for ref in self.settings.step_watchers:
             opt: CheckedSteps | None = ref()
-            step = None if opt is None or not opt.skip_nonfinite_grads else opt._checked_steps
+            groups = [] if opt is None else opt.step_check_groups()
+            step = opt._checked_steps if opt is not None and groups else None
             if step is None or (self._steps_checked.get(ref) == step and not self._reduced_since_check):
                 continue
             self._steps_checked[ref] = step
-            flag = torch.zeros((), device=self.units[0].device if self.units else "cpu")
+            device = self.units[0].device if self.units else torch.device("cpu")
             with comm_phase("forward"):
-                agree_nonfinite(step, flag, opt._process_group, who="fully_shard forward (its step check)")  # type: ignore[union-attr]
+                for among, group in groups:
+                    agree_steps(step, among, group, device, who="fully_shard forward (its step check)")
         self._reduced_since_check = False
 
     def reset_iteration(self) -> None:
