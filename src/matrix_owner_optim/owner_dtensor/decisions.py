@@ -13,7 +13,6 @@ empty table.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .dispatch import OwnerDTensorType, local_rank
 from .ops import OpClass, OperatorInfo, operator_info
-from .placement import OwnerShard, contiguous_stride, owned_ranges, same_layout
+from .placement import MeshTable, OwnerShard, contiguous_stride, owned_ranges, same_layout
 
 aten = torch.ops.aten
 
@@ -362,17 +361,9 @@ def learn_list(cls: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None
     _store(keyed[0]._spec.mesh, keyed[1], _ListLocal(cls, held, results))
 
 
-class _Table(dict):
-    """A mesh's recorded decisions; a mesh pickled or deep-copied takes an empty OrderedDict from
-    the standard library instead (decisions are this process's; ``weights_only`` loads accept it)."""
-
-    def __reduce__(self) -> Any:
-        return (collections.OrderedDict, ())
-
-
 def _store(mesh: Any, key: Any, decision: Any) -> None:
     table = mesh.__dict__.get(_TABLE)
     if table is None or len(table) >= _LIMIT:
-        table = _Table()
+        table = MeshTable()
         mesh.__dict__[_TABLE] = table
     table[key] = decision

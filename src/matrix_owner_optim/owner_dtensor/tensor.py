@@ -24,7 +24,16 @@ from .decisions import LEARNABLE_RULES, MISS, fast_call, learn
 from .dispatch import local_rank, run_rules
 from .lists import run_lists
 from .ops import OpClass, operator_info
-from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges, spec_for, spec_piece
+from .placement import (
+    OwnerShard,
+    as_bytes,
+    contiguous_stride,
+    gather_ranges,
+    interned,
+    owned_ranges,
+    spec_for,
+    spec_piece,
+)
 from .two_dim import NOT_LOCAL, full_value_2d, local_2d, spec_2d
 
 aten = torch.ops.aten
@@ -121,7 +130,7 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         """Wrap ``local`` (this rank's piece) with ``placement`` for a global ``shape``; no copy."""
         shape = torch.Size(tuple(int(s) for s in shape))
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
-        spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        spec = interned(DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype)))
         holder = holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
         return OwnerDTensor._wrap(local, spec, holder, requires_grad=requires_grad)
 
@@ -192,8 +201,8 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         meta = self._spec.tensor_meta
         assert meta is not None
         placements = tuple(placement) if isinstance(placement, tuple) else (placement,)
-        self._spec = DTensorSpec(
-            self.device_mesh, placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
+        self._spec = interned(
+            DTensorSpec(self.device_mesh, placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
         )
         self._local_tensor = local
         dp = placements[0]
