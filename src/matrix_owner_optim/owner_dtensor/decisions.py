@@ -13,7 +13,6 @@ empty table.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .dispatch import OwnerDTensorType, local_rank
 from .ops import OpClass, OperatorInfo, operator_info
-from .placement import OwnerShard, contiguous_stride, owned_ranges, same_layout
+from .placement import MeshTable, OwnerShard, contiguous_stride, owned_ranges, same_layout
 
 aten = torch.ops.aten
 
@@ -39,11 +38,9 @@ _PLAIN_SCALARS = (int, bool, str, type(None), torch.dtype, torch.device, torch.m
 _FLOAT = object()  # the key of a float whose value does not enter the decision
 
 
-def _sig(a: Any, cls: OwnerDTensorType, func: Any) -> Any:
-    """A non-owner argument's part of the key, or None when it cannot be keyed."""
+def _sig(a: Any, cls: OwnerDTensorType) -> Any:
+    """A non-owner, non-float argument's part of the key, or None when it cannot be keyed."""
     t = type(a)
-    if t is float:
-        return _FLOAT if operator_info(func).float_by_kind else (float, a)
     if t in _PLAIN_SCALARS:
         return (t, a)
     if t is torch.Tensor:
@@ -58,9 +55,11 @@ def _sig(a: Any, cls: OwnerDTensorType, func: Any) -> Any:
 
 def _key(func: Any, args: tuple, kwargs: dict, cls: OwnerDTensorType) -> tuple[Any, tuple] | None:
     """(the first owner-layout tensor, the call's key), or None. A list of owner-layout tensors
-    (list operators, ``stack``) is keyed element by element."""
+    (list operators, ``stack``) is keyed element by element. One pass, no pytree: this runs on
+    every call an owner-layout tensor takes part in."""
     parts: list[Any] = [id(func)]  # operators live as long as the process
     first = None
+    by_kind = None  # whether the operator's floats enter by kind (read at the first float)
     for a in args:
         t = type(a)
         if t is cls:
@@ -70,6 +69,10 @@ def _key(func: Any, args: tuple, kwargs: dict, cls: OwnerDTensorType) -> tuple[A
                 first = a
             parts.append(a._spec)
             parts.append(a._holder)
+        elif t is float:
+            if by_kind is None:
+                by_kind = operator_info(func).float_by_kind
+            parts.append(_FLOAT if by_kind else (float, a))
         elif (t is list or t is tuple) and a and type(a[0]) is cls:
             sigs = []
             for e in a:
@@ -81,40 +84,32 @@ def _key(func: Any, args: tuple, kwargs: dict, cls: OwnerDTensorType) -> tuple[A
                 first = a[0]
             parts.append(tuple(sigs))
         else:
-            s = _sig(a, cls, func)
+            s = _sig(a, cls)
             if s is None:
                 return None
             parts.append(s)
+    if first is None:
+        return None
     for name, v in kwargs.items():
-        s = _sig(v, cls, func)
-        if s is None or isinstance(v, torch.Tensor):
+        if type(v) is float:
+            if by_kind is None:
+                by_kind = operator_info(func).float_by_kind
+            s = _FLOAT if by_kind else (float, v)
+        elif isinstance(v, torch.Tensor) or (s := _sig(v, cls)) is None:
             return None
         parts.append(name)
         parts.append(s)
-    if first is None:
-        return None
     parts.append(first._local_tensor.device)  # a meta-initialised piece is not a materialised one
     return first, tuple(parts)
 
 
 def fast_call(cls: OwnerDTensorType, func: Any, args: tuple, kwargs: dict) -> Any:
     """The recorded decision for this call run on its arguments, or :data:`MISS`."""
-    for a in args:  # the first owner-layout argument's mesh holds the table
-        t = type(a)
-        if t is cls:
-            break
-        if (t is list or t is tuple) and a and type(a[0]) is cls:
-            a = a[0]
-            break
-    else:
-        return MISS
-    table = a._spec.mesh.__dict__.get(_TABLE)
-    if not table:
-        return MISS
     keyed = _key(func, args, kwargs, cls)
     if keyed is None:
         return MISS
-    decision = table.get(keyed[1])
+    table = keyed[0]._spec.mesh.__dict__.get(_TABLE)  # the first owner-layout argument's mesh
+    decision = None if table is None else table.get(keyed[1])
     return MISS if decision is None else decision.run(func, args, kwargs)
 
 
@@ -366,17 +361,9 @@ def learn_list(cls: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None
     _store(keyed[0]._spec.mesh, keyed[1], _ListLocal(cls, held, results))
 
 
-class _Table(dict):
-    """A mesh's recorded decisions; a mesh pickled or deep-copied takes an empty OrderedDict from
-    the standard library instead (decisions are this process's; ``weights_only`` loads accept it)."""
-
-    def __reduce__(self) -> Any:
-        return (collections.OrderedDict, ())
-
-
 def _store(mesh: Any, key: Any, decision: Any) -> None:
     table = mesh.__dict__.get(_TABLE)
     if table is None or len(table) >= _LIMIT:
-        table = _Table()
+        table = MeshTable()
         mesh.__dict__[_TABLE] = table
     table[key] = decision

@@ -22,7 +22,7 @@ from ..planning.metadata import chunk_row_range
 from .base import OwnerTensorBase
 from .holder_agreement import agree
 from .ops import NEW_FACTORIES, OpClass, OperatorInfo, mutated_arguments, norm_partial
-from .placement import OwnerShard, owned_ranges, placement_key, same_placement, spec_for
+from .placement import OwnerShard, interned, owned_ranges, placement_key, same_placement, spec_for
 from .values import copy_into, full_of, write_piece
 
 # The class arrives as ``cls`` (``__torch_dispatch__`` passes itself); this module reads it through
@@ -108,7 +108,7 @@ def _all_replicated(call: Call) -> bool:
 
 def replicated(cls: OwnerDTensorType, t: torch.Tensor, mesh: Any) -> Any:
     """``t`` (the same whole value on every rank) as a replicated owner-layout tensor on ``mesh``."""
-    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+    spec = interned(DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype)))
     return cls._wrap(t, spec, None)
 
 

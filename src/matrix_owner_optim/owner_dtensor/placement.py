@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Sequence
 from itertools import chain
@@ -17,6 +18,8 @@ from torch.distributed.tensor import Shard
 from .. import comm
 
 __all__ = [
+    "MeshTable",
+    "interned",
     "OwnerShard",
     "as_bytes",
     "contiguous_stride",
@@ -156,6 +159,29 @@ def same_layout(a: Any, b: Any, holders: bool = True) -> bool:
     )
 
 
+class MeshTable(dict):
+    """A table a mesh keeps in its own ``__dict__`` (recorded decisions, interned specs); a mesh
+    pickled or deep-copied takes an empty OrderedDict from the standard library instead (the
+    entries are this process's; ``weights_only`` loads accept it)."""
+
+    def __reduce__(self) -> Any:
+        return (collections.OrderedDict, ())
+
+
+_SPECS = "_owner_layout_specs"  # the attribute a mesh keeps its interned specs in
+_SPEC_LIMIT = 4096  # distinct specs per mesh before the table starts over (shapes in a model are few)
+
+
+def interned(spec: Any) -> Any:
+    """The one object of ``spec``'s value on its mesh: tensors of one layout share their spec,
+    so a recorded decision's key matches by identity (``DTensorSpec.__eq__`` is Python and
+    compares mesh, placements and metadata: microseconds per lookup otherwise)."""
+    table = spec.mesh.__dict__.get(_SPECS)
+    if table is None or len(table) >= _SPEC_LIMIT:
+        table = spec.mesh.__dict__[_SPECS] = MeshTable()
+    return table.setdefault(spec, spec)
+
+
 def spec_for(spec: Any, dtype: torch.dtype) -> Any:
     """``spec`` (contiguous) for a piece of ``dtype``: the spec itself (specs are immutable) where
     the dtype is its own and its strides are contiguous, else a new one with contiguous strides."""
@@ -164,8 +190,10 @@ def spec_for(spec: Any, dtype: torch.dtype) -> Any:
     meta = spec.tensor_meta
     if meta.dtype == dtype and tuple(meta.stride) == contiguous_stride(meta.shape):
         return spec
-    return DTensorSpec(
-        spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, contiguous_stride(meta.shape), dtype)
+    return interned(
+        DTensorSpec(
+            spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, contiguous_stride(meta.shape), dtype)
+        )
     )
 
 

@@ -24,7 +24,16 @@ from .decisions import LEARNABLE_RULES, MISS, fast_call, learn
 from .dispatch import local_rank, run_rules
 from .lists import run_lists
 from .ops import OpClass, operator_info
-from .placement import OwnerShard, as_bytes, contiguous_stride, gather_ranges, owned_ranges, spec_for, spec_piece
+from .placement import (
+    OwnerShard,
+    as_bytes,
+    contiguous_stride,
+    gather_ranges,
+    interned,
+    owned_ranges,
+    spec_for,
+    spec_piece,
+)
 from .two_dim import NOT_LOCAL, full_value_2d, local_2d, spec_2d
 
 aten = torch.ops.aten
@@ -79,6 +88,22 @@ def mesh_of_group(group: Any, device_type: str) -> Any:
     return mesh
 
 
+def _plain_attribute(name: str) -> Any:
+    """torch's ``Tensor.<name>`` read (and written, where torch writes it) with no subclass
+    ``__torch_function__``."""
+    torch_attribute = getattr(torch._C.TensorBase, name)
+
+    def get(self: Any) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch_attribute.__get__(self)
+
+    def put(self: Any, value: Any) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch_attribute.__set__(self, value)
+
+    return property(get, put, doc=torch_attribute.__doc__)
+
+
 class OwnerDTensor(DcpChunks, OwnerTensorBase):
     """A DTensor of the owner layout (see the module docstring).
 
@@ -105,7 +130,7 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         """Wrap ``local`` (this rank's piece) with ``placement`` for a global ``shape``; no copy."""
         shape = torch.Size(tuple(int(s) for s in shape))
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
-        spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        spec = interned(DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype)))
         holder = holder if holder is not None else (placement.holder if isinstance(placement, OwnerShard) else None)
         return OwnerDTensor._wrap(local, spec, holder, requires_grad=requires_grad)
 
@@ -176,8 +201,8 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         meta = self._spec.tensor_meta
         assert meta is not None
         placements = tuple(placement) if isinstance(placement, tuple) else (placement,)
-        self._spec = DTensorSpec(
-            self.device_mesh, placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype)
+        self._spec = interned(
+            DTensorSpec(self.device_mesh, placements, tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
         )
         self._local_tensor = local
         dp = placements[0]
@@ -301,6 +326,16 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         (torch refuses ``tolist()`` of tensor subclasses before any dispatch)."""
         return self.full_value().tolist()
 
+    # -- attributes read every step: torch's own, with no __torch_function__ call (the hook has
+    # nothing to do for them; zero_grad, clipping and norm logs read them per parameter per step)
+    grad = _plain_attribute("grad")
+    requires_grad = _plain_attribute("requires_grad")
+    shape = _plain_attribute("shape")
+    dtype = _plain_attribute("dtype")
+    device = _plain_attribute("device")
+    is_leaf = _plain_attribute("is_leaf")
+    grad_fn = _plain_attribute("grad_fn")
+
     # -- operators --------------------------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -309,32 +344,23 @@ class OwnerDTensor(DcpChunks, OwnerTensorBase):
         kernels write their result below dispatch in ways no ``__torch_dispatch__`` sees, so
         this is the one place ``out=`` is exact by construction. Everything else passes through
         unchanged (DTensor's own ``__torch_function__`` is disabled)."""
-        kwargs = kwargs or {}
-        out = kwargs.get("out")
-        if type(func) is _METHOD_WRAPPER and func == _SET_DATA:  # t.data = value (assign.py)
+        if kwargs:
+            out = kwargs.get("out")
+            if out is not None and any(isinstance(o, OwnerDTensor) for o in _as_tuple(out)):
+                return _out_of_place(func, args, kwargs, out)
+        elif type(func) is _METHOD_WRAPPER and func == _SET_DATA:  # t.data = value (assign.py)
             return assign_data(cls, args[0], args[1])
         with torch._C.DisableTorchFunctionSubclass():
-            if out is None or not any(isinstance(o, OwnerDTensor) for o in _as_tuple(out)):
-                try:
-                    return func(*args, **kwargs)
-                except RuntimeError as exc:
-                    if "data is not allocated yet" not in str(exc):
-                        raise
-                    raise RuntimeError(  # raised on every rank: the same metadata everywhere
-                        f"{getattr(func, '__name__', func)} reads the data of an owner-layout tensor argument "
-                        "directly, below any dispatch (an index or size argument): pass a plain tensor "
-                        "(t.full_tensor()) there"
-                    ) from exc
-            result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
-            for o, r in zip(_as_tuple(out), _as_tuple(result), strict=True):
-                if tuple(o.shape) != tuple(r.shape):
-                    raise RuntimeError(
-                        f"{getattr(func, '__name__', func)}: out= tensor of shape {tuple(o.shape)} for a result of "
-                        f"shape {tuple(r.shape)}: an owner-layout tensor cannot be resized in place; pass an out= "
-                        "tensor of the result's shape"
-                    )
-                o.copy_(r)
-            return out
+            try:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            except RuntimeError as exc:
+                if "data is not allocated yet" not in str(exc):
+                    raise
+                raise RuntimeError(  # raised on every rank: the same metadata everywhere
+                    f"{getattr(func, '__name__', func)} reads the data of an owner-layout tensor argument "
+                    "directly, below any dispatch (an index or size argument): pass a plain tensor "
+                    "(t.full_tensor()) there"
+                ) from exc
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -379,6 +405,22 @@ def _any_2d(args: tuple, kwargs: dict | None) -> bool:
         if _is_2d_owner(a) or (isinstance(a, (list, tuple)) and any(_is_2d_owner(t) for t in a)):
             return True
     return False
+
+
+def _out_of_place(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``func(*args, out=out)`` with owner-layout ``out`` tensors: computed out of place, then
+    copied into each ``out`` tensor (its piece, by the ``copy_`` rule)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+        for o, r in zip(_as_tuple(out), _as_tuple(result), strict=True):
+            if tuple(o.shape) != tuple(r.shape):
+                raise RuntimeError(
+                    f"{getattr(func, '__name__', func)}: out= tensor of shape {tuple(o.shape)} for a result of "
+                    f"shape {tuple(r.shape)}: an owner-layout tensor cannot be resized in place; pass an out= "
+                    "tensor of the result's shape"
+                )
+            o.copy_(r)
+        return out
 
 
 def _as_tuple(x: Any) -> tuple:

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
 from .ops import ELEMENTWISE, NORMS, OperatorInfo, norm_partial
-from .placement import as_bytes, contiguous_stride, same_layout, spec_for
+from .placement import as_bytes, contiguous_stride, interned, same_layout, spec_for
 
 aten = torch.ops.aten
 
@@ -57,7 +57,9 @@ def is_2d(t: Any) -> bool:
 def spec_2d(mesh: Any, placements: Sequence[Any], shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec:
     """The spec of an owner-layout tensor on the 2D (dp, tp) ``mesh`` of global ``shape``."""
     shape = torch.Size(tuple(int(s) for s in shape))
-    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype))
+    return interned(
+        DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), dtype))
+    )
 
 
 def tp_mesh_of(t: Any) -> Any:
