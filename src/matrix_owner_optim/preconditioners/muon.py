@@ -216,10 +216,8 @@ def muon(
     layouts: list[MatrixLayout] | None = None,
 ) -> None:
     """One Muon step of ``params`` in place, updating ``momentum_buffers`` (zeros at the first
-    step): as torch's ``torch.optim._muon.muon``, a pure function of lists of tensors and
-    :class:`Muon`'s hyperparameters (``lr`` a float), with no optimizer object. ``layouts``: each
-    parameter's :class:`~..planning.views.MatrixLayout` (default: declared on it, else its
-    shape's); every matrix is orthogonalised alone, ``batched`` in same-shape stacks."""
+    step): the package docstring's pure function (``lr`` a float). ``layouts``: each
+    parameter's :class:`~..planning.views.MatrixLayout` (default: declared, else by shape)."""
     if not len(params) == len(grads) == len(momentum_buffers):
         raise ValueError("muon: params, grads and momentum_buffers must have the same length")
     if layouts is None:

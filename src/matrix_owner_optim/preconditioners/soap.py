@@ -281,12 +281,10 @@ def soap(
     normalize_grads: bool,
     layouts: list[MatrixLayout | None] | None = None,
 ) -> None:
-    """One SOAP step (step 2 of the module docstring) of ``params`` in place: as torch's
-    ``torch.optim._muon.muon``, a pure function of lists and :class:`SOAP`'s hyperparameters
-    (``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s state, initialised by a first
-    call (:class:`SOAP` does that and updates nothing then), updated in place. ``layouts``: each
-    parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D one (default: declared,
-    else by shape)."""
+    """One SOAP step (step 2 of the module docstring) of ``params`` in place (the package
+    docstring's pure function; ``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s
+    state, initialised by a first call (:class:`SOAP` does that and updates nothing then).
+    ``layouts``: each :class:`~..planning.views.MatrixLayout`, None for a 1D parameter."""
     if not len(params) == len(grads) == len(states):
         raise ValueError("soap: params, grads and states must have the same length")
     if layouts is None:
