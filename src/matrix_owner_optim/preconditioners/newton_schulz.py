@@ -19,8 +19,6 @@ The input is scaled in place and the iterates live in buffers reused across iter
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -40,7 +38,6 @@ def check_ns_args(ns_coefficients: tuple[float, float, float], ns_steps: int) ->
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
 
 
-@functools.cache
 def transposed_forms_pay(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fast form differs from torch's on ``device`` for ``dtype``: on a CPU, for
     bfloat16/float16 that oneDNN does not multiply there (torch's own check), torch's BLAS
