@@ -11,8 +11,9 @@
   in for ``A``, and one ``s x l`` transpose copy per iteration keeps ``X`` in both layouts.
   Elsewhere (float32 MKL, GPUs, CPUs whose oneDNN runs bfloat16 matmuls) it is torch's form.
 
-Either form rounds each matrix of a stack exactly as alone (tests/test_preconditioners.py), so a
-rank stepping a lone matrix agrees bitwise with a reference that batches it in the same form.
+On this package's CPUs either form rounds each matrix of a stack exactly as alone
+(tests/test_preconditioners.py), so a rank stepping a lone matrix agrees bitwise with a
+reference that batches it in the same form.
 The input is scaled in place and the iterates live in buffers reused across iterations.
 :func:`~.muon.newton_schulz` and :func:`~.muon.newton_schulz_batched` copy first.
 """
@@ -42,8 +43,9 @@ def transposed_forms_pay(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fast form differs from torch's on ``device`` for ``dtype``: on a CPU, for
     bfloat16/float16 that oneDNN does not multiply there (torch's own check), torch's BLAS
     fallback runs a row-major ``A @ B`` as a scalar loop and ``A.mT @ B`` as vectorised dots
-    (docs/performance.md, "Newton-Schulz layouts"). MKL float32 and GPU BLAS run every layout
-    at one rate and round them alike: there the fast form is torch's."""
+    (docs/performance.md, Muon's step against the matmul floor). MKL float32 runs every layout
+    within ~10% and rounds them alike, GPU BLAS takes every layout at its rate: there the fast
+    form is torch's calls."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return False
     onednn = (
