@@ -322,7 +322,7 @@ class _MuonStep:
         target.add_(update, alpha=-adjust_lr(self.lr, self.adjust_lr_fn, shape))
 
     def orthogonalise_alone(self, piece: _Piece) -> Tensor:
-        """``piece``'s update through torch's per-matrix Newton-Schulz, ``(matrices, rows, cols)``."""
+        """``piece``'s update, one Newton-Schulz per matrix, ``(matrices, rows, cols)``."""
         i = piece[0]
         self.move(i)
         grad, buf = self.run_view(self.grads[i], piece), self.run_view(self.bufs[i], piece)
@@ -343,8 +343,8 @@ class _MuonStep:
         self.land(i, p, update, p.shape)
 
     def newton_schulz_alone(self, update: Tensor, fresh: bool) -> Tensor:
-        """torch's Newton-Schulz of one 2D ``update``; ``fresh``: a tensor of ours, which may be
-        scaled in place when it is already in ``ns_dtype`` (else it is cast or copied first)."""
+        """The Newton-Schulz of one 2D ``update``, in the step's form; ``fresh``: a tensor of
+        ours, which may be scaled in place when already in ``ns_dtype`` (else cast or copied)."""
         x = update.to(self.ns_dtype) if fresh else update.to(self.ns_dtype, copy=True)
         return newton_schulz_(x, *self.ns_args, torch_forms=self.torch_forms)
 
@@ -355,21 +355,24 @@ class _MuonStep:
         shape = (layout.rows, layout.cols)
         return layout.single and tuple(p.shape) == shape and tuple(g.shape) == shape
 
+    def step_alone(self, piece: _Piece) -> None:
+        """``piece`` without a stack: a plain matrix in torch's own operations, else its views."""
+        if self.plain(piece[0]):
+            self.step_plain(piece[0])
+        else:
+            self.apply(piece, self.orthogonalise_alone(piece))
+
     def run_per_matrix(self) -> None:
         """torch's loop: each tensor's momentum, Newton-Schulz per matrix and update in turn."""
         for i in range(len(self.params)):
-            if self.plain(i):
-                self.step_plain(i)
-                continue
             for piece in self.pieces(i):
-                self.apply(piece, self.orthogonalise_alone(piece))
+                self.step_alone(piece)
 
     def run_batched(self) -> None:
-        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: the per-matrix calls).
+        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: no stack).
 
-        Tensor subclasses (owner-layout DTensors handed over directly) step per matrix: the
-        stack is written with ``out=`` calls their rules do not take, and the two paths round
-        alike, so the result is the same."""
+        Tensor subclasses (owner-layout DTensors handed over directly) step per matrix in
+        torch's calls: the stack is written with ``out=`` calls their rules do not take."""
         if any(type(t) not in (Tensor, torch.nn.Parameter) for t in (*self.params, *self.grads, *self.bufs)):
             self.run_per_matrix()
             return
@@ -386,8 +389,8 @@ class _MuonStep:
         (two iterates, the Gram matrix and its update) stays within ``_CPU_STACK_BYTES``: a
         stack that outgrows the cache makes every batched call stream it, and the calls it
         saves cost microseconds against milliseconds of matmul (float32 at 256 x 1024: 16%
-        slower than matrix by matrix). A run of a stacked tensor is never cut; both paths round
-        alike, so the stacks do not change the result."""
+        slower than matrix by matrix). A run of a stacked tensor is never cut; each matrix
+        rounds as alone, so the stacks do not change the result."""
         if device.type != "cpu":
             return [pieces]
         s, long = sorted(shape)
@@ -403,10 +406,7 @@ class _MuonStep:
         """One stacked Newton-Schulz of ``bucket``'s matrices (a lone matrix: no stack)."""
         total = sum(count for *_, count in bucket)
         if total == 1:
-            if self.plain(bucket[0][0]):
-                self.step_plain(bucket[0][0])
-            else:
-                self.apply(bucket[0], self.orthogonalise_alone(bucket[0]))
+            self.step_alone(bucket[0])
             return
         stack = torch.empty((total, *shape), dtype=self.ns_dtype, device=device)
         start = 0
