@@ -18,7 +18,7 @@ read from the group every step, so lr schedulers work)::
 ``batched=True`` (the default): a group's matrices of one shape, dtype and device go through one
 stacked Newton-Schulz, each Nesterov update written once into its slice of the stack in
 ``ns_dtype``, every matrix (a lone one too) in the fast form (DESIGN.md, "Newton-Schulz
-forms"): torch's form except for bfloat16/float16 on a CPU without their matmuls, where it is
+forms"): torch's form except for bfloat16 on a CPU without bfloat16 matmuls, where it is
 ~7x faster and rounds otherwise, within bfloat16's noise. Each matrix rounds as alone, so the
 stacks a rank forms do not change its result. ``batched=False`` is torch's loop, each matrix's
 momentum, Newton-Schulz and update in turn, bitwise ``torch.optim.Muon``. Every matrix of a

@@ -6,10 +6,11 @@
   operation for operation (bitwise equal) on a 2D tensor, the same calls batched on a stack;
 * the fast form (``torch_forms=False``), where :func:`transposed_forms_pay` says so: every
   product with its left operand column-major and its right one row-major, the layout torch's
-  CPU BLAS fallback runs bfloat16/float16 through a vectorised dot (measured 10-20x torch's
+  CPU BLAS fallback runs bfloat16 through a vectorised dot (measured 10-20x torch's
   row-major ``A @ A`` and ``B @ X``); the Gram and its update are symmetric, so ``A^T`` stands
   in for ``A``, and one ``s x l`` transpose copy per iteration keeps ``X`` in both layouts.
-  Elsewhere (float32 MKL, GPUs, CPUs whose oneDNN runs bfloat16 matmuls) it is torch's form.
+  Elsewhere (float32 MKL, float16, GPUs, CPUs whose oneDNN runs bfloat16 matmuls) it is
+  torch's form.
 
 On this package's CPUs either form rounds each matrix of a stack exactly as alone
 (tests/test_preconditioners.py), so a rank stepping a lone matrix agrees bitwise with a
@@ -41,19 +42,13 @@ def check_ns_args(ns_coefficients: tuple[float, float, float], ns_steps: int) ->
 
 def transposed_forms_pay(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fast form differs from torch's on ``device`` for ``dtype``: on a CPU, for
-    bfloat16/float16 that oneDNN does not multiply there (torch's own check), torch's BLAS
-    fallback runs a row-major ``A @ B`` as a scalar loop and ``A.mT @ B`` as vectorised dots
+    bfloat16 when oneDNN does not multiply it there (torch's own check), torch's BLAS fallback
+    runs a row-major ``A @ B`` as a scalar loop and ``A.mT @ B`` as vectorised dots
     (docs/performance.md, Muon's step against the matmul floor). MKL float32 runs every layout
-    within ~10% and rounds them alike, GPU BLAS takes every layout at its rate: there the fast
-    form is torch's calls."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    onednn = (
-        torch.ops.mkldnn._is_mkldnn_bf16_supported
-        if dtype == torch.bfloat16
-        else torch.ops.mkldnn._is_mkldnn_fp16_supported
-    )
-    return not onednn()
+    within ~10% and rounds them alike, GPU BLAS takes every layout at its rate, and float16's
+    fastest layout on that fallback is another one (``A @ B.mT``): there the fast form is
+    torch's calls."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def newton_schulz_(
