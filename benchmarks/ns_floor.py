@@ -20,7 +20,10 @@ every round, so drift and other processes' load fall on every variant alike):
   beta)``, torch's Muon's), so ``kernel floor / step`` is the share of the step that is its own
   matmuls and ``floor / kernel floor`` what the kernels torch picks for those layouts leave on
   the table (on a CPU without bfloat16 matmul units, torch's bfloat16 ``A @ B`` with both
-  operands row-major is a scalar loop, ~20x slower than ``A.mT @ B``).
+  operands row-major is a scalar loop, ~20x slower than ``A.mT @ B``). The batched path makes
+  the fast form's calls where ``transposed_forms_pay`` (``mm(Xc.mT, Xc)``, ``addmm(A, A.mT, A)``,
+  ``addmm(X, B.mT, X)``, every left operand column-major): its own kernel floor,
+  ``batched_kernel_floor``, is those products' time.
 
 Times are this thread's CPU time (``time.thread_time``: on a shared machine the time another
 process holds the core is not the step's; wall-clock medians of the same steps are in the JSON).
@@ -58,6 +61,7 @@ import torch
 from torch import nn
 
 from matrix_owner_optim.preconditioners import SOAP, Muon, Shampoo
+from matrix_owner_optim.preconditioners.newton_schulz import transposed_forms_pay
 
 OUT = Path(__file__).parent / "results" / "ns_floor.json"
 NS_STEPS = 5
@@ -109,10 +113,11 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def product_times(kind: str, m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> tuple[float, float]:
-    """``(fastest layout, Newton-Schulz's call)``: median thread CPU seconds of one ``m x k`` by
-    ``k x n`` product in ``dtype``, the fastest of its four operand layouts and the call
-    Newton-Schulz makes for ``kind`` (its operands' layouts, its fused ``addmm`` form)."""
+def product_times(kind: str, m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> tuple[float, float, float]:
+    """``(fastest layout, torch's call, the fast form's call)``: median thread CPU seconds of one
+    ``m x k`` by ``k x n`` product in ``dtype``, the fastest of its four operand layouts and the
+    calls torch's Newton-Schulz and the fast form make for ``kind`` (their operands' layouts,
+    their fused ``addmm`` forms)."""
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(m, k, generator=gen).to(dtype)
     b = torch.randn(k, n, generator=gen).to(dtype)
@@ -124,16 +129,25 @@ def product_times(kind: str, m: int, k: int, n: int, dtype: torch.dtype, reps: i
         "square": partial(torch.addmm, a, a, a, beta=-4.775, alpha=2.0315, out=out),  # b A + c A A
         "apply": partial(torch.addmm, b, a, b, beta=3.4445, out=out),  # a X + B X
     }
-    return best, _median_time(calls[kind], reps)
+    columns = a.mT.contiguous()  # X column-major (its transpose row-major), as the fast form keeps it
+    fast = {
+        "gram": partial(torch.mm, columns.mT, columns, out=out),  # (X^T)^T X^T
+        "square": partial(torch.addmm, a, a.mT, a, beta=-4.775, alpha=2.0315, out=out),  # b A + c A^T A
+        "apply": partial(torch.addmm, b, a.mT, b, beta=3.4445, out=out),  # a X + B^T X
+    }
+    torch_call = _median_time(calls[kind], reps)
+    fast_call = _median_time(fast[kind], reps) if transposed_forms_pay(a.device, dtype) else torch_call
+    return best, torch_call, fast_call
 
 
-def floors(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[float, float]:
-    """``(floor, kernel floor)`` seconds of the step's Newton-Schulz products (module docstring)."""
-    floor = kernel = 0.0
+def floors(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[float, float, float]:
+    """``(floor, kernel floor, batched kernel floor)`` seconds of the step's Newton-Schulz
+    products (module docstring)."""
+    floor = kernel = fast = 0.0
     for (kind, m, k, n), count in ns_products(shapes).items():
-        best, call = product_times(kind, m, k, n, dtype)
-        floor, kernel = floor + count * best, kernel + count * call
-    return floor, kernel
+        best, call, fast_call = product_times(kind, m, k, n, dtype)
+        floor, kernel, fast = floor + count * best, kernel + count * call, fast + count * fast_call
+    return floor, kernel, fast
 
 
 def _params(shapes: list[tuple[int, int]], seed: int = 0) -> list[nn.Parameter]:
@@ -167,16 +181,17 @@ def muon_case(shapes: list[tuple[int, int]], dtype: torch.dtype, rounds: int, st
     for opt in opts.values():  # warm-up: state, oneDNN primitives, allocator
         opt.step()
         opt.step()
-    per: dict[str, list[float]] = {name: [] for name in [*opts, "floor", "kernel_floor"]}
+    per: dict[str, list[float]] = {name: [] for name in [*opts, "floor", "kernel_floor", "batched_kernel_floor"]}
     wall: dict[str, list[float]] = {name: [] for name in opts}
     names = list(opts)
     for r in range(rounds):
         # rotated, so every variant takes every place in a round equally often and none runs
         # twice in a row across rounds (the one that does finds its tensors warm in cache)
         order = names[r % len(names) :] + names[: r % len(names)]
-        floor, kernel = floors(shapes, dtype)
+        floor, kernel, fast = floors(shapes, dtype)
         per["floor"].append(floor)
         per["kernel_floor"].append(kernel)
+        per["batched_kernel_floor"].append(fast)
         for name in order:
             cpu, clock = _median_step(opts[name], steps)
             per[name].append(cpu)
@@ -188,7 +203,10 @@ def muon_case(shapes: list[tuple[int, int]], dtype: torch.dtype, rounds: int, st
     out["matmul_rate_gflops"] = flops / out["median_s"]["floor"] / 1e9
     out["kernel_rate_gflops"] = flops / out["median_s"]["kernel_floor"] / 1e9
     out["efficiency"] = {k: out["median_s"]["floor"] / out["median_s"][k] for k in opts}
-    out["kernel_efficiency"] = {k: out["median_s"]["kernel_floor"] / out["median_s"][k] for k in opts}
+    out["kernel_efficiency"] = {  # each path against the products in its own calls
+        k: out["median_s"]["batched_kernel_floor" if k == "batched" else "kernel_floor"] / out["median_s"][k]
+        for k in opts
+    }
     if "torch" in opts:
         out["vs_torch"] = {
             k: statistics.median(a / t for a, t in zip(per[k], per["torch"], strict=True))
@@ -264,6 +282,7 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
                     round(ms["torch"] * 1e3, 1) if "torch" in ms else "n/a",
                     round(ms["floor"] * 1e3, 1),
                     round(ms["kernel_floor"] * 1e3, 1),
+                    round(ms["batched_kernel_floor"] * 1e3, 1),
                     round(r["matmul_rate_gflops"], 1),
                     round(r["efficiency"]["batched"], 2),
                     round(r["efficiency"]["per_matrix"], 2),
@@ -282,6 +301,7 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
             "torch.optim.Muon ms",
             "floor ms",
             "kernel floor ms",
+            "batched kernel floor ms",
             "floor GFLOP/s",
             "efficiency batched",
             "efficiency per-matrix",
@@ -293,7 +313,9 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
         "note": (
             "Thread CPU time, medians over alternated rounds in one process; floor = the step's Newton-Schulz "
             "products at the rate of each product's fastest operand layout, kernel floor = the same products in "
-            "the calls Newton-Schulz makes, both measured in the same rounds; efficiency = floor / step; "
+            "torch's Newton-Schulz calls (the per-matrix path's), batched kernel floor = in the batched path's "
+            "(its fast form), all measured in the same rounds; efficiency = floor / step; batched / kernel "
+            "floor = the batched path against its own calls; "
             "ratios = medians of per-round ratios. torch.optim.Muon runs bfloat16 only. "
             f"{results['config']['load']}"
         ),

@@ -35,11 +35,13 @@ def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> None:
+    # batched=False: the path kept bitwise torch.optim.Muon (the batched default's bfloat16 fast
+    # form is checked against it within bfloat16's noise in test_preconditioners)
     model, ref = twin_models()
     opt = OwnerRoutedOptimizer(
         model,
         matrix="muon",
-        matrix_options={"lr": 0.02, "weight_decay": 0.01},
+        matrix_options={"lr": 0.02, "weight_decay": 0.01, "batched": False},
         tail="adamw",
         tail_options={"lr": 3e-3, "weight_decay": 0.05},
     )
@@ -71,7 +73,7 @@ def test_equals_torch_muon_plus_adamw_under_cosine_schedule_with_resume() -> Non
             opt = OwnerRoutedOptimizer(
                 model,
                 matrix="muon",
-                matrix_options={"lr": 0.02, "weight_decay": 0.01},
+                matrix_options={"lr": 0.02, "weight_decay": 0.01, "batched": False},
                 tail="adamw",
                 tail_options={"lr": 3e-3, "weight_decay": 0.05},
             )
@@ -325,14 +327,17 @@ def test_entry_point_from_an_installed_package(tmp_path) -> None:
     assert out.stdout.strip() == "myopt [[-0.5, 0.5, 0.0], [-0.5, 0.0, 0.5]]"
 
 
-def test_muon_from_package_matches_torch_muon_defaults() -> None:
+@pytest.mark.parametrize("batched", [False, True])
+def test_muon_from_package_matches_torch_muon_defaults(batched: bool) -> None:
+    # per matrix: bitwise; batched (the default): its bfloat16 fast form rounds otherwise on a
+    # CPU without bfloat16 matmuls (measured 4.5e-4 after 3 steps; bound ~9x, bf16's 2^-8 scale)
     model, ref = twin_models()
-    opt = OwnerRoutedOptimizer(model, matrix="muon")
+    opt = OwnerRoutedOptimizer(model, matrix="muon", matrix_options={} if batched else {"batched": False})
     assert isinstance(opt.matrix_optimizer, Muon)
     opt2 = OwnerRoutedOptimizer(ref, matrix="torch_muon")
     assert isinstance(opt2.matrix_optimizer, torch.optim.Muon)
     _train_alongside(model, opt, ref, [opt2], 3)
-    assert max_param_rel_err_native(model, ref, floor=1e-12) == 0.0
+    assert max_param_rel_err_native(model, ref, floor=1e-12) <= (2**-8 if batched else 0.0)
 
 
 def test_child_groups_read_and_write_the_parent_groups() -> None:

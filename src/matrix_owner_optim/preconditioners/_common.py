@@ -72,7 +72,7 @@ def as_float(value: float | Tensor) -> float:
     return float(value)
 
 
-def _eigh_with_retry(a: Tensor) -> tuple[Tensor, Tensor]:
+def eigh_with_retry(a: Tensor) -> tuple[Tensor, Tensor]:
     """``torch.linalg.eigh(a)``, retried in float64 on a convergence failure (``a``'s dtype out):
     Distributed Shampoo's "protected eigh". The exception is the only signal (a NaN check would
     need a host sync); a float64 failure propagates."""
@@ -109,7 +109,7 @@ def matrix_inverse_root(
     scale = torch.linalg.matrix_norm(a)  # Frobenius norm, a 0-dim tensor (no sync)
     damping = eps * scale
     eye = torch.eye(a.shape[0], dtype=root_dtype, device=mat.device)
-    evals, evecs = _eigh_with_retry(a + damping * eye)
+    evals, evecs = eigh_with_retry(a + damping * eye)
     floor = damping.clamp_min(torch.finfo(root_dtype).tiny)
     evals = torch.maximum(evals, floor).pow(-1.0 / exponent)
     root = (evecs * evals.unsqueeze(0)) @ evecs.T

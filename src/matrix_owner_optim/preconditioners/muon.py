@@ -1,9 +1,9 @@
 """Muon: momentum followed by Newton-Schulz orthogonalisation, one whole 2D tensor at a time.
 
-``torch.optim.Muon`` (torch 2.13) operation for operation, so that configured the same (default
-``ns_dtype=torch.bfloat16``) it gives the same updates bitwise. The one addition is ``ns_dtype``,
-the iteration's precision (``torch.float32``: an essentially exact orthogonalisation on CPU, what
-exactness tests use). Per step, for each parameter ``p`` with gradient ``g`` (hyperparameters
+``torch.optim.Muon`` (torch 2.13): configured the same (default ``ns_dtype=torch.bfloat16``),
+its updates bitwise per matrix, within bfloat16's noise batched (below). The one addition is
+``ns_dtype``, the iteration's precision (``torch.float32``: an essentially exact
+orthogonalisation on CPU, what exactness tests use). Per step, for each parameter ``p`` with gradient ``g`` (hyperparameters
 read from the group every step, so lr schedulers work)::
 
     B <- lerp(B, g, 1 - momentum)
@@ -17,14 +17,14 @@ read from the group every step, so lr schedulers work)::
 
 ``batched=True`` (the default): a group's matrices of one shape, dtype and device go through one
 stacked Newton-Schulz, each Nesterov update written once into its slice of the stack in
-``ns_dtype``. On this package's CPUs (oneDNN bfloat16, MKL float32) the batched matmuls round
-each matrix as the single ones do, so the batched step equals the per-matrix one bitwise
-(tests/test_preconditioners.py; torch does not promise it in general); a lone shape takes the
-per-matrix path. ``batched=False`` is torch's loop, each matrix's momentum, Newton-Schulz and
-update in turn. Every matrix of a tensor's :class:`~..planning.views.MatrixLayout` (experts, a
-declared fused ``wqkv``) is orthogonalised alone with its own shape's ``adjusted_lr``
-(DESIGN.md, "Matrix views"). The ns_floor benchmark (benchmarks folder) times both paths against
-``torch.optim.Muon`` and the matmul floor.
+``ns_dtype``, every matrix (a lone one too) in the fast form (DESIGN.md, "Newton-Schulz
+forms"): torch's form except for bfloat16 on a CPU without bfloat16 matmuls, where it is
+~7x faster and rounds otherwise, within bfloat16's noise. Each matrix rounds as alone, so the
+stacks a rank forms do not change its result. ``batched=False`` is torch's loop, each matrix's
+momentum, Newton-Schulz and update in turn, bitwise ``torch.optim.Muon``. Every matrix of a
+tensor's :class:`~..planning.views.MatrixLayout` (experts, a declared fused ``wqkv``) is
+orthogonalised alone with its own shape's ``adjusted_lr`` (DESIGN.md, "Matrix views"). The
+ns_floor benchmark times both paths against ``torch.optim.Muon`` and the matmul floor.
 
 State per parameter: ``momentum_buffer`` (the parameter's shape and dtype), what
 ``planning.cost.MUON_COST`` prices. The group keeps ``ns_dtype`` as its name (``"bfloat16"``):
@@ -86,14 +86,16 @@ def newton_schulz(
     eps: float = 1e-7,
     ns_dtype: torch.dtype | str = torch.bfloat16,
 ) -> Tensor:
-    """Approximately orthogonalise a 2D ``grad`` (``U V^T``): torch's
-    ``_zeropower_via_newtonschulz`` (cast to ``ns_dtype``, transpose when tall, divide by the
-    Frobenius norm clamped at ``eps``, ``ns_steps`` quintic iterations). Returns a new tensor of
-    ``grad``'s shape in ``ns_dtype``; ``grad`` is not modified."""
+    """Approximately orthogonalise a 2D ``grad`` (``U V^T``), or every matrix of a ``(batch, m,
+    n)`` stack (each by its own norm, batched matmuls): torch's ``_zeropower_via_newtonschulz``
+    (cast to ``ns_dtype``, transpose when tall, divide by the Frobenius norm clamped at ``eps``,
+    ``ns_steps`` quintic iterations). Returns a new tensor of ``grad``'s shape in ``ns_dtype``;
+    ``grad`` is not modified."""
     check_ns_args(ns_coefficients, ns_steps)
-    if grad.ndim != 2:
-        raise ValueError(f"Newton-Schulz needs a 2D matrix, got shape {tuple(grad.shape)}")
-    x = grad.to(resolve_ns_dtype(ns_dtype), copy=True)  # copy: never scale the caller's tensor in place
+    if grad.ndim not in (2, 3):
+        raise ValueError(f"Newton-Schulz needs a 2D matrix or a (batch, m, n) stack, got shape {tuple(grad.shape)}")
+    layout = torch.contiguous_format if grad.ndim == 3 else torch.preserve_format  # a 2D one read as torch reads it
+    x = grad.to(resolve_ns_dtype(ns_dtype), memory_format=layout, copy=True)  # never scale the caller's in place
     return newton_schulz_(x, ns_coefficients, ns_steps, eps)
 
 
@@ -104,13 +106,10 @@ def newton_schulz_batched(
     eps: float = 1e-7,
     ns_dtype: torch.dtype | str = torch.bfloat16,
 ) -> Tensor:
-    """:func:`newton_schulz` of every matrix of a ``(batch, m, n)`` stack at once (each by its own
-    norm, batched matmuls); a new tensor in ``ns_dtype``, ``grads`` not modified."""
-    check_ns_args(ns_coefficients, ns_steps)
+    """:func:`newton_schulz` of a ``(batch, m, n)`` stack (``ValueError`` for any other shape)."""
     if grads.ndim != 3:
         raise ValueError(f"expected a (batch, m, n) stack, got shape {tuple(grads.shape)}")
-    stack = grads.to(resolve_ns_dtype(ns_dtype), memory_format=torch.contiguous_format, copy=True)
-    return newton_schulz_(stack, ns_coefficients, ns_steps, eps)
+    return newton_schulz(grads, ns_coefficients, ns_steps, eps, ns_dtype)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
@@ -217,10 +216,8 @@ def muon(
     layouts: list[MatrixLayout] | None = None,
 ) -> None:
     """One Muon step of ``params`` in place, updating ``momentum_buffers`` (zeros at the first
-    step): as torch's ``torch.optim._muon.muon``, a pure function of lists of tensors and
-    :class:`Muon`'s hyperparameters (``lr`` a float), with no optimizer object. ``layouts``: each
-    parameter's :class:`~..planning.views.MatrixLayout` (default: declared on it, else its
-    shape's); every matrix is orthogonalised alone, ``batched`` in same-shape stacks."""
+    step): the package docstring's pure function (``lr`` a float). ``layouts``: each
+    parameter's :class:`~..planning.views.MatrixLayout` (default: declared, else by shape)."""
     if not len(params) == len(grads) == len(momentum_buffers):
         raise ValueError("muon: params, grads and momentum_buffers must have the same length")
     if layouts is None:
@@ -237,6 +234,7 @@ def muon(
         adjust_lr_fn=adjust_lr_fn,
         ns_args=(ns_coefficients, ns_steps, eps),
         ns_dtype=resolve_ns_dtype(ns_dtype),
+        torch_forms=not batched,
     )
     if batched:
         step.run_batched()
@@ -272,8 +270,10 @@ class _MuonStep:
         adjust_lr_fn: str | None,
         ns_args: tuple[tuple[float, float, float], int, float],
         ns_dtype: torch.dtype,
+        torch_forms: bool = True,
     ) -> None:
         self.params, self.grads, self.bufs, self.layouts = params, grads, bufs, layouts
+        self.torch_forms = torch_forms  # Newton-Schulz in torch's calls (else the fast form)
         self.lr, self.weight_decay, self.momentum, self.nesterov = lr, weight_decay, momentum, nesterov
         self.adjust_lr_fn, self.ns_args, self.ns_dtype = adjust_lr_fn, ns_args, ns_dtype
         self.moved = [False] * len(params)  # momentum updated this step
@@ -322,7 +322,7 @@ class _MuonStep:
         target.add_(update, alpha=-adjust_lr(self.lr, self.adjust_lr_fn, shape))
 
     def orthogonalise_alone(self, piece: _Piece) -> Tensor:
-        """``piece``'s update through torch's per-matrix Newton-Schulz, ``(matrices, rows, cols)``."""
+        """``piece``'s update, one Newton-Schulz per matrix, ``(matrices, rows, cols)``."""
         i = piece[0]
         self.move(i)
         grad, buf = self.run_view(self.grads[i], piece), self.run_view(self.bufs[i], piece)
@@ -343,10 +343,10 @@ class _MuonStep:
         self.land(i, p, update, p.shape)
 
     def newton_schulz_alone(self, update: Tensor, fresh: bool) -> Tensor:
-        """torch's Newton-Schulz of one 2D ``update``; ``fresh``: a tensor of ours, which may be
-        scaled in place when it is already in ``ns_dtype`` (else it is cast or copied first)."""
+        """The Newton-Schulz of one 2D ``update``, in the step's form; ``fresh``: a tensor of
+        ours, which may be scaled in place when already in ``ns_dtype`` (else cast or copied)."""
         x = update.to(self.ns_dtype) if fresh else update.to(self.ns_dtype, copy=True)
-        return newton_schulz_(x, *self.ns_args)
+        return newton_schulz_(x, *self.ns_args, torch_forms=self.torch_forms)
 
     def plain(self, i: int) -> bool:
         """Whether tensor ``i`` is one plain 2D matrix: its layout single and the tensor that
@@ -355,21 +355,24 @@ class _MuonStep:
         shape = (layout.rows, layout.cols)
         return layout.single and tuple(p.shape) == shape and tuple(g.shape) == shape
 
+    def step_alone(self, piece: _Piece) -> None:
+        """``piece`` without a stack: a plain matrix in torch's own operations, else its views."""
+        if self.plain(piece[0]):
+            self.step_plain(piece[0])
+        else:
+            self.apply(piece, self.orthogonalise_alone(piece))
+
     def run_per_matrix(self) -> None:
         """torch's loop: each tensor's momentum, Newton-Schulz per matrix and update in turn."""
         for i in range(len(self.params)):
-            if self.plain(i):
-                self.step_plain(i)
-                continue
             for piece in self.pieces(i):
-                self.apply(piece, self.orthogonalise_alone(piece))
+                self.step_alone(piece)
 
     def run_batched(self) -> None:
-        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: the per-matrix path).
+        """One stacked Newton-Schulz per same-shape bucket (a lone matrix: no stack).
 
-        Tensor subclasses (owner-layout DTensors handed over directly) step per matrix: the
-        stack is written with ``out=`` calls their rules do not take, and the two paths round
-        alike, so the result is the same."""
+        Tensor subclasses (owner-layout DTensors handed over directly) step per matrix in
+        torch's calls: the stack is written with ``out=`` calls their rules do not take."""
         if any(type(t) not in (Tensor, torch.nn.Parameter) for t in (*self.params, *self.grads, *self.bufs)):
             self.run_per_matrix()
             return
@@ -386,8 +389,8 @@ class _MuonStep:
         (two iterates, the Gram matrix and its update) stays within ``_CPU_STACK_BYTES``: a
         stack that outgrows the cache makes every batched call stream it, and the calls it
         saves cost microseconds against milliseconds of matmul (float32 at 256 x 1024: 16%
-        slower than matrix by matrix). A run of a stacked tensor is never cut; both paths round
-        alike, so the stacks do not change the result."""
+        slower than matrix by matrix). A run of a stacked tensor is never cut; each matrix
+        rounds as alone, so the stacks do not change the result."""
         if device.type != "cpu":
             return [pieces]
         s, long = sorted(shape)
@@ -400,13 +403,10 @@ class _MuonStep:
         return stacks
 
     def run_stack(self, bucket: list[_Piece], shape: tuple[int, int], device: torch.device) -> None:
-        """One stacked Newton-Schulz of ``bucket``'s matrices (a lone matrix: torch's exact path)."""
+        """One stacked Newton-Schulz of ``bucket``'s matrices (a lone matrix: no stack)."""
         total = sum(count for *_, count in bucket)
         if total == 1:
-            if self.plain(bucket[0][0]):
-                self.step_plain(bucket[0][0])
-            else:
-                self.apply(bucket[0], self.orthogonalise_alone(bucket[0]))
+            self.step_alone(bucket[0])
             return
         stack = torch.empty((total, *shape), dtype=self.ns_dtype, device=device)
         start = 0
@@ -420,7 +420,7 @@ class _MuonStep:
             else:
                 dst.copy_(buf)
             start += count
-        orthos = newton_schulz_(stack, *self.ns_args)
+        orthos = newton_schulz_(stack, *self.ns_args, torch_forms=self.torch_forms)
         start = 0
         for piece in bucket:
             self.apply(piece, orthos[start : start + piece[2]])

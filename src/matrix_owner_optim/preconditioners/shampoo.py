@@ -345,10 +345,9 @@ def shampoo(
     layouts: list[MatrixLayout] | None = None,
     bands: list[tuple[int, int] | None] | None = None,
 ) -> None:
-    """One Shampoo step of ``params`` in place: as torch's ``torch.optim._muon.muon``, a pure
-    function of lists and :class:`Shampoo`'s validated hyperparameters. ``states[k]``: parameter
-    ``k``'s state as :class:`Shampoo` initialises it, updated in place. ``layouts``: each
-    parameter's :class:`~..planning.views.MatrixLayout` (default: declared, else by shape).
+    """One Shampoo step of ``params`` in place (the package docstring's pure function).
+    ``states[k]``: parameter ``k``'s state as :class:`Shampoo` initialises it, updated in place.
+    ``layouts``: each parameter's :class:`~..planning.views.MatrixLayout` (default: declared, else by shape).
     ``bands``: per parameter None, or ``(first row, rows of the whole matrix)`` for a band cut at
     block boundaries (DESIGN.md, "Experts as ownable units"): its blocks keep the whole matrix's
     indices and step exactly as there, since blocks share nothing.

@@ -52,7 +52,15 @@ from torch import Tensor
 
 from ..planning.cost import SOAP_COST, FunctionCostModel, soap_cost, soap_working_shape
 from ..planning.views import MatrixLayout, matrix_layout_of
-from ._common import MatrixOptimizer, MatrixState, as_float, check_nonnegative, matrix_positions, state_dtype_for
+from ._common import (
+    MatrixOptimizer,
+    MatrixState,
+    as_float,
+    check_nonnegative,
+    eigh_with_retry,
+    matrix_positions,
+    state_dtype_for,
+)
 
 __all__ = ["SOAP", "soap", "soap_layout"]
 
@@ -83,14 +91,10 @@ def _project_back(x: Tensor, ql: Tensor | None, qr: Tensor | None) -> Tensor:
 
 
 def _eigh_basis(mat: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric ``mat``, columns ordered by eigenvalue, descending."""
+    """Eigenvectors of a symmetric ``mat``, columns ordered by eigenvalue, descending (a float32
+    convergence failure retried in float64, as the reference)."""
     eye = torch.eye(mat.shape[0], dtype=mat.dtype, device=mat.device)
-    try:
-        _, vecs = torch.linalg.eigh(mat + _EIGH_EPS * eye)
-    except RuntimeError:  # convergence failure in float32: retry in float64 (as the reference)
-        _, vecs = torch.linalg.eigh(mat.double() + _EIGH_EPS * eye.double())
-        vecs = vecs.to(mat.dtype)
-    return torch.flip(vecs, [1])
+    return torch.flip(eigh_with_retry(mat + _EIGH_EPS * eye)[1], [1])
 
 
 def _refresh_basis(factor: Tensor, basis: Tensor, exp_avg_sq: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -172,12 +176,6 @@ class SOAP(MatrixOptimizer):
             return
         super()._check_shape(tensor, group, name, what)
 
-    @staticmethod
-    def layout(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> tuple[tuple[int, int], bool, bool]:
-        """``((a, b), left, right)``: the 2D shape SOAP works in and which sides it rotates
-        (see :func:`soap_layout`)."""
-        return soap_layout(shape, group["max_precond_dim"], bool(group["merge_dims"]), bool(group["precondition_1d"]))
-
     def _layout_of(self, p: Tensor) -> MatrixLayout | None:
         """``p``'s matrix layout (None for a 1D parameter)."""
         return None if p.ndim == 1 else self.matrix_layout(p)
@@ -191,7 +189,8 @@ class SOAP(MatrixOptimizer):
         state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=device)
         state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, device=device)
         for (shape, run, index), gm in zip(_matrices(p, layout), _views(layout, grad), strict=True):
-            (a, b), left, right = self.layout(shape, group)
+            flags = bool(group["merge_dims"]), bool(group["precondition_1d"])
+            (a, b), left, right = soap_layout(shape, group["max_precond_dim"], *flags)
             g = gm.to(dtype).reshape(a, b)
             ms = MatrixState(state, layout, run, index)
             count = 1 if ms.single else layout.matrix_shapes()[run][0]  # type: ignore[union-attr]
@@ -282,12 +281,10 @@ def soap(
     normalize_grads: bool,
     layouts: list[MatrixLayout | None] | None = None,
 ) -> None:
-    """One SOAP step (step 2 of the module docstring) of ``params`` in place: as torch's
-    ``torch.optim._muon.muon``, a pure function of lists and :class:`SOAP`'s hyperparameters
-    (``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s state, initialised by a first
-    call (:class:`SOAP` does that and updates nothing then), updated in place. ``layouts``: each
-    parameter's :class:`~..planning.views.MatrixLayout`, None for a 1D one (default: declared,
-    else by shape)."""
+    """One SOAP step (step 2 of the module docstring) of ``params`` in place (the package
+    docstring's pure function; ``shampoo_beta`` resolved). ``states[k]``: parameter ``k``'s
+    state, initialised by a first call (:class:`SOAP` does that and updates nothing then).
+    ``layouts``: each :class:`~..planning.views.MatrixLayout`, None for a 1D parameter."""
     if not len(params) == len(grads) == len(states):
         raise ValueError("soap: params, grads and states must have the same length")
     if layouts is None:
