@@ -66,9 +66,10 @@ def _events(prof: Any, prefixes: tuple[str, ...]) -> Iterator[tuple[str, float, 
     """``(name, start_us, end_us, kineto event)`` of a finished profiler's events whose name
     starts with one of ``prefixes``, times from the trace start as ``prof.events()`` gives them.
 
-    Read off the raw kineto results: ``prof.events()`` first builds torch's ``FunctionEvent``
-    for every recorded op and their tree, which on CPU costs far more than the profiled code
-    (a profiled owner-layout optimizer step: about 0.4 s to parse, for a step of a few ms)."""
+    Read off the raw kineto results: ``prof.events()`` first builds a
+    ``torch.autograd.profiler_util.FunctionEvent`` for every recorded op, and their tree, which
+    on CPU costs far more than a small profiled step (0.69 s a parse in the trajectory test
+    under load, against milliseconds for the step)."""
     results = prof.profiler.kineto_results
     origin = results.trace_start_ns()
     for e in results.events():
