@@ -25,7 +25,8 @@ from _tolerances import DDP_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.multirank
+# one xdist worker runs the module, so its cached gloo job (results()) spawns once per run
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("ddp")]
 
 W = 2
 STEPS = 20

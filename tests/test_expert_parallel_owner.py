@@ -51,7 +51,8 @@ from _tp import (
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 
-pytestmark = pytest.mark.multirank
+# one xdist worker runs the module, so its cached gloo job (results()) spawns once per run
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("expert_parallel_owner")]
 
 EXPERTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 EXPERTS_MODULE = "moe.routed_experts.inner_experts"

@@ -48,6 +48,9 @@ from matrix_owner_optim.sharding.module import context_of
 from matrix_owner_optim.tensors import local_tensor
 from matrix_owner_optim.toolbox.models.gpt import GPT
 
+# one xdist worker runs the module, so the module fixture's gloo job spawns once per run
+pytestmark = pytest.mark.xdist_group("fsdp2_api")
+
 STEPS = 3
 W = 2
 OPTIM: dict[str, Any] = dict(matrix="muon", matrix_options=MUON_OPTS, tail="adamw", tail_options=ADAMW_OPTS)

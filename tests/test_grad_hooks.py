@@ -172,7 +172,10 @@ def _job(rank: int, W: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+# one xdist worker per world size runs its tests, so the module fixture spawns once per W and run
+@pytest.fixture(
+    scope="module", params=[pytest.param(W, marks=pytest.mark.xdist_group(f"grad_hooks_w{W}")) for W in (2, 3)]
+)
 def spawned(request: pytest.FixtureRequest) -> list[dict[str, dict[str, Any]]]:
     return spawn_ranks(_job, request.param)
 

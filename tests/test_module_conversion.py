@@ -109,7 +109,10 @@ def _job(rank: int, W: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+# one xdist worker per world size runs its tests, so the module fixture spawns once per W and run
+@pytest.fixture(
+    scope="module", params=[pytest.param(W, marks=pytest.mark.xdist_group(f"module_conversion_w{W}")) for W in (2, 3)]
+)
 def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return spawn_ranks(_job, request.param)
 

@@ -30,7 +30,8 @@ from _ref import fully_shard_model, rel_err
 from _tolerances import PP_LOSS_RTOL, PP_PARAM_RTOL
 from matrix_owner_optim import OwnerRoutedOptimizer
 
-pytestmark = pytest.mark.multirank
+# one xdist worker runs the module, so its cached gloo job (results()) spawns once per run
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("pipeline_stages")]
 
 VOCAB, D, HIDDEN, SEQ = 16, 12, 20, 6
 BATCH, MICRO, STEPS = 8, 2, 3

@@ -33,7 +33,8 @@ from _tolerances import STOCK_FSDP2_RTOL as TOL
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.toolbox.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.multirank
+# one xdist worker runs the module, so its cached gloo jobs (results(W)) spawn once per W and run
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("stock_fsdp2")]
 
 STEPS = 20
 BATCH = 12  # global batch: rank r of W takes rows [r*B/W, (r+1)*B/W); divisible by 2, 3, 4

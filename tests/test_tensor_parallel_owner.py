@@ -74,7 +74,8 @@ from _tp import (
 from matrix_owner_optim import CommCounter, OwnerRoutedOptimizer
 from matrix_owner_optim.preconditioners import Muon
 
-pytestmark = pytest.mark.multirank
+# one xdist worker runs the module, so its cached gloo job (results()) spawns once per run
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("tensor_parallel_owner")]
 
 MUON_F32 = {**MUON, "ns_dtype": torch.float32}
 CASES = {

@@ -48,7 +48,15 @@ class RankError(RuntimeError):
 
 
 # What a forkserver imports once before forking ranks (``spawn_ranks(start_method="forkserver")``).
-FORKSERVER_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp", "matrix_owner_optim")
+# torch._dynamo: the first ``torch.optim.Optimizer`` of a process imports it (torch._compile's
+# disable wrapper), about 1 s of a rank's start on a 2-core CPU otherwise.
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "matrix_owner_optim",
+)
 
 
 def free_port() -> int:
