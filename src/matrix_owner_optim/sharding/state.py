@@ -1,9 +1,5 @@
-"""One state object per ``fully_shard`` call (FSDP2's ``FSDPState``): options, hooks, lazy init.
-
-A call adopts the states of the calls made before inside its modules, so the outermost call is
-the root of one :class:`~.tree.ShardTree` that every state points to; the plan is fixed lazily
-(DESIGN.md, "Lazy sharding"). The hooks are this object's methods: they fix the plan if needed
-and hand the unit to the tree's :class:`~.context.ShardingContext`.
+"""One state object per ``fully_shard`` call (FSDP2's ``FSDPState``): options, hooks, lazy init;
+every state of a tree points to its :class:`~.tree.ShardTree` (DESIGN.md, "Lazy sharding").
 """
 
 from __future__ import annotations
@@ -91,8 +87,7 @@ class OwnerShardState:
 
     # -- the tree --------------------------------------------------------------------------------
     def register(self) -> None:
-        """Become the root of ``tree`` (every state re-pointed to it), record this state on its
-        modules, install the hooks and link the parameters that wait for the plan."""
+        """Become the root of ``tree``, record this state on its modules and install the hooks."""
         self.tree.states.append(self)
         for st in self.tree.states:
             st.tree = self.tree
@@ -103,8 +98,7 @@ class OwnerShardState:
         self.link_parameters()
 
     def link_parameters(self) -> None:
-        """Link the call's parameters that wait for the plan to this state (a nested tree's keep
-        their own); again after ``nn.Module._apply``."""
+        """Link the call's parameters that wait for the plan to this state (again after ``_apply``)."""
         foreign = foreign_parameters(self.modules, self.tree.states)
         for m in self.modules:
             for p in m.parameters():
@@ -158,8 +152,8 @@ class OwnerShardState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once every node of this forward of the
-    unit has produced its input gradients (FSDP2's ``RegisterPostBackwardFunction``)."""
+    """Identity on a unit's inputs whose backward marks the unit's backward done (FSDP2's
+    ``RegisterPostBackwardFunction``)."""
 
     @staticmethod
     def forward(ctx: Any, context: ShardingContext, unit: ShardedUnit, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
