@@ -6,7 +6,7 @@ hyperparameters live in the parent's groups (:class:`ChildGroup`), state in the 
 from __future__ import annotations
 
 import math
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, NoReturn
 
 import torch
@@ -71,22 +71,10 @@ class ChildGroup(dict):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return dict.__len__(self) + sum(1 for k in self.parent if k not in _OWN_KEYS)
 
-    def keys(self) -> KeysView[str]:  # type: ignore[override]
-        return KeysView(self)
-
-    def values(self) -> ValuesView[Any]:  # type: ignore[override]
-        return ValuesView(self)
-
-    def items(self) -> ItemsView[str, Any]:  # type: ignore[override]
-        return ItemsView(self)
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return self[key] if key in self else default
-
-    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        if key not in self:
-            self[key] = default
-        return self[key]
+    # Mapping's own implementations, over the methods above (dict's would bypass them)
+    keys, values, items = Mapping.keys, Mapping.values, Mapping.items  # type: ignore[assignment]
+    get, __eq__ = Mapping.get, Mapping.__eq__  # type: ignore[assignment]
+    setdefault, update = MutableMapping.setdefault, MutableMapping.update  # type: ignore[assignment]
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:  # type: ignore[override]
         if key in self:
@@ -99,11 +87,6 @@ class ChildGroup(dict):  # type: ignore[type-arg]
 
     def popitem(self) -> NoReturn:
         raise TypeError("a child optimizer's param group has no last item to pop; pop a key by name")
-
-    def update(self, other: Any = (), /, **kwargs: Any) -> None:  # type: ignore[override]
-        pairs = other.items() if isinstance(other, Mapping) else other
-        for key, value in [*pairs, *kwargs.items()]:
-            self[key] = value
 
     def clear(self) -> None:
         for key in list(self):
@@ -121,9 +104,6 @@ class ChildGroup(dict):  # type: ignore[type-arg]
     def __ior__(self, other: Any) -> ChildGroup:  # type: ignore[override,misc]
         self.update(other)
         return self
-
-    def __eq__(self, other: object) -> bool:
-        return self.copy() == (other.copy() if isinstance(other, ChildGroup) else other)
 
     __hash__ = None  # type: ignore[assignment]
 
