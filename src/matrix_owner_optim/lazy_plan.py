@@ -40,8 +40,7 @@ def _owner(param: Any) -> LazyPlan | None:
 
 
 def fix_lazy_plans(params: Iterable[Any], cost: CostModel | None = None) -> None:
-    """Fix the plan of every pending tree ``params`` belong to, in parameter order (collective);
-    ``cost`` prices it unless a ``fully_shard`` call named one."""
+    """Fix the plan of every pending tree of ``params`` (collective, parameter order)."""
     seen: set[int] = set()
     for p in params:
         owner = _owner(p)

@@ -139,8 +139,7 @@ class PendingBroadcast:
     batches: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]]
 
     def wait(self) -> None:
-        """Complete them and copy what arrived into the pieces; raises first when a sender was
-        at another step."""
+        """Complete them and copy what arrived; raises first when a sender was at another step."""
         batches, self.batches = self.batches, []
         for work, _, _, _ in batches:
             if work is not None:
@@ -163,8 +162,7 @@ class PendingBroadcast:
 
 
 def issue_broadcast(replicas: ReplicaSync, pieces: list[tuple[torch.Tensor, int]]) -> PendingBroadcast:
-    """Issue one async broadcast per (step replica, dtype) of ``pieces`` and the sender's step
-    count, in step-replica then plan order (the same on every rank)."""
+    """Issue one async broadcast per (step replica, dtype) of ``pieces`` and the step count."""
     batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for t, r in sorted(pieces, key=lambda x: x[1]):  # stable: plan order per replica
         batches.setdefault((r, t.dtype), []).append(t)

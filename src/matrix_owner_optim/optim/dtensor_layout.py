@@ -295,8 +295,7 @@ class DTensorLayout(UpdateLayout):
     def _assemble_tp_grads(
         self, b: _Bucket, grads: list[torch.Tensor | None], dirty: bool
     ) -> tuple[list[torch.Tensor | None], bool]:
-        """Tensor parallel: one all-gather over the TP group gives each owner the whole gradient,
-        and ORs the dirty flags over TP (every TP owner resyncs alike)."""
+        """Tensor parallel: one all-gather over the TP group gives each owner the whole gradient."""
         slices = _tp_slices(b.mine)
         mine = []
         for m, g in zip(b.mine, grads, strict=True):
@@ -312,8 +311,7 @@ class DTensorLayout(UpdateLayout):
         return whole, any(h[0] != 0 for h in headers)
 
     def _resync(self, b: _Bucket, *, dp: bool = True, tp: bool = False) -> None:
-        """Rebuild the owners' full copies from the shards (first step, or after outside edits):
-        ``dp`` over the shard group, then ``tp`` over the TP group."""
+        """Rebuild the owners' full copies from the shards (over ``dp``, then ``tp``)."""
         W = b.world_size
         if dp:
             send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
@@ -373,8 +371,7 @@ class DTensorLayout(UpdateLayout):
 
     # -- state dicts ---------------------------------------------------------------------------
     def state_place(self, rp: RoutedParam) -> StatePlace | None:
-        """A matrix's state is its owner's (an expert stack's: this ep coordinate's experts);
-        shard-local state is a piece of the parameter's layout."""
+        """A matrix's state is its owner's; shard-local state is a piece of the parameter's layout."""
         group = self._group_of.get(id(rp))
         if rp.owner is None or group is None:
             return StatePlace(None, like=rp.param)

@@ -29,8 +29,7 @@ SUPPORTED = (
 
 @dataclass(frozen=True)
 class MatrixSharding:
-    """The FSDP mesh dim a matrix's rows are split on (None: replicated on every mesh dim) and,
-    on a 2D mesh, its slice along the parallel axis (tensor or expert parallel)."""
+    """The FSDP mesh dim a matrix's rows are split on (None: replicated) and its parallel slice."""
 
     dp_dim: int | None
     tp: MeshSlice | None = None

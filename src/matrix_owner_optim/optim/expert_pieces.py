@@ -30,8 +30,7 @@ def _flat(mesh: Any, label: str) -> Any:
 def expert_pieces(
     mesh: Any, slices: Sequence[MeshSlice], owners: Sequence[int], labels: Sequence[str]
 ) -> list[RowPieces]:
-    """Collective over ep (mesh dim 1): the state layout of each stack ``i``, split over ep as
-    ``slices[i]`` and owned in this rank's efsdp group by ``owners[i]``."""
+    """Collective over ep: the state layout of each stack, split as ``slices[i]``, owned by ``owners[i]``."""
     flat = _flat(mesh, labels[0])
     per_ep = comm.all_gather_object(list(owners), group=mesh.get_group(1), name="expert_owner_plans")
     flat_ranks = [int(r) for r in flat.mesh.flatten().tolist()]

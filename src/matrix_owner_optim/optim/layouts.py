@@ -52,8 +52,7 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayoutConfig:
-    """What every update layout of one optimizer may need to know: the matrix cost that prices
-    owner planning, and ``OwnerRoutedOptimizer``'s ``replicated`` and ``replica_broadcast``."""
+    """What every update layout of one optimizer may need to know."""
 
     matrix_cost: CostModel = DEFAULT_COST
     replicated: str = "owner"
@@ -73,8 +72,7 @@ class UpdateLayout(ABC):
 
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
-        """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``.
-        Pure: what needs other ranks waits for :meth:`agree`."""
+        """Take new parameters: set ``proxy`` and ``owner``. Pure: what needs other ranks waits for :meth:`agree`."""
 
     def agree(self) -> None:
         """Collective, the construction step after routing: check every owner plan :meth:`add`

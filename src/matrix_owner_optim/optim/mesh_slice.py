@@ -27,8 +27,7 @@ class AxisKind(enum.Enum):
 
 @dataclass(frozen=True)
 class MeshSlice:
-    """Which slice of a matrix this rank's coordinate ``rank`` on mesh dim ``mesh_dim`` holds:
-    tensor dim ``dim`` split in ``torch.chunk`` ``sizes``."""
+    """Which slice (tensor dim ``dim`` in ``torch.chunk`` ``sizes``) this rank's coordinate holds."""
 
     axis: AxisKind
     mesh_dim: int

@@ -285,8 +285,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             seen[label] = rp
 
     def _check_one_layout(self, new: list[RoutedParam]) -> None:
-        """Refuse plain tensors next to owner-sharded ones in a multi-rank job (nothing averages
-        their gradients, so the ranks would drift apart)."""
+        """Refuse plain tensors next to owner-sharded ones in a multi-rank job (nothing averages them)."""
         everything = self._routed + new
         sharded = [
             rp
@@ -362,8 +361,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _any_nonfinite_grad(self) -> bool:
-        """Whether any rank holds a non-finite gradient: a local max-abs per tensor, then one
-        all-reduce that carries the step count too (``agreement.agree_nonfinite``)."""
+        """Whether any rank holds a non-finite gradient (one all-reduce, carrying the step count)."""
         grads: list[torch.Tensor] = []
         for rp in self._routed:
             g = rp.param.grad

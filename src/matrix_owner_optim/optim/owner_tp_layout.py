@@ -35,8 +35,7 @@ class _Assembled:
 
 
 def _check_expert_slice(rp: RoutedParam, tp: Shard) -> None:
-    """Refuse a >2D matrix on a 2D mesh unless it is a 3D ``"stack"`` split by ``Shard(0)`` on ep
-    (whole experts); anything else would step pieces of matrices."""
+    """Refuse a >2D matrix on a 2D mesh unless it is a 3D ``"stack"`` split by ``Shard(0)`` on ep."""
     p = rp.param
     view = rp.view.kind if rp.view is not None else None
     if tp.dim != 0 or p.dim() != 3 or view != "stack":

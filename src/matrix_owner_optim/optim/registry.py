@@ -109,8 +109,7 @@ GROUP_FLAGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType(
 
 
 def group_flags(factory: OptimizerFactory, role: str) -> dict[str, Any]:
-    """The flags every param group of ``role`` gets for ``factory`` (:data:`GROUP_FLAGS`, by class
-    path along its MRO)."""
+    """The flags every param group of ``role`` gets for ``factory`` (:data:`GROUP_FLAGS`)."""
     for cls in getattr(factory, "__mro__", (factory,)):
         flags = GROUP_FLAGS.get(f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}")
         if flags is not None:

@@ -49,8 +49,7 @@ def optimizer_kind(role: Role) -> OptimizerKind:
 
 @dataclass(eq=False)
 class RoutedParam:
-    """One parameter as the router sees it; ``proxy`` is the tensor its optimizer updates on
-    this rank (None when another rank updates it)."""
+    """One parameter as the router sees it; ``proxy``: what its optimizer updates here (or None)."""
 
     param: torch.Tensor
     name: str | None
@@ -87,8 +86,7 @@ class UserGroup:
 
     @property
     def named(self) -> bool:
-        """Whether the user named every parameter; then the groups record ``param_names``, as
-        ``torch.optim`` does (a module's own names route but are not recorded)."""
+        """Whether the user named every parameter (then the groups record ``param_names``)."""
         return self.names_given and bool(self.params) and all(rp.name is not None for rp in self.params)
 
 
@@ -259,8 +257,7 @@ def resolve_roles(
 
 
 def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> None:
-    """Refuse stacks for an optimizer without ``accepts_matrix_views`` and bands for one without
-    ``accepts_row_bands``."""
+    """Refuse stacks and bands for a matrix optimizer that does not step them."""
     if not getattr(factory, "accepts_row_bands", False):
         for rp in rps:
             if rp.role is Role.MATRIX and _is_band(rp):

@@ -281,8 +281,7 @@ def agreed_local_state(
     label: Callable[[RoutedParam], str],
     process_group: Any,
 ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
-    """``load_state_dict``'s checks, agreed by every rank before any changes anything (a refusal
-    on one is raised on all); returns (saved groups, this rank's state)."""
+    """``load_state_dict``'s checks, agreed by every rank before any changes anything."""
     by_param = {id(rp.param): rp for rp in routed}
     error: Exception | None = None
     saved_groups: list[dict[str, Any]] = []

@@ -109,8 +109,7 @@ def entry(place: StatePlace | None, key: str, value: Any, what: str) -> Any:
 
 
 def spec(value: Any) -> tuple[Any, ...]:
-    """What another rank needs to list ``value``'s entry empty: ``("value", v)`` or
-    (shape, dtype, device, holder, kind)."""
+    """What another rank needs to list ``value``'s entry empty."""
     if not isinstance(value, torch.Tensor):
         return ("value", value)
     if value.dim() == 0 and not is_dtensor(value):

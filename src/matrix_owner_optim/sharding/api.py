@@ -218,8 +218,7 @@ def mesh_device(mesh: Any, group: Any) -> torch.device:
 
 
 def move_states_to_device(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s parameters and buffers to ``device`` in place, as FSDP2 (not ``meta``
-    tensors or ``ignored_params``)."""
+    """Move ``module``'s parameters and buffers to ``device`` in place, as FSDP2."""
     for t in itertools.chain(module.parameters(), module.buffers()):
         if t.device.type == "meta" or t.device == device or is_ignored(t):
             continue

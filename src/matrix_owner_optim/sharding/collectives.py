@@ -139,8 +139,7 @@ class PendingGather:
 def all_gather_v(
     send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
 ) -> list[torch.Tensor] | PendingGather:
-    """Gather every rank's segment: one 1D tensor per rank (``send`` itself for ``rank``), or
-    with ``async_op=True`` a :class:`PendingGather`."""
+    """Gather every rank's segment (one 1D tensor per rank), or a :class:`PendingGather`."""
     W = len(sizes)
     if send.numel() != sizes[rank]:
         raise RuntimeError(f"segment of rank {rank} has {send.numel()} elements, layout says {sizes[rank]}")

@@ -151,8 +151,7 @@ class FSDP2Methods:
     """``FSDPModule`` methods beyond the owner layout's own (see :data:`FSDP_MODULE_METHODS`)."""
 
     def reset_iter_state(self) -> None:
-        """FSDP2's recovery after an exception aborted a pass, on the root: drops the iteration's
-        unreduced gradients and reshards every unit."""
+        """FSDP2's recovery after an exception aborted a pass, on the root."""
         assert isinstance(self, nn.Module)
         state = require_state(self)
         if state.root is not state:

@@ -166,8 +166,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
-        """``to_empty``, ``.to(...)``, ``half()`` keep the layout piece by piece (DESIGN.md, "Lazy
-        sharding"); parameters on ``meta`` fix the plan first."""
+        """``to_empty``, ``.to(...)``, ``half()`` keep the layout piece by piece (DESIGN.md, "Lazy sharding")."""
         state = require_state(self)
         if state.unit is None and _holds_meta(state):
             state.fix_plan()

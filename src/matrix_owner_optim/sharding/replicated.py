@@ -27,8 +27,7 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
 
 
 def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
-    """The 2D (dp, tp) mesh of a tensor-parallel ``p`` sharded over the 1D dp ``mesh``: the two
-    concatenated, as FSDP2 builds it; None when ``p`` is not such a parameter."""
+    """The 2D (dp, tp) mesh of a tensor-parallel ``p`` sharded over the dp ``mesh`` (None: not one)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     p_mesh = p.device_mesh

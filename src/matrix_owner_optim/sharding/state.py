@@ -49,8 +49,7 @@ def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
 
 
 class OwnerShardState:
-    """Everything one ``fully_shard`` call knows (one object, registered on each of its modules);
-    what its whole tree knows is ``tree``."""
+    """Everything one ``fully_shard`` call knows; what its whole tree knows is ``tree``."""
 
     modules: list[nn.Module]  # the call's modules (several in FSDP2's list form)
     group: Any  # shard process group
@@ -152,8 +151,7 @@ class OwnerShardState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward marks the unit's backward done (FSDP2's
-    ``RegisterPostBackwardFunction``)."""
+    """Identity on a unit's inputs, whose backward ends the unit's (FSDP2's ``RegisterPostBackwardFunction``)."""
 
     @staticmethod
     def forward(ctx: Any, context: ShardingContext, unit: ShardedUnit, *inputs: torch.Tensor) -> Any:  # type: ignore[override]

@@ -44,8 +44,7 @@ class TreeMember(PlannedCall, Protocol):
 
 @dataclass(eq=False)
 class ShardTree:
-    """The facts of one tree of ``fully_shard`` calls (module docstring); every state of the tree
-    points to this one object."""
+    """The facts of one tree of ``fully_shard`` calls; every state of the tree points to it."""
 
     states: list[TreeMember] = field(default_factory=list)  # planning order, the root last
     plan: ShardingPlan | None = None  # given by a call (plan=), else planned when fixed
