@@ -268,11 +268,11 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
     def _check_names(self, new: list[RoutedParam]) -> None:
         """Refuse two owner-sharded parameters with one fqn (state dicts key pieces by fqn)."""
-        seen = {self._label(rp): rp for rp in self._routed if rp.shard is not None}
+        seen = {rp.fqn: rp for rp in self._routed if rp.shard is not None}
         for rp in new:
             if rp.shard is None:
                 continue
-            label = self._label(rp)
+            label = rp.fqn
             other = seen.get(label)
             if other is not None:
                 raise ValueError(
@@ -305,8 +305,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if sharded and plain:
             rp = plain[0]
             raise ValueError(
-                f"OwnerRoutedOptimizer: parameter {self._label(rp)!r} (shape "
-                f"{tuple(rp.param.shape)}) is a plain tensor, while {self._label(sharded[0])!r} "
+                f"OwnerRoutedOptimizer: parameter {rp.fqn!r} (shape "
+                f"{tuple(rp.param.shape)}) is a plain tensor, while {sharded[0].fqn!r} "
                 "and others are owner-sharded by fully_shard; nothing averages the plain one's "
                 "gradient across ranks. It was registered after the sharding plan was fixed (the "
                 "first forward, state_dict() or optimizer construction), or its module is outside "
@@ -405,12 +405,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _partitioned_replicas(self) -> bool:
         return any(isinstance(lay, ReplicatedLayout) and lay.partitioned for lay in self.layouts())
 
-    @staticmethod
-    def _label(rp: RoutedParam) -> str:
-        if rp.name is not None:
-            return rp.name
-        return rp.shard.fqn if rp.shard is not None else rp.label
-
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, each partitioned value a piece of a global tensor (:mod:`.state_place`)
         so DCP reshards it; under DDP with owners, the whole state after
@@ -446,7 +440,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 self._group_user,
                 self._places(),
                 self.state,
-                self._label,
                 self._process_group,
             )
         except Exception:

@@ -200,7 +200,7 @@ def report_of_routes(
 ) -> RoutingReport:
     """The report of an optimizer's routed parameters (every rank's, not only this rank's)."""
     routed = list(routed)
-    names = [rp.name or (rp.shard.fqn if rp.shard is not None else rp.label) for rp in routed]
+    names = [rp.fqn for rp in routed]
     routers = router_fqns(names)
     rows = [
         _row(name, rp.global_shape, rp.param.dtype, rp.role, rp.view, rp.owner, (matrix_name, tail_name), routers)

@@ -73,6 +73,11 @@ class RoutedParam:
             return self.name
         return f"parameter #{self.index} {tuple(self.param.shape)}"
 
+    @property
+    def fqn(self) -> str:
+        """Its name, else its plan's fqn, else :attr:`label`: the key of its state and reports."""
+        return self.name or (self.shard.fqn if self.shard is not None else self.label)
+
 
 @dataclass
 class UserGroup:
@@ -210,12 +215,10 @@ def resolve_roles(
     )
     for g in groups:
         for rp in g.params:
-            names = []
-            if rp.name is not None:
-                names.append(rp.name)
-            if rp.shard is not None:
-                names.extend([rp.shard.fqn, *rp.shard.aliases])
-            shape = tuple(rp.shard.shape) if rp.shard is not None else tuple(rp.param.shape)
+            names = ([rp.name] if rp.name is not None else []) + (
+                [rp.shard.fqn, *rp.shard.aliases] if rp.shard is not None else []
+            )
+            shape = rp.global_shape
             override = overrides.lookup(names) if names else None
             if g.role is not None:
                 role = g.role

@@ -5,7 +5,7 @@ reshards it (DESIGN.md, "State dicts and checkpoints").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -188,7 +188,6 @@ def local_state(
     routed: list[RoutedParam],
     places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
-    label: Callable[[RoutedParam], str],
 ) -> dict[int, dict[str, Any]]:
     """This rank's state of each parameter it updates, by ``id(RoutedParam)`` (``current``: read in
     place when DCP wrote into it); ``KeyError`` names state missing while its group has some."""
@@ -208,7 +207,7 @@ def local_state(
         st = saved_state.get(key)
         if not st:
             if param.requires_grad and group_has_state:
-                missing.append(key if isinstance(key, str) else label(rp))
+                missing.append(key if isinstance(key, str) else rp.fqn)
             continue
         now = current.get(param, {})
         here = {k: _load_value(rp, places[id(rp)], k, v, now.get(k)) for k, v in st.items()}
@@ -278,7 +277,6 @@ def agreed_local_state(
     user_group: list[int],
     places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
-    label: Callable[[RoutedParam], str],
     process_group: Any,
 ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
     """``load_state_dict``'s checks, agreed by every rank before any changes anything."""
@@ -294,7 +292,7 @@ def agreed_local_state(
             user_group,
         )
         check_saved_groups(groups, saved_groups)
-        loaded = local_state(state_dict["state"], groups, saved_groups, routed, places, current, label)
+        loaded = local_state(state_dict["state"], groups, saved_groups, routed, places, current)
     except (KeyError, ValueError, TypeError) as exc:
         error = exc
     agree_verdict(error, optimizer_groups([rp.param for rp in routed], process_group), who="load_state_dict")
