@@ -45,7 +45,8 @@ _active: list[CommCounter] = []  # process-wide: every thread reports to these
 _local = threading.local()  # the phase, per thread
 
 
-def _phase() -> str:
+def current_phase() -> str:
+    """The phase collectives issued by this thread are attributed to now."""
     return getattr(_local, "phase", "other")
 
 
@@ -120,16 +121,11 @@ class CommCounter:
         return dict(Counter(r.op for r in self._select(phase)))
 
 
-def current_phase() -> str:
-    """The phase collectives issued by this thread are attributed to now."""
-    return _phase()
-
-
 @contextlib.contextmanager
 def comm_phase(phase: str) -> Iterator[None]:
     """Attribute collectives this thread issues inside the block to ``phase`` (other threads keep theirs)."""
     _check_phase(phase)
-    previous = _phase()
+    previous = current_phase()
     _local.phase = phase
     try:
         yield
@@ -142,7 +138,9 @@ def record(op: str, bytes_sent: int, bytes_received: int, phase: str | None = No
     _check_phase(phase)
     if not _active:  # unlocked peek: the common case, no counter, costs no lock
         return
-    rec = CommRecord(phase or _phase(), op, int(bytes_sent), int(bytes_received), threading.current_thread().name)
+    rec = CommRecord(
+        phase or current_phase(), op, int(bytes_sent), int(bytes_received), threading.current_thread().name
+    )
     with _lock:
         for c in _active:
             c.records.append(rec)

@@ -349,27 +349,20 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if self.last_step_skipped:
                 self.skipped_steps += 1
                 return loss
-            roles = list(self._kinds.values())
-            for ropt in roles:
-                ropt.before_step()
-            for ropt in roles:  # the children read the parent groups' values (ChildGroup)
-                ropt.step()
+            for layout in self.layouts():
+                layout.before_step()
+            for child in (r.child for r in self._kinds.values() if r.child is not None):
+                child.step()  # the children read the parent groups' values (ChildGroup)
             self._has_state = True
-            for ropt in roles:
-                ropt.after_step()
+            for layout in self.layouts():
+                layout.after_step()
         self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss
 
     def _any_nonfinite_grad(self) -> bool:
         """Whether any rank holds a non-finite gradient (one all-reduce, carrying the step count)."""
-        grads: list[torch.Tensor] = []
-        for rp in self._routed:
-            g = rp.param.grad
-            if g is None:
-                continue
-            g = local_tensor(g)
-            if g.numel():
-                grads.append(g.detach())
+        grads = [local_tensor(rp.param.grad).detach() for rp in self._routed if rp.param.grad is not None]
+        grads = [g for g in grads if g.numel()]
         device = grads[0].device if grads else self._routed[0].param.device
         flag = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
@@ -387,8 +380,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
         super().zero_grad(set_to_none=set_to_none)
-        for ropt in self._kinds.values():
-            ropt.zero_grad(set_to_none)
+        for layout in self.layouts():
+            layout.zero_grad(set_to_none)
 
     # -- state -------------------------------------------------------------------------------------
     def _ordered(self) -> list[RoutedParam]:

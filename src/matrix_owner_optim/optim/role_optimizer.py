@@ -203,22 +203,6 @@ class RoleOptimizer:
         else:
             self.child.add_param_group(group)
 
-    def before_step(self) -> None:
-        for layout in self.layouts.values():
-            layout.before_step()
-
-    def step(self) -> None:
-        if self.child is not None:
-            self.child.step()
-
-    def after_step(self) -> None:
-        for layout in self.layouts.values():
-            layout.after_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for layout in self.layouts.values():
-            layout.zero_grad(set_to_none)
-
 
 class ChildState(MutableMapping):  # type: ignore[type-arg]
     """The parent's ``state``: ``state[param]`` is the child's state of its proxy, where the

@@ -27,21 +27,11 @@ from .unit import ShardedUnit, TrainingState
 __all__ = [
     "OwnerShardedModule",
     "UnshardHandle",
-    "check_reshard_after_forward",
     "context_of",
     "register_fsdp_forward_method",
     "states_of",
     "units_of",
 ]
-
-
-def check_reshard_after_forward(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError(
-        f"set_reshard_after_forward({value!r}): takes True or False, as FSDP2's method (the int "
-        "form, a smaller reshard group, is an argument of fully_shard); pass True to free, False to keep"
-    )
 
 
 class UnshardHandle:
@@ -113,9 +103,13 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (``True``) or keep (``False``) non-owned tensors between forward and backward."""
-        value = check_reshard_after_forward(reshard_after_forward)
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): takes True or False, as FSDP2's method (the "
+                "int form, a smaller reshard group, is an argument of fully_shard); pass True to free, False to keep"
+            )
         for st in states_of(self, recurse):
-            st.options.reshard_after_forward = value
+            st.options.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the gathered tensors for the next micro-batch's forward, as in FSDP2."""
