@@ -71,7 +71,7 @@ def replicas_of(t: torch.Tensor) -> ReplicaSync | None:
 
 
 def steps_here(shard: MatrixShard | None, replicas: ReplicaSync | None) -> bool:
-    """Whether this rank's holder of ``shard`` steps it (not when another replica is its ``step_replica``)."""
+    """Whether this rank's holder of ``shard`` steps it (not when ``MatrixShard.step_replica`` is another)."""
     if shard is None or shard.step_replica is None or replicas is None:
         return True
     return shard.step_replica == replicas.rank

@@ -1,5 +1,5 @@
 """How a stock-FSDP2 DTensor matrix is cut: the placements ``DTensorLayout`` accepts (``SUPPORTED``),
-read once into a :class:`MatrixSharding`; anything else is refused, naming the parameter. Pure.
+read once into a :class:`MatrixSharding` (a ``MeshSlice`` on 2D meshes); anything else is refused. Pure.
 """
 
 from __future__ import annotations

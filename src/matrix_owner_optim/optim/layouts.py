@@ -75,8 +75,8 @@ class UpdateLayout(ABC):
         """Take new parameters: set ``proxy`` and ``owner``. Pure: what needs other ranks waits for :meth:`agree`."""
 
     def agree(self) -> None:
-        """Collective, the construction step after routing: check every owner plan :meth:`add`
-        made across its group (and TP group); layouts exchange what they place on other ranks."""
+        """Collective, the construction step after ``OwnerRoutedOptimizer._route``: check every owner
+        plan :meth:`add` made across its group (and TP group); exchange what lies on other ranks."""
         remedy = (
             "Every rank must build OwnerRoutedOptimizer over the same parameters (names, global shapes, "
             "dtypes, roles) in the same order."

@@ -2,7 +2,7 @@
 
 ``replicated="owner"``: each matrix's owner (:func:`plan_owners`) alone steps it and one
 ``all_to_all_single`` per dtype shares the new values (state on the owners only: consolidate
-before a rank-0 save); ``"redundant"``: every rank steps everything, zero bytes.
+before a rank-0 save, as ``ZeroRedundancyOptimizer``); ``"redundant"``: every rank steps all.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def plan_owners(
     *,
     cost: CostModel,
 ) -> tuple[list[int], ShardingPlan]:
-    """Owners for matrices ``rps`` and the plan they come from (for ``agree`` to check); updates
-    ``loads`` (bytes per rank): a batch's heaviest rank lands on the lightest one so far. Pure."""
+    """Owners for matrices ``rps`` and the ``planning.plan_tensors`` plan they come from (for ``agree``
+    to check); updates ``loads`` (bytes per rank): a batch's heaviest rank lands on the lightest. Pure."""
     specs = [
         TensorSpec(
             fqn=rp.name if rp.name is not None else f"param{rp.index}",

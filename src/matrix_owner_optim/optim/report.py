@@ -2,8 +2,8 @@
 
 A :class:`RoutingReport` of an optimizer (``opt.routing_report()``) or a plan counts tensors,
 matrices and bytes per optimizer and role, and names every >2D or large 2D tensor left to the
-tail. ``OwnerRoutedOptimizer`` logs it once on rank 0 at its first step, through this module's
-logger (DESIGN.md, "The routing report").
+tail. ``OwnerRoutedOptimizer`` logs it once on rank 0 at its first step, through the logger
+``matrix_owner_optim.optim.report`` (DESIGN.md, "The routing report").
 """
 
 from __future__ import annotations
@@ -139,11 +139,11 @@ ROUTER_REASON = "mixture-of-experts router: tail by default"
 
 
 def _human(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
+    for unit in ("", "K", "M", "G"):
+        if abs(n) < 1024:
             return f"{n:.0f} " if not unit else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} T"  # pragma: no cover - the loop returns
+    return f"{n:.1f} T"
 
 
 def _reason(name: str, shape: tuple[int, ...], role: Role, routers: set[str]) -> str:

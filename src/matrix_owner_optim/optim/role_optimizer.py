@@ -27,8 +27,8 @@ _MISSING = object()
 
 class ChildGroup(dict):  # type: ignore[type-arg]
     """A child optimizer's param group: its own ``params`` (and ``_OWN_KEYS``); every other key
-    is read and written in the parent group ``owner.param_groups[index]``. A copy (``dict(group)``,
-    ``copy``, pickling) is a plain ``dict`` of the current values.
+    is the parent group ``owner.param_groups[index]``'s (``torch.optim.Optimizer.add_param_group``
+    takes a dict subclass). A copy (``dict(group)``, pickling) is a plain ``dict`` of the values.
     """
 
     __slots__ = ("_owner", "_index")

@@ -1,9 +1,9 @@
 """Where a parameter's optimizer state lies: one base rule for every layout, both directions.
 
-A scalar stays plain; a value shaped like the parameter's local piece (or its rows) is a piece of
-the parameter's layout; anything else is the holder's. A layout says only where
-(:meth:`~.layouts.UpdateLayout.state_place`); :func:`entry`, :func:`empty_entry` and :func:`local`
-apply the rule (DESIGN.md, "State dicts and checkpoints").
+A scalar stays plain; a value shaped like the parameter's local piece (``StatePlace.like``) or its
+rows (``StatePlace.rows``) is a piece of its layout; anything else is ``StatePlace.holder``'s. A
+layout says only where (``UpdateLayout.state_place``); :func:`entry`, :func:`empty_entry` and
+:func:`local` apply the rule (DESIGN.md, "State dicts and checkpoints").
 """
 
 from __future__ import annotations

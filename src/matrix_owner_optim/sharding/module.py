@@ -258,7 +258,7 @@ class _Piecewise:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` gather and release the unit like ``forward``, as FSDP2's."""
+    """``module.<method_name>`` gathers like ``forward`` (``torch.distributed.fsdp.register_fsdp_forward_method``)."""
     state = state_of(module)
     if state is None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")

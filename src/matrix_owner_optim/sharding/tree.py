@@ -1,5 +1,5 @@
-"""One tree of ``fully_shard`` calls: the facts its calls share, in one object they all point to
-(as FSDP2's ``FSDPStateContext``; DESIGN.md, "Lazy sharding").
+"""One tree of ``fully_shard`` calls: the facts its calls share (its plan, cost and ``PlanPhase``), in
+one object they all point to, formed by ``ShardTree.join`` (as FSDP2's ``FSDPStateContext``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ShardTree:
     step_watchers: list[weakref.ref[Any]] = field(default_factory=list)  # optimizers whose step all-reduces
 
     def watch_steps(self, optimizer: Any) -> None:
-        """``optimizer``'s step count rides on the tree's forwards too (``agreement.watch_steps``)."""
+        """``optimizer``'s step count rides on the tree's forwards too (``ShardingContext.check_steps``)."""
         if not any(ref() is optimizer for ref in self.step_watchers):
             self.step_watchers.append(weakref.ref(optimizer))
 

@@ -1,5 +1,5 @@
-"""What a unit is given: its tree's process groups, the options the user sets on its module, and
-the one dtype it gathers and computes in.
+"""What a unit is given: its tree's process groups (``ShardGroups``), the options the user sets on
+its module (``UnitOptions``), and the one dtype it gathers and computes in.
 """
 
 from __future__ import annotations
