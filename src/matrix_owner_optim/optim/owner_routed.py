@@ -54,11 +54,9 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     Args:
         params: the model (roles by module type), ``model.named_parameters()`` (roles by
             name), ``model.parameters()`` (roles from the sharding plan, else by shape), or
-            param-group dicts of any of those. A group may carry ``"role"`` to force its
-            tensors' role, and any hyperparameter of the matrix or tail optimizer to override it.
-            The optimizer's own groups hold one tensor role each (``"role"``) and say which
-            optimizer steps them (``"optimizer"``: ``"matrix"`` or ``"tail"``), so
-            ``OwnerRoutedOptimizer(opt.param_groups)`` routes every tensor as ``opt`` did.
+            param-group dicts of any of those (a group's ``"role"`` forces its tensors' role).
+            The optimizer's own groups hold one ``"role"`` each and the ``"optimizer"`` that
+            steps them, so ``OwnerRoutedOptimizer(opt.param_groups)`` routes as ``opt`` did.
         matrix: registered name (``"muon"``, ``"shampoo"``, ...) or optimizer class for the
             ``matrix`` role; its cost model (``planning.catalog.resolve_cost``) prices the plan.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
@@ -68,8 +66,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             A glob that matches nothing is an error.
         matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}``: how a tensor is read
             as matrices (:mod:`matrix_owner_optim.planning.views`).
-        replicated: for parameters replicated on every rank of a multi-rank job (DDP),
-            ``"owner"`` updates each matrix on one owner and shares the result;
+        replicated: DDP: ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
         replica_broadcast: HSDP: when global owners send updated matrices to the other replicas:
             ``"step"`` or ``"forward"`` (DESIGN.md, "HSDP: one global owner per matrix").
