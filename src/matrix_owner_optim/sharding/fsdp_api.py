@@ -97,19 +97,15 @@ FSDP_MODULE_METHODS: dict[str, str] = {
 def resolve_reshard_after_forward(value: Any, shard_size: int) -> bool:
     """``reshard_after_forward`` as a bool (:data:`FULLY_SHARD_ARGUMENTS`)."""
     check_reshard_after_forward_type(value)
-    if value is None:
-        return True
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if not 1 <= value <= shard_size or shard_size % value != 0:
-            raise ValueError(
-                f"fully_shard(reshard_after_forward={value}): an int is the world size to reshard to after "
-                f"forward and must divide the shard size {shard_size} (1 <= N <= {shard_size}); pass a divisor, "
-                "or True / False"
-            )
-        return value == shard_size
-    raise AssertionError("unreachable: the type was checked")
+    if value is None or isinstance(value, bool):
+        return value is not False
+    if not 1 <= value <= shard_size or shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={value}): an int is the world size to reshard to after "
+            f"forward and must divide the shard size {shard_size} (1 <= N <= {shard_size}); pass a divisor, "
+            "or True / False"
+        )
+    return bool(value == shard_size)
 
 
 def check_reshard_after_forward_type(value: Any) -> None:
