@@ -7,16 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["TreeLink", "is_dtensor", "itemsize", "local_tensor", "tree_link"]
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch lacks it)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
     return isinstance(t, DTensor)
 
 
