@@ -1,9 +1,7 @@
 """matrix_owner_optim: owner-shaped ZeRO-3 sharding for matrix optimizers.
 
-Every 2D weight matrix lives whole on one data-parallel rank (its owner) and is an empty
-shard elsewhere, so Muon, Shampoo or SOAP run locally and ``optimizer.step()`` moves zero
-bytes. See DESIGN.md for the architecture and vocabulary. The ``toolbox`` subpackage holds the
-commands (``matrix-owner-optim``) and is never imported by the library.
+Every 2D weight matrix lives whole on one data-parallel rank (its owner), so Muon, Shampoo or SOAP
+run locally and ``optimizer.step()`` moves zero bytes (DESIGN.md). ``toolbox`` holds the commands.
 """
 
 from . import checkpoint

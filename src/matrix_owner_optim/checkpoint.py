@@ -1,14 +1,7 @@
-"""A thin convenience over PyTorch's own checkpointing: DCP and its ``get/set_*_state_dict``.
-
-``save(path, model, optimizer)`` is ``dcp.save`` of ``{"model": get_model_state_dict(model),
-"optim": get_optimizer_state_dict(model, optimizer)}`` and ``load`` its counterpart; the state
-dicts themselves make the owner layout checkpointable (pieces of global tensors keyed by fqn), so
-a checkpoint written at W ranks on any layout loads at any W' on any layout, and a trainer can
-call those tools directly. Added here: checks that name the file, the parameter and both shapes
-before any tensor is read (and leave model and optimizer as they were when they refuse), and an
-atomic replace of the checkpoint directory, so a failed save leaves the last good checkpoint.
-Both are collective over ``process_group`` (default: the world) when one is initialized.
-Guarantees and tests: docs/reliability.md.
+"""A thin convenience over PyTorch's own checkpointing: ``dcp.save`` / ``dcp.load`` of
+``{"model": get_model_state_dict(...), "optim": get_optimizer_state_dict(...)}``, plus checks that
+name the file, the parameter and both shapes before any tensor is read, and an atomic replace of
+the checkpoint directory. Collective over ``process_group``; guarantees: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -101,12 +94,9 @@ def save(
     *,
     process_group: Any = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to the DCP directory ``path`` (collective).
-
-    It is written into ``<path>.moo-saving`` and replaces ``path`` only once complete on disk
-    (an exception or a crash leaves the previous checkpoint loadable; a load between the two
-    renames reads ``<path>.moo-previous``). Raises :class:`CheckpointError`, writing nothing,
-    when ``path`` is a file or a directory holding anything but DCP files."""
+    """Save ``model`` (and ``optimizer``) to the DCP directory ``path`` (collective): written into
+    ``<path>.moo-saving``, it replaces ``path`` only once complete on disk. Raises
+    :class:`CheckpointError`, writing nothing, when ``path`` holds anything but DCP files."""
     path = os.fspath(path).rstrip(os.sep) or os.sep
     if os.path.isfile(path) or (os.path.isdir(path) and not _dcp_files_only(path)):
         raise CheckpointError(
@@ -125,8 +115,7 @@ def save(
         with _quiet():
             dcp.save(state, checkpoint_id=staging, **_dcp_kwargs(process_group))
     except BaseException as exc:
-        # DCP raises on every rank once each has finished writing (it gathers the results),
-        # so the half-written directory can go; path was never touched.
+        # DCP raises on every rank once each has finished writing: the staging directory can go
         if _coordinator(process_group):
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, CheckpointException):  # a BaseException: `except Exception` misses it
@@ -182,8 +171,7 @@ def _resolve(path: str) -> str:
 
 
 def _metadata(path: str) -> Metadata:
-    """The DCP metadata of ``path``, once every data file it names is there and long enough
-    and ``save`` wrote it (``model.*`` entries)."""
+    """The DCP metadata of ``path``, once every data file it names is complete and ``save`` wrote it."""
     try:
         meta = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -298,8 +286,7 @@ def _is_fresh(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def is_initialisation_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a ``step()`` about to run is torch's initialisation of a fresh optimizer
-    (``_init_optim_state``: no state, every learning rate 0, every trainable gradient zeros)."""
+    """Whether a ``step()`` about to run is torch's ``_init_optim_state`` of a fresh optimizer."""
     groups = optimizer.param_groups
     if optimizer.state or any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
         return False
@@ -316,14 +303,11 @@ def load(
     process_group: Any = None,
 ) -> list[str]:
     """Load a checkpoint written by :func:`save` (any world size and layout) into ``model`` (and
-    ``optimizer``) as this rank holds them; collective when distributed.
+    ``optimizer``); collective when distributed.
 
-    Raises :class:`CheckpointError` naming the file, the fqn and both shapes for a shape that
-    does not match, for model entries missing from the checkpoint and (``strict``) checkpoint
-    model entries the model lacks; ``strict=False`` skips both and returns them. A refusal is
-    agreed by every rank before any tensor is read and changes nothing, on any rank (a fresh
-    optimizer, which torch's helper initialises with a zero-learning-rate step before the
-    optimizer checks can run, is put back to no state).
+    Raises :class:`CheckpointError` naming the file, the fqn and both shapes for a mismatch, and
+    (``strict``) for missing or unexpected model entries; ``strict=False`` skips and returns
+    them. A refusal is agreed by every rank before any tensor is read and changes nothing.
     """
     path = _resolve(os.fspath(path).rstrip(os.sep) or os.sep)
     saved = _metadata(path).state_dict_metadata

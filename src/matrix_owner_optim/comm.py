@@ -1,12 +1,9 @@
 """Counted collectives and :class:`CommCounter`: every byte the package moves, by phase.
 
-Every collective the package issues goes through a wrapper here, which reports it to every
-active :class:`CommCounter` (one process-wide registry under a lock: on CUDA the autograd engine
-runs backward hooks, and so the reduce-scatters, on its own threads). The phase (``forward``,
-``backward``, ``optimizer``, default ``other``) is per thread, set where a collective is issued.
-Bytes are the logical payload a rank sends and receives, its own chunk excluded (all-reduce:
-the ring's ``2·(W-1)/W·n`` each way). Tests cross-check them against ``torch.profiler``'s
-``gloo:``/``nccl:`` ops.
+Every collective goes through a wrapper here, reported to every active counter (a process-wide
+registry under a lock: backward hooks run on autograd's threads); the phase is per thread. Bytes
+are the logical payload a rank sends and receives, its own chunk excluded (DESIGN.md,
+"Collectives and bytes").
 """
 
 from __future__ import annotations
@@ -48,8 +45,14 @@ _active: list[CommCounter] = []  # process-wide: every thread reports to these
 _local = threading.local()  # the phase, per thread
 
 
-def _phase() -> str:
+def current_phase() -> str:
+    """The phase collectives issued by this thread are attributed to now."""
     return getattr(_local, "phase", "other")
+
+
+def _check_phase(phase: str | None) -> None:
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,7 @@ class CommCounter:
                 _active.remove(self)
 
     def _select(self, phase: str | None) -> list[CommRecord]:
-        if phase is not None and phase not in PHASES:
-            raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
+        _check_phase(phase)
         with _lock:
             return [r for r in self.records if phase is None or r.phase == phase]
 
@@ -119,17 +121,11 @@ class CommCounter:
         return dict(Counter(r.op for r in self._select(phase)))
 
 
-def current_phase() -> str:
-    """The phase collectives issued by this thread are attributed to now."""
-    return _phase()
-
-
 @contextlib.contextmanager
 def comm_phase(phase: str) -> Iterator[None]:
     """Attribute collectives this thread issues inside the block to ``phase`` (other threads keep theirs)."""
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
-    previous = _phase()
+    _check_phase(phase)
+    previous = current_phase()
     _local.phase = phase
     try:
         yield
@@ -139,11 +135,12 @@ def comm_phase(phase: str) -> Iterator[None]:
 
 def record(op: str, bytes_sent: int, bytes_received: int, phase: str | None = None) -> None:
     """Report one collective, issued by the calling thread, to every active counter."""
-    if phase is not None and phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
+    _check_phase(phase)
     if not _active:  # unlocked peek: the common case, no counter, costs no lock
         return
-    rec = CommRecord(phase or _phase(), op, int(bytes_sent), int(bytes_received), threading.current_thread().name)
+    rec = CommRecord(
+        phase or current_phase(), op, int(bytes_sent), int(bytes_received), threading.current_thread().name
+    )
     with _lock:
         for c in _active:
             c.records.append(rec)
@@ -166,8 +163,7 @@ def all_to_all_single(
     op: str = "all_to_all_single",
     async_op: bool = False,
 ) -> Any:
-    """``dist.all_to_all_single`` with uneven splits, counted (own chunk excluded); with
-    ``async_op=True`` counted when issued, its ``Work`` returned (wait before reading)."""
+    """``dist.all_to_all_single`` with uneven splits, counted (``async_op``: when issued)."""
     W, rank = _world(group)
     row = (input[0].numel() if input.dim() > 1 and input.shape[0] else 1) * input.element_size()
     ins = [input.shape[0] // W] * W if input_split_sizes is None else list(input_split_sizes)
@@ -191,8 +187,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, name: st
 
 
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    """torch's even all-gather into one tensor: ``all_gather_single`` where torch has it
-    (torch 2.13 deprecates ``all_gather_into_tensor`` with a FutureWarning), else the older name."""
+    """torch's even all-gather into one tensor (``all_gather_single`` where torch 2.13 has it)."""
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, group=group)
 
 
@@ -214,8 +209,7 @@ def barrier(group: Any = None, name: str = "barrier") -> None:
 def broadcast(
     tensor: torch.Tensor, group_src: int, group: Any = None, name: str = "broadcast", async_op: bool = False
 ) -> Any:
-    """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted: ``W - 1`` copies
-    sent by the source, one received by every other rank (``async_op``: as all_to_all_single)."""
+    """``dist.broadcast`` from ``group_src`` (a rank of ``group``), counted."""
     W, rank = _world(group)
     n = _nbytes(tensor)
     sends = rank == group_src
@@ -237,8 +231,7 @@ def _decode(data: torch.Tensor) -> Any:
 
 
 def _pickled(obj: Any, group: Any) -> tuple[torch.Tensor, list[int], int]:
-    """``obj``'s pickled bytes padded to the longest rank's, every rank's length, and that longest
-    (one all-gather of the lengths)."""
+    """``obj``'s pickled bytes padded to the longest rank's, every rank's length, and that longest."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(object_device(group))
     sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=data.device)
     _all_gather_single(sizes, torch.tensor([data.numel()], device=data.device), group)
@@ -247,8 +240,7 @@ def _pickled(obj: Any, group: Any) -> tuple[torch.Tensor, list[int], int]:
 
 
 def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_object") -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order: ``dist.all_gather_object`` without numpy
-    (the lengths, then one all-gather of the padded bytes)."""
+    """Every rank's picklable ``obj``, in rank order: ``dist.all_gather_object`` without numpy."""
     W, _ = _world(group)
     data, sizes, n = _pickled(obj, group)
     out = torch.empty(W * n, dtype=torch.uint8, device=data.device)
@@ -258,8 +250,7 @@ def all_gather_object(obj: Any, group: Any = None, name: str = "all_gather_objec
 
 
 def gather_object(obj: Any, dst: int, group: Any = None, name: str = "gather_object") -> list[Any] | None:
-    """Every rank's picklable ``obj`` on rank ``dst`` (a global rank), None elsewhere; as
-    ``dist.gather_object`` but without numpy (sizes all-gathered, then one ``gather``)."""
+    """Every rank's picklable ``obj`` on global rank ``dst``, None elsewhere (without numpy)."""
     W, _ = _world(group)
     data, sizes, n = _pickled(obj, group)
     receiving = dist.get_rank() == dst
@@ -278,8 +269,7 @@ def all_gather(
     name: str = "all_gather",
     async_op: bool = False,
 ) -> Any:
-    """Counted ``dist.all_gather``, also with differently sized outputs (NCCL supports them):
-    this rank's ``input`` to the ``W-1`` others, every other rank's chunk back."""
+    """Counted ``dist.all_gather``, also with differently sized outputs (NCCL)."""
     W, rank = _world(group)
     record(name, _nbytes(input) * (W - 1), sum(_nbytes(t) for r, t in enumerate(output_list) if r != rank))
     return dist.all_gather(output_list, input, group=group, async_op=async_op)
@@ -293,8 +283,7 @@ def reduce_scatter(
     name: str = "reduce_scatter",
     async_op: bool = False,
 ) -> Any:
-    """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL): every other
-    rank's chunk sent once, this rank's own received from the ``W-1`` others."""
+    """Counted ``dist.reduce_scatter``, also with differently sized inputs (NCCL)."""
     W, rank = _world(group)
     record(name, sum(_nbytes(t) for r, t in enumerate(input_list) if r != rank), _nbytes(output) * (W - 1))
     return dist.reduce_scatter(

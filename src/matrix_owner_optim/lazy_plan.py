@@ -1,13 +1,6 @@
-"""Which lazy plan a parameter waits for, so that the optimizer can fix it, explicitly.
-
-``fully_shard`` fixes a tree's plan lazily (the plan balances the whole tree). The first
-forward, ``unshard()`` and ``to_empty`` of parameters still on ``meta`` reach the tree through
-the module; the optimizer has only parameters, so each parameter of a pending tree records its
-``fully_shard`` state here (a weak reference: a dropped model leaves nothing alive), and :func:`fix_lazy_plans` is the one call that follows it. Reading
-metadata (``get_matrix_shard``) never does; the link is removed when the plan is fixed.
-
-This module sits below both ``sharding`` (which links) and ``optim`` (which fixes), so neither
-imports the other.
+"""Which lazy plan a parameter waits for, so that the optimizer (which has only parameters) can
+fix it: a weak link from each parameter of a pending tree to its ``fully_shard`` state, removed
+when the plan is fixed. Below ``sharding`` (which links) and ``optim`` (which fixes).
 """
 
 from __future__ import annotations
@@ -47,10 +40,7 @@ def _owner(param: Any) -> LazyPlan | None:
 
 
 def fix_lazy_plans(params: Iterable[Any], cost: CostModel | None = None) -> None:
-    """Fix the plan of every pending ``fully_shard`` tree ``params`` belong to, in the order the
-    parameters come (the same on every rank: fixing a plan is collective). ``cost`` (resolved by
-    the caller: ``planning.catalog.resolve_cost``) prices the matrices unless a ``fully_shard``
-    call of the tree named one. Parameters of no pending tree are skipped."""
+    """Fix the plan of every pending tree of ``params`` (collective, parameter order)."""
     seen: set[int] = set()
     for p in params:
         owner = _owner(p)

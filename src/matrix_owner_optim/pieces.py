@@ -1,8 +1,5 @@
 """The placement of a tensor laid out like a :class:`MatrixShard` (its parameter, and the state
 of its rows): the one place the plan's record is read as a DTensor placement.
-
-``sharding/build.py`` lays parameters out with it; ``optim/layouts.py`` places the state of row
-blocks and split stacks with it (``optim/state_place.py``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""HSDP's last stage: each matrix's global owner sends the updated matrix to the other replicas.
-
-Under HSDP only a matrix's global owner (the holder in its ``step_replica``) steps it; the
-other replicas' holders receive the new values over the replicate group, per step replica and
-dtype one broadcast of every piece that replica stepped, in plan order (the same on every rank
-of the group), now (``replica_broadcast="step"``) or before each unit's next all-gather
-(``"forward"``). Each broadcast carries its sender's step count, so a rank at another step
-fails by name. The record, the flows and the two placements: DESIGN.md, "HSDP: one global
-owner per matrix". This module sits below ``sharding`` and ``optim`` (which never import each
-other) and above the representation (``owner_dtensor`` reads the tree link only).
+"""HSDP's last stage: each matrix's global owner sends the updated matrix to the other replicas,
+one broadcast per (step replica, dtype) carrying the sender's step count (DESIGN.md, "HSDP: one
+global owner per matrix"). Below ``sharding`` and ``optim``, above the representation.
 """
 
 from __future__ import annotations
@@ -46,13 +39,10 @@ DEFAULT_REPLICA_BROADCAST = "step"  # the faster one in bench on a (2, 2) mesh (
 
 @dataclass(eq=False)
 class ReplicaSync:
-    """One tree's HSDP replica state (``ShardTree.replicas``), the same on every rank of a
-    replicate group: this process's index in the group (``rank``), its ``size`` and ``group``;
-    ``pending``: a backward landed gradients of globally stepped matrices since the last sync;
-    ``by_optimizer``: an ``OwnerRoutedOptimizer`` sends (or defers) them at every step, so
-    ``pending`` is never turned into broadcasts; ``generation``: bumped by a deferred step (a
-    unit whose last broadcast has another one has one due); ``steps``: the global owners' steps
-    (:func:`replicas_stepped` calls), carried by every broadcast and checked by its receivers."""
+    """One tree's HSDP replica state (``ShardTree.replicas``): this process's ``rank`` in the
+    replicate ``group``; ``pending``: gradients of globally stepped matrices landed since the last
+    sync; ``by_optimizer``: an optimizer syncs at every step; ``generation``: bumped by a deferred
+    step; ``steps``: the global owners' steps, carried by every broadcast."""
 
     rank: int
     size: int
@@ -82,8 +72,7 @@ def replicas_of(t: torch.Tensor) -> ReplicaSync | None:
 
 
 def steps_here(shard: MatrixShard | None, replicas: ReplicaSync | None) -> bool:
-    """Whether this rank's holder of ``shard`` steps it: always, unless an HSDP plan gave the
-    matrix to another replica (``MatrixShard.step_replica``)."""
+    """Whether this rank's holder of ``shard`` steps it (not when ``MatrixShard.step_replica`` is another)."""
     if shard is None or shard.step_replica is None or replicas is None:
         return True
     return shard.step_replica == replicas.rank
@@ -98,8 +87,7 @@ def _one_replica_steps(p: torch.Tensor) -> ReplicaSync | None:
 
 
 def claim_sync(params: Sequence[torch.Tensor]) -> None:
-    """An optimizer calling :func:`replicas_stepped` at every step takes over the sync of the
-    trees of ``params`` (the runtime's own sync is then skipped)."""
+    """An optimizer calling :func:`replicas_stepped` at every step takes over the trees' sync."""
     for p in params:
         replicas = _one_replica_steps(p)
         if replicas is not None:
@@ -119,8 +107,7 @@ def replica_groups(params: Sequence[torch.Tensor]) -> list[Any]:
 
 
 def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:
-    """The end of an optimizer step over ``params``: each of their trees counts the step and
-    broadcasts what its global owners stepped now (``"step"``) or marks it due (``"forward"``)."""
+    """The end of a step over ``params``: each tree counts it and broadcasts now or marks it due."""
     trees: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in params:
         replicas = replicas_of(p)
@@ -134,8 +121,7 @@ def replicas_stepped(params: Sequence[torch.Tensor], placement: str) -> None:
 
 
 def held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """(this rank's piece, its step replica) of every parameter one replica steps for all and
-    this rank holds a piece of, in the order given."""
+    """(this rank's piece, its step replica) of every parameter one replica steps, in order."""
     out = []
     for p in params:
         shard, rank, piece = get_matrix_shard(p), get_shard_rank(p), local_tensor(p)
@@ -147,10 +133,8 @@ def held_pieces(params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]
 
 
 def hold_on_step_replica(value: torch.Tensor, param: torch.Tensor) -> None:
-    """Link ``value``, an optimizer-state entry of ``param`` in a state dict, to ``param``'s
-    tree as held on its step replica only (HSDP): its ``full_tensor()`` is then gathered there
-    and broadcast over the replicate group, so every replica gets the whole value (torch's
-    ``full_state_dict=True``). No-op for parameters every replica steps."""
+    """Link ``value``, a state-dict entry of ``param``, to ``param``'s tree as held on its step
+    replica only (HSDP), so its ``full_tensor()`` reaches every replica."""
     link = tree_link(param)
     if link is not None and _one_replica_steps(param) is not None:
         shard = get_matrix_shard(param)
@@ -161,16 +145,14 @@ def hold_on_step_replica(value: torch.Tensor, param: torch.Tensor) -> None:
 @dataclass(eq=False)
 class PendingBroadcast:
     """Broadcasts issued asynchronously over a replicate group: per (step replica, dtype) the
-    work, the flat buffer (the pieces, then the sender's step count), the pieces it lands in and
-    the sending replica; ``steps``: this rank's count when they were issued."""
+    work, the flat buffer, the pieces it lands in and the sender; ``steps``: this rank's count."""
 
     replicas: ReplicaSync
     steps: int
     batches: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]]
 
     def wait(self) -> None:
-        """Complete them and copy what arrived into the pieces (in place); raises
-        ``RuntimeError`` first, copying nothing, when a sender was at another step."""
+        """Complete them and copy what arrived; raises first when a sender was at another step."""
         batches, self.batches = self.batches, []
         for work, _, _, _ in batches:
             if work is not None:
@@ -193,9 +175,7 @@ class PendingBroadcast:
 
 
 def issue_broadcast(replicas: ReplicaSync, pieces: list[tuple[torch.Tensor, int]]) -> PendingBroadcast:
-    """Issue, asynchronously, one broadcast per (step replica, dtype) of ``pieces`` (from
-    :func:`held_pieces`) and the sender's step count (8 bytes), in step-replica order then plan
-    order: the same on every rank of the replicate group. The senders' values are read now."""
+    """Issue one async broadcast per (step replica, dtype) of ``pieces`` and the step count."""
     batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for t, r in sorted(pieces, key=lambda x: x[1]):  # stable: plan order per replica
         batches.setdefault((r, t.dtype), []).append(t)

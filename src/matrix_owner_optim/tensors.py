@@ -7,25 +7,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["TreeLink", "is_dtensor", "itemsize", "local_tensor", "tree_link"]
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch lacks it)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
     return isinstance(t, DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor of a ``DTensor`` (its local shard, outside autograd), or ``t`` itself.
-
-    The one way the package reaches a DTensor's storage: optimizer and state-dict code work on
-    the raw local tensor, never through ``to_local()``'s autograd view.
-    """
+    """This rank's tensor of a ``DTensor`` (its local shard, outside autograd), or ``t`` itself."""
     return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
@@ -36,14 +29,9 @@ def itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TreeLink:
-    """An owner-layout tensor's one link to the tree of ``fully_shard`` calls it belongs to
-    (``OwnerDTensor._tree``): the parameters of a fixed tree, their gradients and ``detach()``
-    aliases share the tree's link; an HSDP optimizer-state entry in a state dict links with
-    ``held_on``, the one replica holding it (its step replica). ``tree`` is the
-    ``sharding.tree.ShardTree`` (``replica_sync.ReplicaTree`` says what is read of it: its
-    replicas' record and the landing of their due broadcasts). The link is weak: a tensor that
-    outlives its model (a state-dict value kept somewhere) does not keep the tree, its runtime
-    and their process groups alive; its tree is then None."""
+    """An owner-layout tensor's one weak link to its tree of ``fully_shard`` calls
+    (``OwnerDTensor._tree``; what is read of it: ``replica_sync.ReplicaTree``); an HSDP state
+    entry links with ``held_on``, the one replica holding it."""
 
     _tree: weakref.ref[Any]
     held_on: int | None = None

@@ -1,21 +1,16 @@
 """Stock FSDP2 / HSDP parameters (DTensor ``Shard(0)``): each matrix updated whole by its owner.
 
-Matrices get an owner in their shard group (``plan_owners``, priced by the matrix cost; under
-HSDP every replica group plans and steps alike). ``before_step``: one ``all_to_all_single`` per
-(shard group, dtype) sends each rank's row block of every gradient to its owner, which steps its
-persistent full copy (the *proxy*); ``after_step``: one more sends the updated rows back. Tail
-tensors step shard-locally (exact, zero bytes). Under FSDP2 x TP (:mod:`.dtensor_sharding`) one
-all-gather over the TP group (:func:`.mesh_slice.assemble`) then hands each owner the whole
-gradient; an expert parallel slice is stepped on its own. The owners' copies are rebuilt when a
-shard changed outside the optimizer (version counters, a dirty flag in the gradient header, so
-every rank resyncs together). Bytes, memory and the refused forms: DESIGN.md, "FSDP2 x tensor
-parallel on stock FSDP2".
+One ``all_to_all_single`` per (shard group, dtype) sends gradient rows to each matrix's owner,
+which steps its full copy (the *proxy*), and one sends the updated rows back; tail tensors step
+shard-locally. Under TP, :func:`.mesh_slice.assemble` joins the slices (DESIGN.md, "FSDP2 x
+tensor parallel on stock FSDP2").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -56,13 +51,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _key(p: torch.Tensor) -> tuple[int, int, tuple[int, ...], int, int]:
-    """What identifies a DTensor's local shard content as of our last write.
-
-    Storage, offset and shape of the local tensor, and two version counters: the local tensor's
-    (bumped by writes to it directly: ours, FSDP2's, DCP's) and the DTensor's own (bumped by
-    in-place ops on the DTensor, e.g. ``model.load_state_dict``, which reach the local tensor
-    below autograd and leave its counter alone).
-    """
+    """What identifies a DTensor's local shard content as of our last write: storage, offset,
+    shape, and the version counters of the local tensor and of the DTensor (in-place ops on the
+    DTensor, e.g. ``model.load_state_dict``, leave the local one alone)."""
     t = local_tensor(p)
     return (
         t.untyped_storage().data_ptr(),
@@ -110,8 +101,7 @@ class _Matrix:
         return self.rows[rank] * self.row_numel
 
     def owner_slice(self) -> torch.Tensor:
-        """The owner's copy of the slice its shard group splits by rows: the whole matrix, or
-        under TP this rank's TP slice of it (contiguous: a view for colwise, a copy for rowwise)."""
+        """The owner's copy of what its shard group splits by rows: the matrix, or its TP slice."""
         assert self.full is not None
         if self.tp is None:
             return self.full
@@ -119,18 +109,13 @@ class _Matrix:
 
 
 def _stepped_shape(rp: RoutedParam) -> tuple[int, ...]:
-    """The shape an owner steps: the global shape (under TP too: the owners assemble it), or
-    an expert parallel rank's slice of a stack (``rp.step_shape``)."""
+    """The shape an owner steps: the global shape, or an expert parallel slice (``rp.step_shape``)."""
     return rp.step_shape if rp.step_shape is not None else tuple(int(n) for n in rp.param.shape)
 
 
 def _tp_slices(mats: list[_Matrix]) -> list[tuple[MeshSlice, tuple[int, ...]]]:
     """Each TP matrix's slice and global shape (what :func:`~.mesh_slice.assemble` takes)."""
-    out = []
-    for m in mats:
-        assert m.tp is not None
-        out.append((m.tp, m.shape))
-    return out
+    return [(cast(MeshSlice, m.tp), m.shape) for m in mats]
 
 
 @dataclass(eq=False)
@@ -231,10 +216,7 @@ class DTensorLayout(UpdateLayout):
                         f"matrix {rp.label!r}: local shard has shape {tuple(local.shape)}, expected "
                         f"{(rows[me], *piece[1:])} (torch.chunk rows{what} of {shape} over {W} ranks)"
                     )
-                row_numel = 1
-                for d in piece[1:]:
-                    row_numel *= int(d)
-                m = _Matrix(rp, rows, row_numel, owner, tp)
+                m = _Matrix(rp, rows, math.prod(piece[1:]), owner, tp)
                 rp.owner = owner
                 self._group_of[id(rp)] = bucket.group
                 if owner == me:
@@ -249,8 +231,7 @@ class DTensorLayout(UpdateLayout):
                 self._unplaced.append((mesh, stacks))
 
     def agree(self) -> None:
-        """The owner plans' check (the base's), then, collective over each ep group, where the
-        state of every expert parallel stack lies (:func:`.expert_pieces.expert_pieces`)."""
+        """The base's check, then where each expert parallel stack's state lies (collective over ep)."""
         super().agree()
         for mesh, stacks in self._unplaced:
             places = expert_pieces(
@@ -314,9 +295,7 @@ class DTensorLayout(UpdateLayout):
     def _assemble_tp_grads(
         self, b: _Bucket, grads: list[torch.Tensor | None], dirty: bool
     ) -> tuple[list[torch.Tensor | None], bool]:
-        """Tensor parallel: each owner holds the gradient of its TP slice; one all-gather over the
-        TP group (whose members own the same matrices) gives each the whole gradient. Also ORs
-        the shard groups' dirty flags over TP (every TP owner must resync its copy alike)."""
+        """Tensor parallel: one all-gather over the TP group gives each owner the whole gradient."""
         slices = _tp_slices(b.mine)
         mine = []
         for m, g in zip(b.mine, grads, strict=True):
@@ -332,9 +311,7 @@ class DTensorLayout(UpdateLayout):
         return whole, any(h[0] != 0 for h in headers)
 
     def _resync(self, b: _Bucket, *, dp: bool = True, tp: bool = False) -> None:
-        """Rebuild the owners' full copies from the shards (first step, or after outside edits):
-        ``dp``: the row blocks of each owner's slice over the shard group; ``tp``: then the TP
-        slices over the TP group (a shard group with nothing changed contributes its copy)."""
+        """Rebuild the owners' full copies from the shards (over ``dp``, then ``tp``)."""
         W = b.world_size
         if dp:
             send_parts = [m.local.reshape(-1) for d in range(W) for m in b.by_owner[d]]
@@ -353,20 +330,9 @@ class DTensorLayout(UpdateLayout):
                     own = m.tp.narrow(m.full, m.tp.rank)
                     own.copy_(torch.cat(parts).view(own.shape))
         if tp and b.mine:
-            slices = _tp_slices(b.mine)
-            own_slices = []
-            for m in b.mine:
-                assert m.tp is not None and m.full is not None
-                own_slices.append(m.tp.narrow(m.full, m.tp.rank))
-            _, full = assemble(
-                b.tp_group,
-                [],
-                slices,
-                own_slices,
-                dtype=b.dtype,
-                device=b.device,
-                op="owner_param_resync_tp_all_gather",
-            )
+            views = [m.tp.narrow(m.full, m.tp.rank) for m in b.mine]  # type: ignore[union-attr,arg-type]
+            op = "owner_param_resync_tp_all_gather"
+            _, full = assemble(b.tp_group, [], _tp_slices(b.mine), views, dtype=b.dtype, device=b.device, op=op)
             for m, whole in zip(b.mine, full, strict=True):
                 assert m.full is not None
                 m.full.copy_(whole)
@@ -405,9 +371,7 @@ class DTensorLayout(UpdateLayout):
 
     # -- state dicts ---------------------------------------------------------------------------
     def state_place(self, rp: RoutedParam) -> StatePlace | None:
-        """A matrix's state (on its owner's full copy) is the owner's over the shard group; an
-        expert parallel stack's keeps this ep coordinate's experts (:mod:`.expert_pieces`);
-        shard-local state (tail) is a piece of the parameter's layout."""
+        """A matrix's state is its owner's; shard-local state is a piece of the parameter's layout."""
         group = self._group_of.get(id(rp))
         if rp.owner is None or group is None:
             return StatePlace(None, like=rp.param)
@@ -421,17 +385,7 @@ class DTensorLayout(UpdateLayout):
         for b in self._buckets.values():
             if not b.mats:
                 continue
-            me = b.rank
-            moved = (
-                sum(b.grad_send)
-                - b.grad_send[me]
-                + sum(b.grad_recv)
-                - b.grad_recv[me]
-                + sum(b.param_send)
-                - b.param_send[me]
-                + sum(b.param_recv)
-                - b.param_recv[me]
-            )
+            moved = sum(sum(n) - n[b.rank] for n in (b.grad_send, b.grad_recv, b.param_send, b.param_recv))
             if b.tp_group is not None and b.mine:  # the whole gradients over TP (padded, header in front)
                 T = b.mine[0].tp.size  # type: ignore[union-attr]
                 width = max(message_sizes(1 + len(b.mine) + STEP_DIGITS, _tp_slices(b.mine)))

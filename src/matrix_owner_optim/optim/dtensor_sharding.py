@@ -1,11 +1,5 @@
-"""How a stock-FSDP2 DTensor matrix is cut: the placements ``DTensorLayout`` accepts, read once.
-
-Rows on one mesh dim (``Shard(0)``, the others ``Replicate()``: FSDP2, HSDP); on a 2D (dp, tp)
-mesh, ``parallelize_module`` then FSDP2's forms (``(_StridedShard(0, sf=T), Shard(0))``
-colwise, ``(Shard(0), Shard(1))`` rowwise: a :class:`~.mesh_slice.MeshSlice` on a ``TP`` axis);
-on a 2D (efsdp, ep) mesh, torchtitan's expert parallel stacks (the colwise form along the stack
-dim: an ``EP`` axis, whole experts). Anything else is refused, naming the parameter, its
-placements and these forms. Pure.
+"""How a stock-FSDP2 DTensor matrix is cut: the placements ``DTensorLayout`` accepts (``SUPPORTED``),
+read once into a :class:`MatrixSharding` (a ``MeshSlice`` on 2D meshes); anything else is refused. Pure.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ SUPPORTED = (
 
 @dataclass(frozen=True)
 class MatrixSharding:
-    """The FSDP mesh dim a matrix's rows are split on (None: replicated on every mesh dim) and,
-    on a 2D mesh, its slice along the parallel axis (tensor or expert parallel)."""
+    """The FSDP mesh dim a matrix's rows are split on (None: replicated) and its parallel slice."""
 
     dp_dim: int | None
     tp: MeshSlice | None = None
@@ -55,7 +48,7 @@ def _refuse(rp: RoutedParam, why: str = "") -> ValueError:
 
 
 def matrix_sharding(rp: RoutedParam) -> MatrixSharding:
-    """How the DTensor matrix ``rp.param`` is cut; raises for any other form (see module doc)."""
+    """How the DTensor matrix ``rp.param`` is cut; raises for any form not in ``SUPPORTED``."""
     p = rp.param
     placements = tuple(p.placements)  # type: ignore[attr-defined]
     mesh = p.device_mesh  # type: ignore[attr-defined]

@@ -1,11 +1,6 @@
-"""Update layouts: how the parameters of one layout reach the rank that updates them.
-
-An :class:`UpdateLayout` decides, for each parameter, whether this rank updates it and through
-which tensor (its ``proxy``), moves what the layout forces before and after the local step, and
-says where the state lies (:meth:`UpdateLayout.state_place`). :class:`LocalLayout`: one process,
-and the owner layout of :func:`matrix_owner_optim.fully_shard` (zero bytes). The others have
-their own modules; which one steps a parameter is one rule by what the tensor is
-(``layout_of.py``).
+"""Update layouts: whether this rank updates each parameter, through which tensor (its
+``proxy``), what moves around the local step, and where the state lies. :class:`LocalLayout`
+serves one process and the owner layout; ``layout_of.py`` picks the layout of a tensor.
 """
 
 from __future__ import annotations
@@ -64,15 +59,7 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayoutConfig:
-    """What every update layout of one optimizer may need to know.
-
-    ``matrix_cost`` prices matrices for owner planning (the chosen matrix optimizer's cost
-    model; by default ``planning.catalog.DEFAULT_COST``); ``replicated`` is ``"owner"`` (each
-    replicated matrix updated by one owner, results shared) or ``"redundant"`` (every rank
-    updates every replicated matrix, no communication). ``replica_broadcast`` is when HSDP's
-    global owners send their updated matrices to the other replicas (``"step"``: at the end of
-    the step; ``"forward"``: deferred into the next forward's gathers).
-    """
+    """What every update layout of one optimizer may need to know."""
 
     matrix_cost: CostModel = DEFAULT_COST
     replicated: str = "owner"
@@ -80,8 +67,7 @@ class LayoutConfig:
 
 
 class UpdateLayout(ABC):
-    """Base class: one instance per layout kind per role of an optimizer
-    (:class:`~.role_optimizer.RoleOptimizer` keeps them)."""
+    """Base class: one instance per layout kind per :class:`~.role_optimizer.RoleOptimizer`."""
 
     name: ClassVar[str] = "layout"
 
@@ -93,15 +79,11 @@ class UpdateLayout(ABC):
 
     @abstractmethod
     def add(self, entries: list[RoutedParam]) -> None:
-        """Take new parameters: set ``proxy`` (None where another rank updates) and ``owner``.
-        Pure: what needs other ranks waits for :meth:`agree`."""
+        """Take new parameters: set ``proxy`` and ``owner``. Pure: what needs other ranks waits for :meth:`agree`."""
 
     def agree(self) -> None:
-        """Collective, the optimizer's construction step that follows routing
-        (``OwnerRoutedOptimizer._route``): every owner plan :meth:`add` made is checked against
-        the other ranks' of its group (and of its TP group, whose owners must be one dp
-        coordinate); layouts that place state on other ranks exchange it here too. Every rank
-        calls it on the same layouts in the same order."""
+        """Collective, the construction step after ``OwnerRoutedOptimizer._route``: check every owner
+        plan :meth:`add` made across its group (and TP group); exchange what lies on other ranks."""
         remedy = (
             "Every rank must build OwnerRoutedOptimizer over the same parameters (names, global shapes, "
             "dtypes, roles) in the same order."
@@ -120,8 +102,7 @@ class UpdateLayout(ABC):
         """Write the proxies' new values where the layout keeps them."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients the layout gave its proxies (a proxy that is the parameter keeps
-        torch's own)."""
+        """Clear the gradients the layout gave its proxies."""
         for rp in self.entries:
             if rp.proxy is not None and rp.proxy is not rp.param:
                 rp.proxy.grad = None
@@ -143,19 +124,14 @@ class UpdateLayout(ABC):
         return 0
 
     def state_place(self, rp: RoutedParam) -> StatePlace | None:
-        """Where ``rp``'s optimizer state lies (``state_place.py``'s one rule reads it); None:
-        every rank keeps its own whole (one process, replicated layouts)."""
+        """Where ``rp``'s optimizer state lies (None: every rank keeps its own whole)."""
         return None
 
 
 class LocalLayout(UpdateLayout):
-    """Parameters this process can update without talking to anyone.
-
-    In one process every parameter is local. After owner-shaped ``fully_shard`` a parameter is
-    local on its owner (matrices and tail tensors) or on every rank for its own rows
-    (``rows`` role); other ranks hold an empty tensor and skip it. Under HSDP a matrix is local
-    on its global owner only (the holder in its ``step_replica``), which sends the updated
-    values to the other replicas' holders after the step (``replica_sync.py``).
+    """Parameters this process updates without talking to anyone: every one in one process;
+    after ``fully_shard``, each on its owner (``rows``: each rank's rows); under HSDP on its global
+    owner, which then syncs the other replicas (``replica_sync.py``).
     """
 
     name = "local"
@@ -203,8 +179,7 @@ class LocalLayout(UpdateLayout):
         return [("the replicate group", g) for g in replica_groups([rp.param for rp in self.entries])]
 
     def state_place(self, rp: RoutedParam) -> StatePlace | None:
-        """Owner-held state is the owner's (whole, of its own shape); ``rows`` row blocks and
-        split stacks keep this rank's rows; a band's per-block keys are held by this rank."""
+        """Owner-held state is the owner's; row blocks keep this rank's rows; band keys are here."""
         shard, rank = rp.shard, get_shard_rank(rp.param)
         if shard is None or rank is None or shard.world_size <= 1:
             return None

@@ -1,10 +1,6 @@
-"""Which slice of a matrix a rank's coordinate on a parallel mesh axis holds, and the one
-assembly of a matrix from its slices: one slice type for tensor and expert parallel, named by the
-role of the axis (:class:`AxisKind`), for the stock path and the owner path alike.
-
-A TP matrix's owners are one TP group; one padded all-gather over it (:func:`assemble`, a small
-header of floats in front) gives each the whole matrix. An EP slice is whole matrices: stepped
-where it lies, never assembled.
+"""Which slice of a matrix a rank's coordinate on a parallel mesh axis holds (one type for tensor
+and expert parallel, named by the axis's :class:`AxisKind`), and the one TP assembly
+(:func:`assemble`: a padded all-gather with a header of floats in front).
 """
 
 from __future__ import annotations
@@ -31,12 +27,7 @@ class AxisKind(enum.Enum):
 
 @dataclass(frozen=True)
 class MeshSlice:
-    """Which slice of a matrix this rank's coordinate on a parallel axis holds.
-
-    ``axis``: the axis's role; ``mesh_dim`` the mesh dim it is; ``dim`` the tensor dim it splits
-    (TP: 0 colwise, 1 rowwise; EP: 0, the stack dim); ``sizes`` the extent along it of every
-    coordinate's slice (``torch.chunk`` sizes); ``rank`` this rank's coordinate.
-    """
+    """Which slice (tensor dim ``dim`` in ``torch.chunk`` ``sizes``) this rank's coordinate holds."""
 
     axis: AxisKind
     mesh_dim: int
@@ -68,8 +59,7 @@ class MeshSlice:
 
 
 def message_sizes(header: int, slices: Sequence[tuple[MeshSlice, tuple[int, ...]]]) -> list[int]:
-    """Elements each TP rank sends: ``header`` floats plus its slice of every matrix
-    (``slices``: each matrix's :class:`MeshSlice` and global shape)."""
+    """Elements each TP rank sends: ``header`` floats plus its slice of every matrix."""
     if not slices:
         return []
     return [header + sum(math.prod(tp.shape(shape, t)) for tp, shape in slices) for t in range(slices[0][0].size)]
@@ -85,10 +75,9 @@ def assemble(
     device: torch.device,
     op: str,
 ) -> tuple[list[list[float]], list[torch.Tensor]]:
-    """The one TP assembly: all-gather ``header`` and this rank's TP slice of every matrix over
-    the TP ``group`` and join the slices. ``slices[i]`` is matrix ``i``'s :class:`MeshSlice` and
-    global shape, ``mine[i]`` this rank's slice of it (any layout, of the slice's shape). Returns
-    every TP rank's header and each matrix whole (new storage)."""
+    """The one TP assembly: all-gather ``header`` and this rank's slice ``mine[i]`` of every matrix
+    (``slices[i]``: its slice and global shape) over ``group``; returns every rank's header and
+    each matrix whole."""
     if not slices:
         raise ValueError("assemble needs at least one matrix")
     sizes = message_sizes(len(header), slices)

@@ -1,13 +1,8 @@
 """``OwnerRoutedOptimizer``: each matrix to a matrix optimizer on its owner, the rest to AdamW.
 
-A ``torch.optim.Optimizer`` whose ``param_groups`` list every parameter on every rank, one group
-per tensor role, so schedulers, ``add_param_group`` and ``state_dict`` work as with any torch
-optimizer. Each of its two optimizers is a :class:`~.role_optimizer.RoleOptimizer` whose child
-steps only what this rank updates; hyperparameters live in the parent groups only
-(:class:`~.role_optimizer.ChildGroup`) and state in the children only
-(:class:`~.role_optimizer.ChildState`). State dicts hold pieces of global tensors
-(:mod:`.state_dict`, :mod:`.state_place`), so DCP reshards them. Bad input fails loudly, naming
-what to fix (DESIGN.md, "The optimizer").
+A ``torch.optim.Optimizer`` with one param group per tensor role on every rank; each group's two
+optimizers (:class:`~.role_optimizer.RoleOptimizer`) step only what this rank updates (DESIGN.md,
+"The optimizer").
 """
 
 from __future__ import annotations
@@ -59,48 +54,30 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     Args:
         params: the model (roles by module type), ``model.named_parameters()`` (roles by
             name), ``model.parameters()`` (roles from the sharding plan, else by shape), or
-            param-group dicts of any of those. A group may carry ``"role"`` to force its
-            tensors' role, and any hyperparameter of the matrix or tail optimizer to override it.
-            The optimizer's own groups hold one tensor role each (``"role"``) and say which
-            optimizer steps them (``"optimizer"``: ``"matrix"`` or ``"tail"``), so
-            ``OwnerRoutedOptimizer(opt.param_groups)`` routes every tensor as ``opt`` did.
-        matrix: registered name (``"muon"``, ``"shampoo"``, ``"soap"``, ...) or optimizer class
-            for the ``matrix`` role. Any per-tensor optimizer works. Its cost model (the
-            configured optimizer's ``cost_model``, else its registry entry's:
-            ``planning.catalog.resolve_cost``) prices a sharding plan this optimizer fixes.
+            param-group dicts of any of those (a group's ``"role"`` forces its tensors' role).
+            The optimizer's own groups hold one ``"role"`` each and the ``"optimizer"`` that
+            steps them, so ``OwnerRoutedOptimizer(opt.param_groups)`` routes as ``opt`` did.
+        matrix: registered name (``"muon"``, ``"shampoo"``, ...) or optimizer class for the
+            ``matrix`` role; its cost model (``planning.catalog.resolve_cost``) prices the plan.
         matrix_options: keyword arguments of the matrix optimizer (its defaults otherwise).
         tail: name or class for ``tail`` and ``rows`` parameters (default AdamW).
         tail_options: keyword arguments of the tail optimizer.
         roles: ``{"fqn-glob": "matrix" | "tail" | "rows"}``; the last matching glob wins.
             A glob that matches nothing is an error.
-        matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}``: how a matrix is read
-            as the matrices its optimizer steps (:mod:`matrix_owner_optim.planning.views`;
-            default: fused experts are stacks, conv kernels one ``(out, rest)`` matrix), e.g.
-            ``MatrixView(row_blocks=(d, d, d))`` steps a fused ``wqkv`` as q, k and v.
-        replicated: for parameters replicated on every rank of a multi-rank job (DDP),
-            ``"owner"`` updates each matrix on one owner and shares the result;
+        matrix_views: ``{"fqn-glob": "stack" | "conv" | MatrixView(...)}``: how a tensor is read
+            as matrices (:mod:`matrix_owner_optim.planning.views`).
+        replicated: DDP: ``"owner"`` updates each matrix on one owner and shares the result;
             ``"redundant"`` updates every matrix on every rank and moves nothing.
-        replica_broadcast: HSDP: when each global owner sends its updated matrices to the other
-            replicas: ``"step"`` (at the end of ``step()``) or ``"forward"`` (before each unit's
-            next all-gather, overlapping compute; reads outside a forward land it first). Same
-            bytes, bitwise the same parameters (DESIGN.md, "HSDP: one global owner per matrix").
-        skip_nonfinite_grads: skip a step on every rank when any rank's gradients hold a NaN or
-            an infinity (one scalar all-reduce and one host sync per step; nothing changes),
-            counted in ``skipped_steps``; ``last_step_skipped`` tells about the last call.
+        replica_broadcast: HSDP: when global owners send updated matrices to the other replicas:
+            ``"step"`` or ``"forward"`` (DESIGN.md, "HSDP: one global owner per matrix").
+        skip_nonfinite_grads: skip a step on every rank when any gradient is not finite
+            (counted in ``skipped_steps``; ``last_step_skipped`` tells about the last call).
         process_group: the ranks that step this optimizer together (default: the default
             process group); only the non-finite check communicates over it.
 
-    Construction is collective, so every rank builds it over the same parameters in the same
-    order: (1) every rank agrees on the configuration and every pending ``fully_shard`` tree of
-    the parameters fixes its plan, priced by the matrix optimizer's cost unless a ``fully_shard``
-    call named one; (2) each group is routed (pure: the layouts plan owners and set proxies);
-    (3) the layouts check their owner plans across ranks and place state on other ranks
-    (:meth:`~.layouts.UpdateLayout.agree`). ``add_param_group`` and parameters a framework swaps
-    into ``param_groups`` go through the same steps.
-
-    Raises ``ValueError`` for a non-finite hyperparameter (NaN anywhere; an infinity where the
-    inner optimizer's own default is finite), at construction and before each step, naming the
-    param group and the key; nothing is updated then.
+    Construction is collective (every rank, same parameters, same order): agree and fix the
+    plans, route, then :meth:`~.layouts.UpdateLayout.agree` (DESIGN.md, "The optimizer").
+    A non-finite hyperparameter raises ``ValueError`` at construction and before each step.
     """
 
     def __init__(
@@ -175,10 +152,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
 
     # -- construction -------------------------------------------------------------------------
     def _fix_plans(self, params: Iterable[torch.Tensor]) -> None:
-        """Collective: fix the sharding plan of every pending ``fully_shard`` tree ``params``
-        belong to (in parameter order, the same on every rank), priced by the matrix optimizer's
-        cost model, the one this optimizer was built with (a ``fully_shard`` call that named a
-        cost wins). Parameters of no pending tree are skipped."""
+        """Collective: fix the plans of the pending ``fully_shard`` trees of ``params``."""
         fix_lazy_plans(params, self._config.matrix_cost)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -240,12 +214,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._slots.update((id(rp.param), (rp, self._kinds[optimizer_kind(rp.role)])) for rp in rps)
 
     def _follow_param_swaps(self) -> None:
-        """Re-route the parameters a framework put into ``param_groups`` after construction
-        (Accelerate's FSDP2 ``prepare`` swaps in the sharded tensors): same names, indices and
-        roles, the new tensors' layouts. Refused (``RuntimeError``) once state exists (it has
-        the old layout), and when a group changed its length or groups were appended without
-        ``add_param_group``.
-        """
+        """Re-route parameters a framework swapped into ``param_groups`` (Accelerate's FSDP2
+        ``prepare``); ``RuntimeError`` once state exists or when the groups changed shape."""
         groups = self.param_groups
         if len(groups) == len(self._group_param_ids) and all(
             len(g["params"]) == len(ids) and all(id(p) == i for p, i in zip(g["params"], ids, strict=True))
@@ -294,15 +264,12 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
 
     def _check_names(self, new: list[RoutedParam]) -> None:
-        """Refuse two owner-sharded parameters with one fqn: the parameters of two separately
-        sharded models (or parts of one) in one optimizer. Their state-dict pieces are keyed by
-        fqn, so one would silently take the other's state. Plain tensors keep torch's semantics
-        (any parameters, names may repeat)."""
-        seen = {self._label(rp): rp for rp in self._routed if rp.shard is not None}
+        """Refuse two owner-sharded parameters with one fqn (state dicts key pieces by fqn)."""
+        seen = {rp.fqn: rp for rp in self._routed if rp.shard is not None}
         for rp in new:
             if rp.shard is None:
                 continue
-            label = self._label(rp)
+            label = rp.fqn
             other = seen.get(label)
             if other is not None:
                 raise ValueError(
@@ -315,9 +282,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             seen[label] = rp
 
     def _check_one_layout(self, new: list[RoutedParam]) -> None:
-        """Refuse plain tensors next to owner-sharded ones in a multi-rank job: no one averages
-        a plain tensor's gradient there (it was added after ``fully_shard`` fixed the plan, or
-        its module is outside every ``fully_shard`` call), so each rank would drift apart."""
+        """Refuse plain tensors next to owner-sharded ones in a multi-rank job (nothing averages them)."""
         everything = self._routed + new
         sharded = [
             rp
@@ -337,8 +302,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         if sharded and plain:
             rp = plain[0]
             raise ValueError(
-                f"OwnerRoutedOptimizer: parameter {self._label(rp)!r} (shape "
-                f"{tuple(rp.param.shape)}) is a plain tensor, while {self._label(sharded[0])!r} "
+                f"OwnerRoutedOptimizer: parameter {rp.fqn!r} (shape "
+                f"{tuple(rp.param.shape)}) is a plain tensor, while {sharded[0].fqn!r} "
                 "and others are owner-sharded by fully_shard; nothing averages the plain one's "
                 "gradient across ranks. It was registered after the sharding plan was fixed (the "
                 "first forward, state_dict() or optimizer construction), or its module is outside "
@@ -348,10 +313,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             )
 
     def _check_hyperparameters(self, where: str) -> None:
-        """Refuse a NaN anywhere, or an infinity where the inner optimizer's own default is
-        finite (``lr=inf`` from a scheduler), in any param group, before anything is updated.
-        Python numbers and CPU scalar tensors are checked; a device tensor is left alone (its
-        check would cost a host sync per step)."""
+        """Refuse a NaN, or an infinity where the inner optimizer's default is finite, in any
+        group (numbers and CPU scalars; a device tensor would cost a host sync)."""
         for i, group in enumerate(self.param_groups):
             for key, value in group.items():
                 if key in ("params", "param_names", "role", "optimizer"):
@@ -389,30 +352,20 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
             if self.last_step_skipped:
                 self.skipped_steps += 1
                 return loss
-            roles = list(self._kinds.values())
-            for ropt in roles:
-                ropt.before_step()
-            for ropt in roles:  # the children read the parent groups' values (ChildGroup)
-                ropt.step()
+            for layout in self.layouts():
+                layout.before_step()
+            for child in (r.child for r in self._kinds.values() if r.child is not None):
+                child.step()  # the children read the parent groups' values (ChildGroup)
             self._has_state = True
-            for ropt in roles:
-                ropt.after_step()
+            for layout in self.layouts():
+                layout.after_step()
         self._consolidated = None  # a consolidated state dict holds the state before this step
         return loss
 
     def _any_nonfinite_grad(self) -> bool:
-        """Whether any rank holds a NaN or infinite gradient of a parameter it updates: a local
-        max-abs per tensor (NaN propagates; no overflow, unlike a sum of squares), then one
-        all-reduce (max) over ``process_group`` in a multi-rank job, so every rank returns the
-        same answer; it carries the step count too (``agreement.agree_nonfinite``)."""
-        grads: list[torch.Tensor] = []
-        for rp in self._routed:
-            g = rp.param.grad
-            if g is None:
-                continue
-            g = local_tensor(g)
-            if g.numel():
-                grads.append(g.detach())
+        """Whether any rank holds a non-finite gradient (one all-reduce, carrying the step count)."""
+        grads = [local_tensor(rp.param.grad).detach() for rp in self._routed if rp.param.grad is not None]
+        grads = [g for g in grads if g.numel()]
         device = grads[0].device if grads else self._routed[0].param.device
         flag = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
@@ -440,8 +393,8 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, and the gradients the layouts gave their proxies."""
         super().zero_grad(set_to_none=set_to_none)
-        for ropt in self._kinds.values():
-            ropt.zero_grad(set_to_none)
+        for layout in self.layouts():
+            layout.zero_grad(set_to_none)
 
     # -- state -------------------------------------------------------------------------------------
     def _ordered(self) -> list[RoutedParam]:
@@ -458,42 +411,26 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
     def _partitioned_replicas(self) -> bool:
         return any(isinstance(lay, ReplicatedLayout) and lay.partitioned for lay in self.layouts())
 
-    @staticmethod
-    def _label(rp: RoutedParam) -> str:
-        if rp.name is not None:
-            return rp.name
-        return rp.shard.fqn if rp.shard is not None else rp.label
-
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout (``state`` by parameter index, ``param_groups``), each value a piece of
-        a global tensor where the state is partitioned (:mod:`.state_place`), so that
-        ``get_optimizer_state_dict`` and DCP reshard it; plain tensors in one process and under
-        ``replicated="redundant"``. Under DDP with owners, the whole state after
-        :meth:`consolidate_state_dict` (an error before it, once any state exists). Param groups
-        carry the inner optimizers' own values (Prodigy's ``d``) and ``param_names``, as torch's.
-        """
+        """torch's layout, each partitioned value a piece of a global tensor (:mod:`.state_place`)
+        so DCP reshards it; under DDP with owners, the whole state after
+        :meth:`consolidate_state_dict` (DESIGN.md, "State dicts and checkpoints")."""
         self._follow_param_swaps()
         if self._partitioned_replicas() and self._has_state:
             return sd_.merge_consolidated(super().state_dict(), self._consolidated)
         return sd_.as_pieces(super().state_dict(), self._ordered(), self._places(), self._process_group)
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
-        """Collective (every rank): gather the owners' matrix state of a DDP job
-        (``replicated="owner"``) on rank ``to`` (every rank with ``None``), so that
-        :meth:`state_dict` there returns the whole state, as
-        ``ZeroRedundancyOptimizer.consolidate_state_dict`` does. Valid until the next step.
-        A no-op on layouts whose ``state_dict`` needs no consolidation."""
+        """Collective: gather a DDP job's owner-held state on rank ``to`` (every rank with
+        ``None``), as ``ZeroRedundancyOptimizer.consolidate_state_dict``; valid until the next step."""
         self._follow_param_swaps()
         self._consolidated = None
         if self._partitioned_replicas():
             self._consolidated = sd_.gather_owner_state(self._ordered(), self.state, to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer saved on any layout and world size: pieces, plain
-        or full tensors, fqn-keyed state, version 0.1.0's groups. Each rank keeps what it
-        updates, in the state's dtype on the parameter's device (``step`` stays where it is).
-        Raises ``KeyError`` naming the parameters this rank updates whose state is missing while
-        others of their group have state; a refusal after torch's initialisation step leaves none."""
+        """Load a state dict saved on any layout and world size (pieces, full tensors, fqn keys,
+        0.1.0's groups); each rank keeps what it updates. ``KeyError`` names missing state."""
         self._follow_param_swaps()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -509,7 +446,6 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
                 self._group_user,
                 self._places(),
                 self.state,
-                self._label,
                 self._process_group,
             )
         except Exception:
@@ -550,9 +486,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         return sum(lay.extra_resident_bytes() for lay in self.layouts())
 
     def routes(self) -> list[dict[str, Any]]:
-        """Per parameter that is stepped: name, role, owner, whether this rank updates it, and
-        the layout. Frozen parameters (``requires_grad=False`` now: a PEFT base, a frozen
-        embedding) are left out: no optimizer of any role steps them."""
+        """Per stepped (not frozen) parameter: name, role, owner, whether local, layout."""
         self._follow_param_swaps()
         layout_of = self._layout_of()
         return [
@@ -568,8 +502,7 @@ class OwnerRoutedOptimizer(torch.optim.Optimizer):
         ]
 
     def routing_report(self, large_numel: int = report.LARGE_NUMEL) -> report.RoutingReport:
-        """What went where: counts and bytes per optimizer and role, and every >2D or large 2D
-        tensor left to the tail optimizer, named (see :mod:`.report`)."""
+        """What went where, per optimizer and role (see :mod:`.report`)."""
         return report.report_of_routes(
             [rp for rp in self._routed if rp.param.requires_grad],  # what is stepped
             self._kinds[MATRIX].name,

@@ -1,12 +1,8 @@
 """The owner layout on tensor-parallel blocks: TP slices held whole by their dp owner.
 
-After the package's ``fully_shard(block, mesh=mesh["dp"])`` on blocks ``parallelize_module``
-made tensor parallel, rank ``(o, t)`` holds TP slice ``t`` whole, ``o`` the dp coordinate the
-plan made its owner (the owners of one matrix are its owner's TP group). On the owners, matrices
-TP splits are assembled (weights and gradients, one all-gather over the TP group per dtype:
-``mesh_slice.assemble``), stepped whole and cut back to the slice; expert parallel stacks
-(``Shard(0)`` on ep: whole experts) and everything else step on the local piece. Other dp
-coordinates do nothing. DESIGN.md, "The owner layout x tensor parallel".
+On the owners (one TP group), TP-split matrices are assembled (``mesh_slice.assemble``), stepped
+whole and cut back to the slice; expert stacks and everything else step on the local piece
+(DESIGN.md, "The owner layout x tensor parallel").
 """
 
 from __future__ import annotations
@@ -39,11 +35,7 @@ class _Assembled:
 
 
 def _check_expert_slice(rp: RoutedParam, tp: Shard) -> None:
-    """A >2D matrix on a 2D mesh is stepped where it is only as an expert-parallel slice: a
-    3D stack (the ``"stack"`` view: ``[E, out, in]`` read as ``E`` matrices) split along its
-    stack dim (``Shard(0)`` on ep), whose slice is whole experts. Anything else would step
-    pieces of matrices (expert tensor parallel's ``Shard(1)``/``Shard(2)``, a conv kernel or
-    a >3D tensor cut on ep): refused, naming the parameter."""
+    """Refuse a >2D matrix on a 2D mesh unless it is a 3D ``"stack"`` split by ``Shard(0)`` on ep."""
     p = rp.param
     view = rp.view.kind if rp.view is not None else None
     if tp.dim != 0 or p.dim() != 3 or view != "stack":
@@ -69,9 +61,7 @@ class OwnerTPLayout(UpdateLayout):
         self.steps = 0  # before_step calls
 
     def add(self, entries: list[RoutedParam]) -> None:
-        """Route ``entries`` (module docstring): on their owners, TP-split 2D matrices to the
-        assembly over tp, expert-parallel stacks and everything else to local steps; elsewhere
-        no proxy."""
+        """Route ``entries``: on their owners, TP-split matrices to the assembly, the rest local."""
         for rp in entries:
             self.entries.append(rp)
             shard, p = rp.shard, rp.param
@@ -124,8 +114,7 @@ class OwnerTPLayout(UpdateLayout):
         return [("the TP group", g) for g in groups]
 
     def _assemble(self, dtype: torch.dtype, mats: list[_Assembled]) -> None:
-        """One all-gather over the owners' TP group: every owner gets every matrix whole, and
-        its gradient (the header says which gradients exist, the same on every TP owner)."""
+        """One all-gather over the TP group: every owner gets every matrix and gradient whole."""
         slices = [(a.tp, tuple(a.full.shape)) for a in mats for _ in range(2)]
         mine: list[torch.Tensor] = []
         header: list[float] = []
@@ -152,20 +141,15 @@ class OwnerTPLayout(UpdateLayout):
         self.zero_grad(True)
 
     def state_place(self, rp: RoutedParam) -> StatePlace:
-        """A matrix stepped whole keeps its state whole on each of its TP owners: held by the
-        owner over the dp group, the form the 1D owner layout and the stock TP path give a
-        matrix's state, so DCP moves it between them (the ``T`` owners write the same chunk; DCP
-        keeps one). State stepped on the local piece (AdamW's moments of a TP slice) is a piece
-        of the parameter's 2D layout. Only the owners ``(o, *)`` hold state."""
+        """An assembled matrix's state is held whole by its owner over the dp group (as on the 1D
+        layout, so DCP moves it between them); state of a local piece is a piece of its layout."""
         p = rp.param
         whole = rp.role is Role.MATRIX and p.dim() == 2 and isinstance(p.placements[1], Shard)  # type: ignore[attr-defined]
         mesh = mesh_of_group(p.device_mesh.get_group(0), local_tensor(p).device.type)  # type: ignore[attr-defined]
         return StatePlace(mesh, holder=rp.owner, like=None if whole else p, held_elsewhere=True)
 
     def bytes_per_step(self) -> int:
-        """Bytes this rank sends plus receives in one step: per dtype, its message (header, its
-        weight and gradient slices, padded to the largest TP rank's) to each of the ``T-1``
-        other TP owners, and theirs back."""
+        """Bytes this rank sends plus receives in one step (the padded TP messages, both ways)."""
         total = 0
         for dtype, mats in self._buckets().items():
             T = mats[0].tp.size

@@ -50,13 +50,8 @@ class ChosenOptimizer:
 
 
 def choose_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> ChosenOptimizer:
-    """A built-in, registered or entry-point name (its registry entry's factory), or an optimizer
-    class / factory as is.
-
-    Raises:
-        ValueError: for an unknown name (listing the known ones), a name two sources provide
-            (naming both), or a target that cannot be imported.
-    """
+    """A built-in, registered or entry-point name (its entry's factory), or a factory as is;
+    ``ValueError`` for an unknown name, a name two sources provide, or a failed import."""
     if not isinstance(spec, str):
         if callable(spec):
             return ChosenOptimizer(getattr(spec, "__name__", str(spec)), spec, spec)
@@ -73,10 +68,8 @@ def choose_optimizer(spec: str | OptimizerFactory, *, what: str = "matrix") -> C
 
 
 def _load(entry: OptimizerEntry, what: str, spec: str) -> OptimizerFactory:
-    """``entry``'s factory; an exception its import raised (the plug-in's own code, or code it
-    imports, failing) is re-raised as ``ImportError`` naming the entry point, its distribution
-    and the target, the original chained. Errors the registry words itself (a missing module or
-    attribute, a target that is not callable) already name them and pass as they are."""
+    """``entry``'s factory; an exception its import raised is re-raised as ``ImportError`` naming
+    the entry point and its distribution (the registry's own errors pass as they are)."""
     try:
         return entry.load(what, spec)
     except (ValueError, TypeError) as exc:
@@ -103,10 +96,8 @@ def _groups_declaring(target: str | None) -> list[str]:
     ]
 
 
-# Optimizers whose param groups must carry a flag, and what the package sets in the groups it
-# builds for each role: the values the optimizer documents. pytorch-optimizer's Muon family
-# steps a group with ``use_muon=True`` as Muon (its "hidden weight matrices") and one with
-# ``use_muon=False`` as AdamW (embeddings, heads, biases, gains).
+# Optimizers whose param groups must carry a flag, per role: pytorch-optimizer's Muon family steps
+# a group with ``use_muon=True`` as Muon and one with ``use_muon=False`` as AdamW.
 _MUON_FAMILY = MappingProxyType({"matrix": MappingProxyType({"use_muon": True}), "tail": {"use_muon": False}})
 GROUP_FLAGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType(
     {
@@ -118,9 +109,7 @@ GROUP_FLAGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType(
 
 
 def group_flags(factory: OptimizerFactory, role: str) -> dict[str, Any]:
-    """The flags every param group of ``role`` (``"matrix"`` or ``"tail"``) gets for
-    ``factory`` (:data:`GROUP_FLAGS`, matched by class path along its MRO, so a subclass gets
-    them too); empty for optimizers that need none."""
+    """The flags every param group of ``role`` gets for ``factory`` (:data:`GROUP_FLAGS`)."""
     for cls in getattr(factory, "__mro__", (factory,)):
         flags = GROUP_FLAGS.get(f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}")
         if flags is not None:

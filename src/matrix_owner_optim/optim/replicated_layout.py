@@ -1,16 +1,13 @@
 """Replicated parameters (DDP, or plain tensors in a multi-rank job): owner or redundant updates.
 
-``replicated="owner"`` (default): each matrix gets an owner (:func:`plan_owners`, the LPT planner
-priced by the matrix cost), which alone steps it; one ``all_to_all_single`` per dtype then shares
-the new values (the fewest bytes that leave every rank with every matrix computed once); tail
-tensors step on every rank. Matrix state lives on the owners only, so a rank-0 ``torch.save``
-needs ``consolidate_state_dict()`` first, as with ``ZeroRedundancyOptimizer``.
-``"redundant"``: every rank steps everything, zero bytes. Every rank's owner plan is checked
-against the others' in the optimizer's construction step (:meth:`~.layouts.UpdateLayout.agree`).
+``replicated="owner"``: each matrix's owner (:func:`plan_owners`) alone steps it and one
+``all_to_all_single`` per dtype shares the new values (state on the owners only: consolidate
+before a rank-0 save, as ``ZeroRedundancyOptimizer``); ``"redundant"``: every rank steps all.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -34,14 +31,8 @@ def plan_owners(
     *,
     cost: CostModel,
 ) -> tuple[list[int], ShardingPlan]:
-    """Owners (ranks of the group) for matrices ``rps``, and the plan they come from (for
-    :meth:`~.layouts.UpdateLayout.agree` to check across ranks); updates ``loads`` (bytes per
-    rank). Pure.
-
-    ``planning.plan_tensors`` balances this batch; when earlier batches (other param groups)
-    already loaded the ranks, the batch's ranks are permuted so that its heaviest rank lands on
-    the currently lightest one. Deterministic.
-    """
+    """Owners for matrices ``rps`` and the ``planning.plan_tensors`` plan they come from (for ``agree``
+    to check); updates ``loads`` (bytes per rank): a batch's heaviest rank lands on the lightest. Pure."""
     specs = [
         TensorSpec(
             fqn=rp.name if rp.name is not None else f"param{rp.index}",
@@ -55,13 +46,9 @@ def plan_owners(
     ]
     plan = plan_tensors(specs, world_size, cost=cost, split_stacks=False)
     batch = [0] * world_size
-    nbytes = []
-    for s in specs:
-        n = 1
-        for d in s.shape:
-            n *= int(d)
-        nbytes.append(n * itemsize(s.dtype))
-        batch[plan[s.fqn].owner] += nbytes[-1]  # type: ignore[index]
+    nbytes = [math.prod(s.shape) * itemsize(s.dtype) for s in specs]
+    for s, n in zip(specs, nbytes, strict=True):
+        batch[plan[s.fqn].owner] += n  # type: ignore[index]
     if any(loads):
         new_order = sorted(range(world_size), key=lambda r: (-batch[r], r))
         old_order = sorted(range(world_size), key=lambda r: (loads[r], r))

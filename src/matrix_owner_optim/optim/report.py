@@ -1,17 +1,9 @@
 """The routing report: what reached which optimizer, so that "Muon is not running" is never silent.
 
-One call, on an :class:`~.owner_routed.OwnerRoutedOptimizer` (``opt.routing_report()``) or on a
-:class:`~..planning.ShardingPlan` (:func:`routing_report`, and ``matrix-owner-optim plan``),
-gives a :class:`RoutingReport`: per optimizer and role the number of tensors, of matrices they
-are stepped as (a stack of 64 experts is 64) and their parameter bytes (the whole model's, not
-one rank's), and, named, every >2D tensor and every large 2D tensor (``large_numel`` elements
-or more, role ``tail``) that the tail optimizer updates, with the reason the rule gave.
-
-``OwnerRoutedOptimizer`` logs it once, on rank 0, at its first ``step()``, through the logger
-named after this module (``matrix_owner_optim.optim.report``): the report at ``INFO``, and one
-``WARNING`` when a tensor other than a mixture-of-experts router is left to the tail that way.
-Silence it as any logger: ``logging.getLogger("matrix_owner_optim.optim.report").setLevel(
-logging.ERROR)``.
+A :class:`RoutingReport` of an optimizer (``opt.routing_report()``) or a plan counts tensors,
+matrices and bytes per optimizer and role, and names every >2D or large 2D tensor left to the
+tail. ``OwnerRoutedOptimizer`` logs it once on rank 0 at its first step, through the logger
+``matrix_owner_optim.optim.report`` (DESIGN.md, "The routing report").
 """
 
 from __future__ import annotations
@@ -98,8 +90,7 @@ class RoutingReport:
         return sorted(out.values(), key=lambda e: (order.get(e["role"], 3), e["optimizer"]))
 
     def left_to_tail(self) -> list[RouteRow]:
-        """Every >2D tensor, and every 2D ``tail`` tensor of ``large_numel`` elements or more,
-        that the tail optimizer updates."""
+        """Every >2D tensor and every large 2D ``tail`` tensor the tail optimizer updates."""
         return [
             r
             for r in self.rows
@@ -148,11 +139,11 @@ ROUTER_REASON = "mixture-of-experts router: tail by default"
 
 
 def _human(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
+    for unit in ("", "K", "M", "G"):
+        if abs(n) < 1024:
             return f"{n:.0f} " if not unit else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} T"  # pragma: no cover - the loop returns
+    return f"{n:.1f} T"
 
 
 def _reason(name: str, shape: tuple[int, ...], role: Role, routers: set[str]) -> str:
@@ -209,7 +200,7 @@ def report_of_routes(
 ) -> RoutingReport:
     """The report of an optimizer's routed parameters (every rank's, not only this rank's)."""
     routed = list(routed)
-    names = [rp.name or (rp.shard.fqn if rp.shard is not None else rp.label) for rp in routed]
+    names = [rp.fqn for rp in routed]
     routers = router_fqns(names)
     rows = [
         _row(name, rp.global_shape, rp.param.dtype, rp.role, rp.view, rp.owner, (matrix_name, tail_name), routers)
@@ -219,10 +210,7 @@ def report_of_routes(
 
 
 def report_of_plan(plan: ShardingPlan, tail_name: str = "adamw", large_numel: int = LARGE_NUMEL) -> RoutingReport:
-    """The report of a plan (``plan_model``'s): its matrices go to ``plan.preconditioner``.
-
-    A plan does not keep ``matrix_views=`` overrides; matrices are counted by the default view.
-    """
+    """The report of a plan: its matrices go to ``plan.preconditioner`` (counted by the default view)."""
     shards = list(plan)
     routers = router_fqns(s.fqn for s in shards)
     names = (plan.preconditioner, tail_name)
@@ -241,9 +229,7 @@ def routing_report(source: ReportsRoutes | ShardingPlan, **kwargs: Any) -> Routi
 
 
 def log_report(optimizer: ReportsRoutes) -> None:
-    """Log ``optimizer``'s report, on rank 0 only (the optimizer calls it once, at its first
-    step). Nothing is built when the logger would drop both records.
-    """
+    """Log ``optimizer``'s report on rank 0 (nothing is built when the logger drops both records)."""
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     if not logger.isEnabledFor(logging.WARNING):

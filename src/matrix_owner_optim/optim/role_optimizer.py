@@ -1,18 +1,12 @@
-"""The two optimizers (matrix and tail), and the child groups and state through which the
-parent reads and writes theirs.
-
-``OwnerRoutedOptimizer`` splits every user param group into one group per tensor role
-(``"role"``), each stepped by one of two optimizers (``"optimizer"``: ``matrix``, or ``tail`` for
-``tail`` and ``rows`` tensors), each one :class:`RoleOptimizer`. A child's group is a
-:class:`ChildGroup` over its parent group (hyperparameters have one home, the parent's); the
-parent's ``state`` is a :class:`ChildState` over the children's (state has one home, the
-child's). Nothing is copied either way.
+"""The two optimizers (matrix and tail) and the views through which the parent reads theirs:
+hyperparameters live in the parent's groups (:class:`ChildGroup`), state in the children's
+(:class:`ChildState`); nothing is copied either way.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, NoReturn
 
 import torch
@@ -32,14 +26,9 @@ _MISSING = object()
 
 
 class ChildGroup(dict):  # type: ignore[type-arg]
-    """A child optimizer's param group: its own ``params``; every other key is the parent's.
-
-    ``owner.param_groups[index]`` is the parent group. Reads, writes, ``in``, iteration,
-    ``get``/``setdefault``/``pop``/``update`` and the views go to the parent for every key but
-    ``params`` (and ``param_names``/``role``/``optimizer``, which the parent keeps for its own
-    parameters), so a torch optimizer handed this group (``torch.optim.Optimizer.add_param_group`` accepts a
-    ``dict`` subclass) sees one source of truth. A copy (``dict(group)``, ``copy``, pickling)
-    is a plain ``dict`` of the current values.
+    """A child optimizer's param group: its own ``params`` (and ``_OWN_KEYS``); every other key
+    is the parent group ``owner.param_groups[index]``'s (``torch.optim.Optimizer.add_param_group``
+    takes a dict subclass). A copy (``dict(group)``, pickling) is a plain ``dict`` of the values.
     """
 
     __slots__ = ("_owner", "_index")
@@ -82,22 +71,10 @@ class ChildGroup(dict):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return dict.__len__(self) + sum(1 for k in self.parent if k not in _OWN_KEYS)
 
-    def keys(self) -> KeysView[str]:  # type: ignore[override]
-        return KeysView(self)
-
-    def values(self) -> ValuesView[Any]:  # type: ignore[override]
-        return ValuesView(self)
-
-    def items(self) -> ItemsView[str, Any]:  # type: ignore[override]
-        return ItemsView(self)
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return self[key] if key in self else default
-
-    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        if key not in self:
-            self[key] = default
-        return self[key]
+    # Mapping's own implementations, over the methods above (dict's would bypass them)
+    keys, values, items = Mapping.keys, Mapping.values, Mapping.items  # type: ignore[assignment]
+    get, __eq__ = Mapping.get, Mapping.__eq__  # type: ignore[assignment]
+    setdefault, update = MutableMapping.setdefault, MutableMapping.update  # type: ignore[assignment]
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:  # type: ignore[override]
         if key in self:
@@ -110,11 +87,6 @@ class ChildGroup(dict):  # type: ignore[type-arg]
 
     def popitem(self) -> NoReturn:
         raise TypeError("a child optimizer's param group has no last item to pop; pop a key by name")
-
-    def update(self, other: Any = (), /, **kwargs: Any) -> None:  # type: ignore[override]
-        pairs = other.items() if isinstance(other, Mapping) else other
-        for key, value in [*pairs, *kwargs.items()]:
-            self[key] = value
 
     def clear(self) -> None:
         for key in list(self):
@@ -133,9 +105,6 @@ class ChildGroup(dict):  # type: ignore[type-arg]
         self.update(other)
         return self
 
-    def __eq__(self, other: object) -> bool:
-        return self.copy() == (other.copy() if isinstance(other, ChildGroup) else other)
-
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
@@ -148,8 +117,7 @@ class ChildGroup(dict):  # type: ignore[type-arg]
 def probe_defaults(
     factory: OptimizerFactory, options: Mapping[str, Any], what: str
 ) -> tuple[dict[str, Any], torch.optim.Optimizer]:
-    """The hyperparameters ``factory`` fills into a group, and the optimizer it built to tell
-    (on a probe tensor, so that its configured ``cost_model`` can price the plan)."""
+    """The hyperparameters ``factory`` fills into a group, and the probe optimizer it built."""
     probe_param = torch.nn.Parameter(torch.zeros(2, 2))
     flags = group_flags(factory, what)  # a flag its groups must carry (pytorch-optimizer's Muon family)
     try:
@@ -166,8 +134,7 @@ def probe_defaults(
 
 
 def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
-    """The first non-finite number in a hyperparameter value (a number, a CPU scalar tensor,
-    or a tuple/list of them such as ``betas``), or None."""
+    """The first non-finite number in a hyperparameter value (numbers, CPU scalars, tuples), or None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -188,20 +155,12 @@ def first_nonfinite(value: Any, *, allow_inf: bool) -> Any:
 
 
 class RoleOptimizer:
-    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors). Which
-    one it is, is its key in the optimizer (``OwnerRoutedOptimizer._kinds``), not a fact it holds;
-    ``what`` (``"matrix"``, ``"tail"``) only words its construction errors.
+    """One of the two optimizers (``matrix``, or ``tail`` for tail and ``rows`` tensors); which
+    one is its key in ``OwnerRoutedOptimizer._kinds`` (``what`` only words errors).
 
-    Attributes:
-        name: the optimizer as the user named it (reports, error messages).
-        factory, options: what builds the child: ``factory(groups, **options)``.
-        defaults: the hyperparameters the factory fills into a group (every parent group of
-            this kind starts with them).
-        cost: what the planner charges per tensor (``planning.catalog.resolve_cost`` of the
-            optimizer as given and as configured: a configured Shampoo's blocks count).
-        child: the optimizer stepping this rank's proxies (None while this rank updates
-            none of the role's tensors).
-        layouts: the update layout of each kind that holds some of the role's tensors.
+    ``child`` (``factory(groups, **options)``) steps this rank's proxies (None while it has
+    none); ``cost`` prices the plan (``planning.catalog.resolve_cost``); ``layouts`` holds the
+    update layout of each kind that has some of the role's tensors.
     """
 
     def __init__(self, what: str, chosen: ChosenOptimizer, options: Mapping[str, Any] | None) -> None:
@@ -215,8 +174,7 @@ class RoleOptimizer:
 
     @property
     def infinite_ok(self) -> set[str]:
-        """Keys whose optimizer itself defaults to an infinity (a threshold that is off), unless
-        the user set them."""
+        """Keys the optimizer itself defaults to an infinity (a threshold that is off), unless set."""
         return {k for k, v in self.defaults.items() if isinstance(v, float) and math.isinf(v) and k not in self.options}
 
     def reset(self) -> None:
@@ -225,8 +183,7 @@ class RoleOptimizer:
         self.layouts = {}
 
     def route(self, rps: list[RoutedParam], config: LayoutConfig) -> None:
-        """Give ``rps`` (tensors of this role) to the layouts of their kinds, which set each
-        one's proxy and owner."""
+        """Give ``rps`` to the layouts of their kinds (which set each one's proxy and owner)."""
         by_layout: dict[type[UpdateLayout], list[RoutedParam]] = {}
         for rp in rps:
             by_layout.setdefault(layout_of(rp.param), []).append(rp)
@@ -236,8 +193,7 @@ class RoleOptimizer:
             self.layouts[cls].add(entries)
 
     def attach(self, owner: torch.optim.Optimizer, index: int, rps: list[RoutedParam]) -> None:
-        """Give the child the proxies this rank updates of parent group ``index`` (built on the
-        first such group): one :class:`ChildGroup` over that parent group."""
+        """Give the child a :class:`ChildGroup` of the proxies this rank updates of group ``index``."""
         local = [rp.proxy for rp in rps if rp.proxy is not None]
         if not local:
             return
@@ -247,28 +203,10 @@ class RoleOptimizer:
         else:
             self.child.add_param_group(group)
 
-    def before_step(self) -> None:
-        for layout in self.layouts.values():
-            layout.before_step()
-
-    def step(self) -> None:
-        if self.child is not None:
-            self.child.step()
-
-    def after_step(self) -> None:
-        for layout in self.layouts.values():
-            layout.after_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for layout in self.layouts.values():
-            layout.zero_grad(set_to_none)
-
 
 class ChildState(MutableMapping):  # type: ignore[type-arg]
-    """The parent optimizer's ``state``: ``state[param]`` is the child's state of the param's
-    proxy, read and written where the child keeps it, so nothing is copied or re-linked after a
-    step. Empty until a child makes state, as torch's is (``get_optimizer_state_dict`` relies on
-    that to initialise it). ``slots``: id(param) -> its routing and its optimizer."""
+    """The parent's ``state``: ``state[param]`` is the child's state of its proxy, where the
+    child keeps it (empty until a child makes state, as torch's). ``slots``: id(param) -> routing."""
 
     def __init__(self, slots: dict[int, tuple[RoutedParam, RoleOptimizer]]) -> None:
         self.slots = slots

@@ -1,12 +1,8 @@
 """Which optimizer updates which parameter: normalising ``params`` and resolving roles.
 
-A tensor's role (:class:`~..planning.metadata.Role`) comes, in order of precedence, from a
-group's ``"role"``, from ``roles=`` globs, from its :class:`MatrixShard`, from the module types,
-from the name, and finally from the shape (every 2D tensor: one warning names them all). Which
-optimizer steps it (:class:`OptimizerKind`, a group's ``"optimizer"``) follows from the role. A
->2D matrix is stepped through a 2D view of its storage (refused, naming it, where there is
-none) and read as its :class:`~..planning.views.MatrixView`. Pure: pending plans are fixed by
-the optimizer first.
+A tensor's role comes from a group's ``"role"``, ``roles=`` globs, its :class:`MatrixShard`, the
+module types, the name, or the shape, in that order; which optimizer steps it
+(:class:`OptimizerKind`) follows from the role. Pure: the optimizer fixes pending plans first.
 """
 
 from __future__ import annotations
@@ -53,12 +49,7 @@ def optimizer_kind(role: Role) -> OptimizerKind:
 
 @dataclass(eq=False)
 class RoutedParam:
-    """One parameter as the router sees it.
-
-    ``proxy`` is the tensor the matrix or tail optimizer updates on this rank (the parameter
-    itself, a 2D view of a conv kernel, or an owner's full working copy), or ``None`` when
-    another rank updates it.
-    """
+    """One parameter as the router sees it; ``proxy``: what its optimizer updates here (or None)."""
 
     param: torch.Tensor
     name: str | None
@@ -68,8 +59,7 @@ class RoutedParam:
     proxy: torch.Tensor | None = None
     owner: int | None = None
     view: MatrixView | None = None  # how the matrix optimizer reads it (matrix role only)
-    # the shape of the part its owner steps, where that is not the whole parameter: an expert
-    # parallel slice of a stack (this rank's experts); None: the whole (global) shape
+    # the shape its owner steps where that is not the global one (an expert parallel slice)
     step_shape: tuple[int, ...] | None = None
 
     @property
@@ -82,6 +72,11 @@ class RoutedParam:
         if self.name is not None:
             return self.name
         return f"parameter #{self.index} {tuple(self.param.shape)}"
+
+    @property
+    def fqn(self) -> str:
+        """Its name, else its plan's fqn, else :attr:`label`: the key of its state and reports."""
+        return self.name or (self.shard.fqn if self.shard is not None else self.label)
 
 
 @dataclass
@@ -96,10 +91,7 @@ class UserGroup:
 
     @property
     def named(self) -> bool:
-        """Whether the user named every parameter (``(name, tensor)`` pairs, ``param_names``):
-        then the optimizer's groups record ``param_names``, as ``torch.optim`` does. A module's
-        own names route but are not recorded, so ``OwnerRoutedOptimizer(model)`` and
-        ``(model.parameters())`` write the same state dict (DCP checks a checkpoint's keys)."""
+        """Whether the user named every parameter (then the groups record ``param_names``)."""
         return self.names_given and bool(self.params) and all(rp.name is not None for rp in self.params)
 
 
@@ -119,8 +111,7 @@ def _named(items: Iterable[Any]) -> list[tuple[str | None, torch.Tensor]]:
 
 
 def _param_names(names: Any, count: int) -> list[str]:
-    """A group's ``"param_names"`` (torchtitan's ``{"params": [...], "param_names": [...]}``),
-    checked: one string per parameter."""
+    """A group's ``"param_names"``, checked: one string per parameter."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"param group 'param_names' must be a list of strings, got {names!r}")
     names = list(names)
@@ -190,8 +181,7 @@ def _parse_kind(group: Mapping[str, Any]) -> OptimizerKind | None:
 
 
 def check_recorded_kind(group: UserGroup) -> None:
-    """Refuse a group whose recorded ``"optimizer"`` disagrees with its tensors' roles (it is
-    recorded, not a switch: a role is chosen with ``"role"``)."""
+    """Refuse a group whose recorded ``"optimizer"`` disagrees with its tensors' roles."""
     for rp in group.params:
         if group.kind is not None and optimizer_kind(rp.role) is not group.kind:
             raise ValueError(
@@ -209,15 +199,9 @@ def resolve_roles(
     views: ViewOverrides | None = None,
     convs: Mapping[int, bool] | None = None,
 ) -> None:
-    """Fill ``role`` (and ``shard``, and ``view`` of matrices) of every :class:`RoutedParam`,
-    validating matrix shapes. ``views`` are the ``matrix_views=`` globs; ``convs`` says per
-    parameter object whether its module is a convolution (known when a module was given).
-    Pure: it reads the parameters' sharding metadata as it is (fix pending plans first).
-
-    Warns once (for all ``groups`` together) listing the parameters routed to ``matrix`` by
-    their shape alone (no name, no sharding plan, no module), and raises for a >2D ``matrix``
-    whose memory layout has no 2D view, or a group whose recorded ``"optimizer"`` disagrees.
-    """
+    """Fill ``role``, ``shard`` and (matrices) ``view`` of every :class:`RoutedParam`; ``convs``:
+    per parameter, whether its module is a convolution. Warns once, naming every matrix routed
+    by shape alone."""
     by_shape: list[str] = []
     views = views if views is not None else ViewOverrides(None)
     for g in groups:
@@ -231,12 +215,10 @@ def resolve_roles(
     )
     for g in groups:
         for rp in g.params:
-            names = []
-            if rp.name is not None:
-                names.append(rp.name)
-            if rp.shard is not None:
-                names.extend([rp.shard.fqn, *rp.shard.aliases])
-            shape = tuple(rp.shard.shape) if rp.shard is not None else tuple(rp.param.shape)
+            names = ([rp.name] if rp.name is not None else []) + (
+                [rp.shard.fqn, *rp.shard.aliases] if rp.shard is not None else []
+            )
+            shape = rp.global_shape
             override = overrides.lookup(names) if names else None
             if g.role is not None:
                 role = g.role
@@ -278,9 +260,7 @@ def resolve_roles(
 
 
 def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> None:
-    """Refuse a stack or fused tensor for a matrix optimizer that steps whole 2D tensors only
-    (it would orthogonalise the ``(out, rest)`` concatenation of the experts), and a band of a
-    matrix cut between owners for one that does not step bands (``accepts_row_bands``)."""
+    """Refuse stacks and bands for a matrix optimizer that does not step them."""
     if not getattr(factory, "accepts_row_bands", False):
         for rp in rps:
             if rp.role is Role.MATRIX and _is_band(rp):
@@ -306,14 +286,12 @@ def check_matrix_views(rps: Iterable[RoutedParam], factory: Any, name: str) -> N
 
 
 def _is_band(rp: RoutedParam) -> bool:
-    """A 2D matrix whose rows a plan split between owners (blocked Shampoo's bands; a split
-    3D stack holds whole experts instead)."""
+    """A 2D matrix whose rows a plan split between owners (blocked Shampoo's bands)."""
     return rp.shard is not None and rp.shard.is_split and len(rp.shard.shape) == 2
 
 
 def declare_matrix_views(rps: Iterable[RoutedParam]) -> None:
-    """Record every matrix's view on the tensor its optimizer updates (its ``proxy``), and on a
-    band of a matrix split between owners which rows it is (:mod:`~..planning.bands`)."""
+    """Record every matrix's view (and band rows) on its ``proxy``."""
     for rp in rps:
         if rp.role is Role.MATRIX and rp.view is not None and rp.proxy is not None:
             shape = tuple(rp.global_shape) if rp.step_shape is None else rp.step_shape
@@ -347,10 +325,8 @@ def _require_matrix_view(rp: RoutedParam) -> None:
 
 
 def swapped_in(previous: RoutedParam, param: Any) -> RoutedParam:
-    """The routing of ``param``, a tensor a framework put into ``param_groups`` in place of
-    ``previous.param`` (Accelerate's FSDP2 ``prepare``): same name, index and role, the sharding
-    metadata of the new tensor, checked as :func:`resolve_roles` checks a new parameter. Pure, as
-    :func:`resolve_roles`: the optimizer fixes the new tensors' pending plans first."""
+    """The routing of ``param``, swapped into ``param_groups`` for ``previous.param``: same name,
+    index and role, the new tensor's sharding metadata, checked as :func:`resolve_roles` does."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"param_groups entry in place of {previous.label!r} is a {type(param).__name__}, not a tensor")
     rp = RoutedParam(param, previous.name, previous.index, role=previous.role)

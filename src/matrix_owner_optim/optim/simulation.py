@@ -1,9 +1,5 @@
-"""Build the parameters one rank would hold under a plan, without processes or memory.
-
-``simulated_parameters(plan, rank)`` returns meta tensors of the shapes ``fully_shard`` would
-leave on ``rank`` (whole on the owner, empty elsewhere, row blocks for ``rows``), each
-carrying its :class:`MatrixShard`. An ``OwnerRoutedOptimizer`` built over them routes exactly
-as on that rank of a real job, which is how routing is unit-tested at W=1024.
+"""The parameters one rank would hold under a plan, without processes or memory: meta tensors of
+the shapes ``fully_shard`` leaves on ``rank``, each with its :class:`MatrixShard` (routing at W=1024).
 """
 
 from __future__ import annotations

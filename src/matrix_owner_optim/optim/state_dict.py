@@ -1,16 +1,11 @@
-"""``OwnerRoutedOptimizer``'s state dicts: torch's layout, in pieces of global tensors.
-
-``state`` is keyed by parameter index in param-group order, as any torch optimizer's, and
-``param_groups`` are the parent groups. Each value is its :mod:`.state_place` entry (the one
-rule, read off each layout's :meth:`~.layouts.UpdateLayout.state_place`); every rank lists every
-parameter, with empty pieces for state another rank holds, so ``get_optimizer_state_dict`` and
-DCP reshard it. Loading takes those forms, full tensors and fqn-keyed state, and keeps on each
-rank what it updates. The optimizer's methods call the functions here.
+"""``OwnerRoutedOptimizer``'s state dicts: torch's layout, each value its :mod:`.state_place`
+entry, every parameter listed on every rank (empty pieces for state held elsewhere) so DCP
+reshards it (DESIGN.md, "State dicts and checkpoints").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -44,11 +39,8 @@ def _what(rp: RoutedParam, key: str) -> str:
 
 
 def as_pieces(sd: dict[str, Any], ordered: list[RoutedParam], places: PlaceOf, group: Any = None) -> dict[str, Any]:
-    """torch's state dict ``sd`` of the routed parameters ``ordered`` with each state value as its
-    entry (:func:`.state_place.entry`), an entry (of empty pieces) for state held on another
-    rank, an empty entry for stateless parameters, sorted by index: the same keys on every rank.
-    Collective over ``group`` (the optimizer's ranks) where some state is held by one rank (see
-    :func:`_list_held_elsewhere`)."""
+    """torch's state dict ``sd`` with each value as its entry (:func:`.state_place.entry`) and the
+    same keys on every rank (collective over ``group`` where some state is held by one rank)."""
     for idx, st in list(sd["state"].items()):
         rp = ordered[idx]
         sd["state"][idx] = {k: entry(places[id(rp)], k, v, _what(rp, k)) for k, v in st.items()}
@@ -68,12 +60,8 @@ def _held_elsewhere(place: StatePlace | None) -> bool:
 
 
 def _list_held_elsewhere(state: dict[int, Any], ordered: list[RoutedParam], places: PlaceOf, group: Any = None) -> None:
-    """Give this rank an entry, of empty pieces, for every state another rank alone holds, so
-    that every rank's state dict has the same keys and shapes (torch's full_state_dict and
-    DCP go through them in the same order on every rank). Under HSDP a matrix's state is held by
-    its global owner alone: the other replicas list it as held by no rank of their shard group
-    (an ``OwnerShard`` of empty ranges: no DCP chunk). Collective when any state is
-    held by one rank: one all-gather of the (key, shape, dtype) lists."""
+    """Give this rank an entry of empty pieces for every state another rank alone holds, so every
+    rank's state dict has the same keys (one all-gather of the key specs)."""
     held = [idx for idx, rp in enumerate(ordered) if _held_elsewhere(places[id(rp)])]
     if not is_multi_rank() or not held:
         return
@@ -120,8 +108,7 @@ def gather_owner_state(
 
 
 def merge_consolidated(sd: dict[str, Any], consolidated: dict[int, Any] | int | None) -> dict[str, Any]:
-    """torch's state dict ``sd`` completed with the owners' state gathered by
-    :func:`gather_owner_state`; raises where there is none on this rank."""
+    """``sd`` completed with :func:`gather_owner_state`'s result; raises where there is none here."""
     if consolidated is None:
         raise RuntimeError(
             "OwnerRoutedOptimizer.state_dict(): under DDP with replicated='owner' each rank keeps "
@@ -146,16 +133,11 @@ def upgrade_saved_groups(
     routed: list[list[RoutedParam]],
     user_group: list[int],
 ) -> list[dict[str, Any]]:
-    """Saved param groups in this version's form: one group per tensor role of each user group,
-    the optimizer kind under ``"optimizer"``.
+    """Saved param groups in this version's form (one group per tensor role, ``"optimizer"``).
 
-    Version 0.1.0 wrote one group per *optimizer* of each user group (``"role": "tail"`` held the
-    tail and the ``rows`` tensors together, in the user's order) and no ``"optimizer"`` key. Such
-    a save is split here by the live groups: ``routed[i]`` are the routed parameters of live group
-    ``i`` and ``user_group[i]`` the user group it came from, so the saved keys of an old group
-    are matched to the live parameters in the user's order (``RoutedParam.index``). Saves that
-    carry ``"optimizer"`` are returned as they are; a save that does not split this way is
-    returned as it is too, for :func:`check_saved_groups` to refuse with its counts."""
+    Version 0.1.0 wrote one group per optimizer of each user group; such a save is split by the
+    live groups (``routed[i]``, from user group ``user_group[i]``) in the user's order. A save
+    that does not split is returned as it is, for :func:`check_saved_groups` to refuse."""
     if any("optimizer" in sg for sg in saved_groups):
         return saved_groups
     upgraded: list[dict[str, Any]] = []
@@ -206,12 +188,9 @@ def local_state(
     routed: list[RoutedParam],
     places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
-    label: Callable[[RoutedParam], str],
 ) -> dict[int, dict[str, Any]]:
-    """This rank's state of each parameter it updates, by ``id(RoutedParam)``, from a saved
-    state dict (``current`` the optimizer's state now, read in place when DCP wrote into it;
-    ``label(rp)`` names a parameter). Raises ``KeyError`` naming the trainable parameters this
-    rank updates whose state is missing while others of their param group have state."""
+    """This rank's state of each parameter it updates, by ``id(RoutedParam)`` (``current``: read in
+    place when DCP wrote into it); ``KeyError`` names state missing while its group has some."""
     by_param = {id(rp.param): rp for rp in routed}
     pairs = [
         (key, param, any(saved_state.get(k) for k in sg["params"]))
@@ -228,7 +207,7 @@ def local_state(
         st = saved_state.get(key)
         if not st:
             if param.requires_grad and group_has_state:
-                missing.append(key if isinstance(key, str) else label(rp))
+                missing.append(key if isinstance(key, str) else rp.fqn)
             continue
         now = current.get(param, {})
         here = {k: _load_value(rp, places[id(rp)], k, v, now.get(k)) for k, v in st.items()}
@@ -245,11 +224,8 @@ def local_state(
 def _whole_where_cut_elsewhere(
     saved: dict[Any, Any], keyed: list[tuple[Any, RoutedParam]], places: PlaceOf
 ) -> dict[Any, Any]:
-    """State of owner-held tensors that arrives cut as ``torch.chunk`` rows (torch's
-    ``set_optimizer_state_dict(full_state_dict=True)`` re-distributes full tensors with
-    ``distribute_tensor``, which splits every ``Shard`` placement that way) made whole again:
-    every rank gathers each such piece, in the state dict's order (collective, symmetric:
-    every rank holds the same keys), and keeps its own part later as from a full tensor."""
+    """Owner-held state that arrives as ``Shard`` rows (``set_optimizer_state_dict(full_state_dict=
+    True)`` redistributes that way) made whole again (collective, in the state dict's order)."""
     out = dict(saved)
     for key, rp in keyed:
         entry = saved.get(key)
@@ -283,11 +259,8 @@ def _load_value(rp: RoutedParam, place: StatePlace | None, key: str, value: Any,
 
 
 def restore_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]], needed: list[set[str]]) -> None:
-    """Set every param group's values to the saved ones, in place (the child groups read them
-    there), keeping the live ``params`` and, where the save has none, the live ``param_names``,
-    ``role``, ``optimizer`` and values of the keys in ``needed[i]`` (the hyperparameters group ``i``'s child
-    optimizer reads: a state dict saved by an older version may lack one, as torch's
-    ``__setstate__`` fills defaults in for)."""
+    """Set every param group's values to the saved ones in place, keeping the live ``params`` and,
+    where the save lacks them, ``param_names``, ``role``, ``optimizer`` and the keys ``needed[i]``."""
     for g, sg, keys in zip(groups, saved_groups, needed, strict=True):
         live = {k: v for k, v in g.items() if k not in sg and (k in keys or k in ("param_names", "role", "optimizer"))}
         params_ = g["params"]
@@ -304,15 +277,9 @@ def agreed_local_state(
     user_group: list[int],
     places: PlaceOf,
     current: Mapping[torch.Tensor, Any],
-    label: Callable[[RoutedParam], str],
     process_group: Any,
 ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
-    """``load_state_dict``'s checks, agreed by every rank before any of them changes anything:
-    the saved groups in this version's form (:func:`upgrade_saved_groups`), checked
-    (:func:`check_saved_groups`), and this rank's state (:func:`local_state`). A refusal on any
-    rank (a param group that does not match, state missing for a parameter one rank updates)
-    is raised on every rank of the optimizer's groups (``agreement.optimizer_groups``), so no
-    rank loads while another refuses; returns (saved groups, this rank's state)."""
+    """``load_state_dict``'s checks, agreed by every rank before any changes anything."""
     by_param = {id(rp.param): rp for rp in routed}
     error: Exception | None = None
     saved_groups: list[dict[str, Any]] = []
@@ -325,7 +292,7 @@ def agreed_local_state(
             user_group,
         )
         check_saved_groups(groups, saved_groups)
-        loaded = local_state(state_dict["state"], groups, saved_groups, routed, places, current, label)
+        loaded = local_state(state_dict["state"], groups, saved_groups, routed, places, current)
     except (KeyError, ValueError, TypeError) as exc:
         error = exc
     agree_verdict(error, optimizer_groups([rp.param for rp in routed], process_group), who="load_state_dict")

@@ -1,11 +1,9 @@
 """Where a parameter's optimizer state lies: one base rule for every layout, both directions.
 
-In a state dict each state value is an entry of a global tensor, so DCP reshards it: a scalar
-(``step``) stays plain; a value laid out like the parameter where it lies (shaped like its local
-tensor: ``StatePlace.like``; this rank's rows of a split: ``StatePlace.rows``) is a piece of the
-parameter's layout; anything else is the holder's (``StatePlace.holder``), whole on one rank.
-A layout says only where (:meth:`~.layouts.UpdateLayout.state_place`); :func:`entry`,
-:func:`empty_entry` and :func:`local` apply the rule (DESIGN.md, "State dicts and checkpoints").
+A scalar stays plain; a value shaped like the parameter's local piece (``StatePlace.like``) or its
+rows (``StatePlace.rows``) is a piece of its layout; anything else is ``StatePlace.holder``'s. A
+layout says only where (``UpdateLayout.state_place``); :func:`entry`, :func:`empty_entry` and
+:func:`local` apply the rule (DESIGN.md, "State dicts and checkpoints").
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ __all__ = ["NOT_HELD", "RowPieces", "StatePlace", "empty_entry", "entry", "holde
 
 
 class _NotHeld:
-    """What :func:`local` returns for a saved entry another rank holds (a block of a matrix cut
-    into bands between owners): the loader keeps nothing of it."""
+    """What :func:`local` returns for a saved entry another rank holds: the loader keeps nothing."""
 
     def __repr__(self) -> str:
         return "NOT_HELD"
@@ -41,8 +38,7 @@ NOT_HELD = _NotHeld()
 
 @dataclass(frozen=True)
 class RowPieces:
-    """A tensor split by rows over ``mesh`` as ``placement``: ``rows`` rows in all, this rank's
-    ``[start, stop)``. State keeps the rows on dim 0 and its own trailing dims."""
+    """A tensor split by rows over ``mesh`` as ``placement``: ``rows`` in all, here ``[start, stop)``."""
 
     mesh: Any
     placement: Any
@@ -63,13 +59,9 @@ class RowPieces:
 class StatePlace:
     """Where one parameter's state lies (see the module docstring).
 
-    ``mesh``/``holder``: the rank of ``mesh`` holding whole values (None: no rank holds it
-    whole); ``like``: the parameter, where values shaped like its local tensor are pieces of its
-    layout; ``rows``: its split by rows; ``band``: a band of a matrix cut between owners, whose
-    per-block keys this rank holds whole; ``held_elsewhere``: some ranks hold none of it and list
-    its keys as empty entries (every rank's state dict has the same keys); ``here``: a held entry
-    must be held by this rank in the entry's own mesh (off for the 1D owner layout, whose entries
-    under HSDP live on the step replica's mesh)."""
+    ``holder``: the rank of ``mesh`` holding whole values; ``like``/``rows``: the layouts a value
+    may be a piece of; ``band``: per-block keys held here; ``held_elsewhere``: some ranks list its
+    keys as empty entries; ``here``: a held entry must be this rank's in its own mesh."""
 
     mesh: Any
     holder: int | None = None
@@ -117,8 +109,7 @@ def entry(place: StatePlace | None, key: str, value: Any, what: str) -> Any:
 
 
 def spec(value: Any) -> tuple[Any, ...]:
-    """What another rank needs to list ``value``'s entry empty: ``("value", v)`` for values every
-    rank lists as they are (scalars: the holder's), else (shape, dtype, device, holder, kind)."""
+    """What another rank needs to list ``value``'s entry empty."""
     if not isinstance(value, torch.Tensor):
         return ("value", value)
     if value.dim() == 0 and not is_dtensor(value):
@@ -129,8 +120,7 @@ def spec(value: Any) -> tuple[Any, ...]:
 
 
 def empty_entry(place: StatePlace, s: tuple[Any, ...], *, stepped_here: bool, banded: bool) -> Any:
-    """The entry this rank lists for a value it holds none of (``s``: :func:`spec` of the
-    holder's entry). ``stepped_here`` False: another HSDP replica steps it (no DCP chunk here)."""
+    """The entry this rank lists for a value it holds none of (``s``: :func:`spec` of the holder's)."""
     if s[0] == "value":
         return s[1]
     shape, dtype_name, device, holder, kind = s
@@ -151,9 +141,8 @@ def empty_entry(place: StatePlace, s: tuple[Any, ...], *, stepped_here: bool, ba
 
 
 def holder_local(value: OwnerDTensor, owner: int | None, what: str, *, here: bool = True) -> torch.Tensor:
-    """The one holder check of a loaded entry held whole by one rank (``value.holder``): this
-    rank's local tensor of it when the state dict's holder is ``owner`` (and, with ``here``,
-    this rank), else the error naming both."""
+    """The one holder check: ``value``'s local tensor if it is held by ``owner`` (and, with
+    ``here``, by this rank), else the error naming both."""
     if value.holder != owner or (here and not value.is_holder):
         raise ValueError(
             f"{what}: held by rank {value.holder} in the state dict, by rank {owner} here; load a full "
@@ -176,8 +165,7 @@ def plain_local(value: Any, what: str) -> Any:
 
 
 def _same_layout(value: Any, ref: Any, shape: tuple[int, ...]) -> bool:
-    """Whether the DTensor ``value`` is a piece of ``ref``'s layout (placements of the same kind,
-    mesh shape and coordinate) of global ``shape``: its local tensor is this rank's piece."""
+    """Whether the DTensor ``value`` of global ``shape`` is a piece of ``ref``'s layout here."""
     return (
         is_dtensor(value)
         and tuple(value.shape) == shape
@@ -189,8 +177,7 @@ def _same_layout(value: Any, ref: Any, shape: tuple[int, ...]) -> bool:
 
 
 def local(place: StatePlace | None, key: str, value: Any, what: str) -> Any:
-    """This rank's value of state ``key`` from a state-dict entry: a piece of :func:`entry`'s
-    form, a full tensor, or a replicated DTensor; :data:`NOT_HELD` for another owner's block."""
+    """This rank's value of state ``key`` from a state-dict entry (:data:`NOT_HELD`: another's block)."""
     value = as_owner_dtensor(value)
     if not isinstance(value, torch.Tensor):
         return value

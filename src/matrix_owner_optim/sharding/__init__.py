@@ -1,8 +1,5 @@
-"""Owner-shaped ZeRO-3 runtime: ``fully_shard``, its units and collectives, global-norm clipping.
-
-``fully_shard`` places every matrix whole on one owner rank (empty elsewhere) following a
-model-wide :class:`~matrix_owner_optim.planning.ShardingPlan`; forward all-gathers and backward
-reduce-scatters each unit's owner segments once per pass, so ``optimizer.step()`` moves nothing.
+"""Owner-shaped ZeRO-3 runtime: ``fully_shard``, its units and collectives, global-norm clipping
+(DESIGN.md, "The runtime").
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy

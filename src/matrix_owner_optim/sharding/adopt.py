@@ -1,10 +1,6 @@
-"""Parameters assigned over the sharded ones (``load_state_dict(assign=True)``) adopted into the plan.
-
-torchtune loads with ``set_model_state_dict(full_state_dict=True)``, which ends in
-``load_state_dict(assign=True)`` and replaces every parameter object; the units point at their
-own ``OwnerDTensor`` objects, so a post hook on every ``fully_shard`` module adopts the values:
-before the plan is fixed as new replicated owner-layout parameters linked to the lazy plan,
-after it copied into the planned parameters (``copy_`` keeps this rank's piece), registered again.
+"""Parameters assigned over the sharded ones (``load_state_dict(assign=True)``, as torchtune's
+``set_model_state_dict`` ends) adopted into the plan: before it is fixed as new replicated
+parameters, after it copied into the planned ones (this rank's piece) and registered again.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def adoption_hook(state: OwnerShardState) -> Callable[[nn.Module, Any], None]:
 
 
 def replica_sync_hook(state: OwnerShardState) -> Callable[..., None]:
-    """A ``state_dict`` / ``load_state_dict`` pre hook: land every HSDP broadcast the tree has
-    due first (collective over the replicate group)."""
+    """A ``state_dict`` / ``load_state_dict`` pre hook: land every HSDP broadcast due first."""
 
     def hook(*args: Any, **kwargs: Any) -> None:
         state.tree.land_replicas()
@@ -45,8 +40,7 @@ def replica_sync_hook(state: OwnerShardState) -> Callable[..., None]:
 
 
 def adopt_assigned(state: OwnerShardState) -> int:
-    """Adopt every parameter of ``state``'s modules that is not the owner layout's own (see the
-    module docstring); the number of places re-registered."""
+    """Adopt every parameter of ``state``'s modules not the owner layout's own; the count."""
     ctx = state.tree.context
     count = 0
     made: dict[int, nn.Parameter] = {}

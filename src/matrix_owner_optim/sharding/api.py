@@ -47,29 +47,23 @@ def fully_shard(
 
     Args:
         module: a block (call these first) or the root model (call last); or a list of modules
-            that form one unit together (FSDP2's list form, e.g. embedding, final norm and head:
-            one all-gather and one reduce-scatter for all of them).
+            that form one unit together (FSDP2's list form).
         mesh: ``None`` (default process group), a 1D ``DeviceMesh``, a ``ProcessGroup``, or a
-            2D ``DeviceMesh`` of shape (replicate, shard) for HSDP: owner-shaped inside the
-            shard dim, one global owner per matrix (DESIGN.md, "HSDP: one global owner per matrix").
-        reshard_after_forward: free non-owned tensors after forward and gather them again
-            before backward (the root unit keeps its tensors, as in FSDP2). ``None`` is True;
-            an int N (``fsdp_api.FULLY_SHARD_ARGUMENTS``): True for N == shard size, else False.
+            2D ``DeviceMesh`` of shape (replicate, shard) for HSDP (DESIGN.md, "HSDP: one global
+            owner per matrix").
+        reshard_after_forward: free non-owned tensors after forward, as in FSDP2 (``None`` is
+            True; an int N: True for N == shard size, else False).
         shard_placement_fn: FSDP2's per-parameter ``Shard(dim)``; only None (the plan places).
-        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (``param_dtype``,
-            ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``); sharded parameters keep
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``; sharded parameters keep
             their dtype.
         offload_policy: only ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy`` is refused.
         ignored_params: parameters left as they are (not sharded, moved or reduced), as FSDP2.
         dp_mesh_dims: only None.
         plan: a :class:`ShardingPlan` to apply instead of planning (covering exactly the model's
-            parameters, for the mesh size; owners and roles are taken from it). On a 2D mesh a
-            plan with step replicas (``plan_mesh``) gives each matrix one global owner; without
-            them (``plan_model``) every replica's holder steps it.
-        preconditioner: the matrix optimizer whose cost model balances the plan (a name such as
-            ``"shampoo"``, a ``CostModel`` or an optimizer class, resolved by
-            ``planning.catalog.resolve_cost``). Default: the optimizer that fixes the plan
-            offers its own, else ``DEFAULT_COST`` (Muon's).
+            parameters, for the mesh size; with step replicas, ``plan_mesh``, for HSDP).
+        preconditioner: the cost model that balances the plan (a name such as ``"shampoo"``, a
+            ``CostModel`` or an optimizer class: ``planning.catalog.resolve_cost``). Default:
+            the optimizer that fixes the plan offers its own.
 
     ``plan`` and ``preconditioner`` are tree-wide: give them on one call (the root's); a call
     inside naming others is refused. Returns ``module``; nothing moves until the plan is fixed.
@@ -137,8 +131,7 @@ def fully_shard(
 
 
 def _check_submodules(module: nn.Module, group: Any, replicate_group: Any, nested: list[ShardTree]) -> None:
-    """Refuse a submodule sharded over another mesh (but a ``nested`` tree's: expert
-    parallel's experts, ``nested.py``), or already planned."""
+    """Refuse a submodule sharded over another mesh (but a ``nested`` tree's) or already planned."""
     for name, sub in module.named_modules():
         sub_state = state_of(sub)
         if sub_state is None or any(sub_state.tree is t for t in nested):
@@ -171,8 +164,7 @@ def _mesh_words(group: Any, replicate_group: Any) -> str:
 
 
 def _check_mp_policy(mp_policy: Any) -> None:
-    """Refuse, before anything is recorded, anything but FSDP2's ``MixedPrecisionPolicy`` (FSDP1's
-    fields would be ignored silently) and dtypes that are not floating point."""
+    """Refuse anything but FSDP2's ``MixedPrecisionPolicy`` with floating-point dtypes."""
     if mp_policy is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -216,8 +208,7 @@ def _resolve_group(mesh: Any) -> tuple[Any, Any]:
 
 
 def mesh_device(mesh: Any, group: Any) -> torch.device:
-    """The device ``fully_shard`` keeps a unit's tensors on, as FSDP2 picks it (a mesh's device
-    type; else the current CUDA device on an NCCL group, else the CPU)."""
+    """The device ``fully_shard`` keeps a unit's tensors on, as FSDP2 picks it."""
     device_type = getattr(mesh, "device_type", None)
     if device_type is None:
         return comm.object_device(group)
@@ -227,8 +218,7 @@ def mesh_device(mesh: Any, group: Any) -> torch.device:
 
 
 def move_states_to_device(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s parameters and buffers to ``device`` in place (the objects kept), as
-    FSDP2; ``meta`` tensors, tensors already there and ``ignored_params`` stay."""
+    """Move ``module``'s parameters and buffers to ``device`` in place, as FSDP2."""
     for t in itertools.chain(module.parameters(), module.buffers()):
         if t.device.type == "meta" or t.device == device or is_ignored(t):
             continue

@@ -58,8 +58,8 @@ def check_plan_world_size(plan: ShardingPlan, world_size: int) -> None:
 def build_context(
     states: Sequence[PlannedCall], *, plan: ShardingPlan | None, cost: CostModel, settings: TreeSettings
 ) -> ShardingContext:
-    """Plan the tree of ``states`` priced by ``cost`` (or apply ``plan``), shard every parameter
-    in place and build the units (``units[i]`` is call ``i``'s); ``settings`` is the tree."""
+    """Plan the tree of ``states`` (or apply ``plan``), shard every parameter in place and build
+    the units (``units[i]`` is call ``i``'s)."""
     group, replicate_group = states[0].group, states[0].replicate_group
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [m for st in states for m in st.modules]
@@ -134,9 +134,7 @@ def build_context(
         attach_matrix_shard(param, shard, rank)
         param._tree = link
         unlink_lazy_plan(param)
-        # a TP slice moves over dp as a tensor of the slice's shape: the unit's segments, its
-        # unsharded tensor and its gradient are the slice's; the plan (and the optimizer) keep
-        # the global shape
+        # a TP slice moves over dp as a tensor of the slice's shape; the plan keeps the global one
         unit_shard = shard if tp_slice is None else dataclasses.replace(shard, shape=tuple(full.shape))
         handles_of[s.unit].append(
             ParamHandle(unit_shard, locations[id(param)], param, rank, param.dtype, tp=tp_slice is not None)
@@ -180,8 +178,7 @@ def _check_prefetch_targets(state: PlannedCall, ctx: ShardingContext) -> None:
 
 
 def _planning_root(modules: list[nn.Module]) -> tuple[nn.Module, bool]:
-    """The module the plan's fqns are relative to: the one unit module containing all others,
-    or a container over the outermost ones (blocks without a root call, several models)."""
+    """The module the plan's fqns are relative to (a container over several outermost ones)."""
     inside: dict[int, set[int]] = {id(m): {id(s) for s in m.modules()} for m in modules}
     outermost = [m for m in modules if not any(o is not m and id(m) in inside[id(o)] for o in modules)]
     if len(outermost) == 1:
@@ -209,8 +206,7 @@ def _locations(
     fqn_of: dict[int, str],
     nested_modules: set[int],
 ) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Parameter id -> every (module, name) it is registered under (a nested tree's aside);
-    refuses a parameter registered in two units (a shared one has no home)."""
+    """Parameter id -> every (module, name) it is registered under; refuses one in two units."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
     unit_seen: dict[int, int] = {}
     seen: set[tuple[int, str]] = set()
@@ -265,8 +261,7 @@ def _validate_plan(plan: ShardingPlan, specs: list[TensorSpec], world_size: int,
 
 
 def _normalize(plan: ShardingPlan, specs: list[TensorSpec], rows_as_tail: set[str]) -> dict[str, MatrixShard]:
-    """The plan's owners and roles with these calls' units, names and flags (``rows_as_tail``
-    keep ``rows`` as the role the optimizer groups them by)."""
+    """The plan's owners and roles with these calls' units, names and flags."""
     return {
         s.fqn: dataclasses.replace(
             plan[s.fqn],
@@ -281,25 +276,22 @@ def _normalize(plan: ShardingPlan, specs: list[TensorSpec], rows_as_tail: set[st
 
 
 def _tp_rows_as_tail(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
-    """A tensor-parallel ``rows`` tensor is planned as ``tail`` (its TP slice whole on one dp
-    owner): row blocks of a TP slice would split dim 0 twice, which the 2D layout does not build;
-    the tail optimizer steps it either way, still grouped as ``rows``."""
+    """A tensor-parallel ``rows`` tensor is planned as ``tail`` (row blocks of a TP slice would
+    split dim 0 twice); it is still grouped as ``rows``."""
     if spec.role is Role.ROWS and isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, role=Role.TAIL)
     return spec
 
 
 def _whole_slices(spec: TensorSpec, param: torch.Tensor) -> TensorSpec:
-    """A parameter on a 2D (dp, tp) or (efsdp, ep) mesh is planned whole: its TP or EP slice
-    held whole by one dp owner (split over dp it would split dim 0 twice)."""
+    """A parameter on a 2D mesh is planned whole: its TP or EP slice held whole by one dp owner."""
     if isinstance(param, OwnerDTensor) and param.device_mesh.ndim == 2:
         return dataclasses.replace(spec, whole=True)
     return spec
 
 
 def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_size: int) -> Any:
-    """The TP placement of a tensor-parallel parameter (on a 2D (dp, tp) mesh), None for the
-    owner layout's plain ones; refuses what the 2D layout does not build yet, naming it."""
+    """The TP placement of a parameter on a 2D mesh (else None); refuses what is not built."""
     if param.device_mesh.ndim != 2:
         return None
     what = f"fully_shard: tensor-parallel parameter {shard.fqn!r} ({tuple(param.placements)})"
@@ -314,8 +306,7 @@ def _check_tensor_parallel(param: OwnerDTensor, shard: MatrixShard, replicate_si
 
 
 def _resident_piece(full: torch.Tensor, shard: MatrixShard, rank: int) -> torch.Tensor:
-    """This rank's data of a parameter: whole on its owner, row block, or an empty piece (no
-    rows; a 0-dim placeholder zero for a scalar)."""
+    """This rank's data of a parameter: whole on its owner, its row block, or an empty piece."""
     if shard.holds_rows:
         start, stop = shard.row_range(rank)
         return full.detach()[start:stop].clone()
@@ -337,8 +328,7 @@ def _check_unit_dtypes(specs: list[TensorSpec], states: Sequence[PlannedCall]) -
 
 
 def _parent_units(modules: list[nn.Module]) -> list[int | None]:
-    """Per unit module, the index of the nearest unit module enclosing it (None: outermost):
-    the smallest enclosing subtree, the first listed among equals. Each subtree is walked once."""
+    """Per unit module, the index of the nearest unit module enclosing it (None: outermost)."""
     subtrees = [{id(s) for s in m.modules()} for m in modules]
     found: list[int | None] = []
     for i, target in enumerate(modules):

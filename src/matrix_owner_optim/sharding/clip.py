@@ -1,17 +1,8 @@
 """Global-norm gradient clipping, as ``torch.nn.utils.clip_grad_norm_`` computes it, returned whole.
 
-The owner layout's parameters and gradients are DTensors (:mod:`matrix_owner_optim.owner_dtensor`),
-so ``torch.nn.utils.clip_grad_norm_`` itself is right on them: each gradient's norm is a partial
-value held by the ranks that hold its pieces, and torch's sum over gradients all-reduces the
-partials once. It returns that norm as a DTensor; this function returns it as a plain tensor
-with the same value on every rank (one process, DDP and stock FSDP2 alike), which is what
-logging and ``error_if_nonfinite`` want.
-
-Under HSDP a matrix's averaged gradient exists on its global owner only (the holder in its
-``step_replica``; the other replicas' holders have none), so torch's function alone would see
-one replica's matrices: this function sums the matrices' partial norms over the replicate group
-too (one more scalar all-reduce), so every rank clips with the norm one process computes. Call
-it, not ``torch.nn.utils.clip_grad_norm_``, on an HSDP model.
+torch's function is right on the owner layout's DTensors; this one returns its norm as a plain
+tensor, the same on every rank. Under HSDP a matrix's gradient lives on its global owner only, so
+the matrices' partial norms are summed over the replicate group too: call this one there.
 """
 
 from __future__ import annotations
@@ -36,12 +27,8 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm.
-
-    ``torch.nn.utils.clip_grad_norm_`` over the parameters (each counted once), its DTensor
-    result made whole: the norm of every gradient across the ranks that hold it, exactly as for
-    the unsharded model.
-    """
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm
+    (the unsharded model's, on every rank)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list({id(p): p for p in parameters}.values())

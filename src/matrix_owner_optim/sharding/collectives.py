@@ -1,9 +1,5 @@
-"""Owner-segment collectives: one all-gather-v and one reduce-scatter-v per unit, unpadded.
-
-A unit's flat buffer is every rank's *segment* in rank order (the tensors it owns, then its row
-blocks). On NCCL the uneven-list ``all_gather`` / ``reduce_scatter``; on gloo and the rest one
-``all_to_all_single`` with uneven splits (DESIGN.md, "Collectives and bytes", says why), through
-the counted wrappers of :mod:`matrix_owner_optim.comm`.
+"""Owner-segment collectives: one all-gather-v and one reduce-scatter-v per unit, unpadded
+(uneven-list NCCL collectives, else one ``all_to_all_single``; DESIGN.md, "Collectives and bytes").
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ class SegmentEntry:
 
 
 class _RankEntries(Sequence[tuple[SegmentEntry, ...]]):
-    """Every rank's entries of a :class:`SegmentLayout`, each rank's built when first read
-    (a rank reads its own at start-up; every rank's tensors are walked once, not W times)."""
+    """Every rank's entries of a :class:`SegmentLayout`, each rank's built when first read."""
 
     def __init__(self, owned: list[list[tuple[int, int]]], rows: list[tuple[int, list[tuple[int, int]], int]]) -> None:
         self._owned = owned  # per rank: (index, elements) of the tensors it owns, model order
@@ -98,8 +93,7 @@ class SegmentLayout:
     def build(
         cls, shards: Sequence[MatrixShard], world_size: int, include: Callable[[MatrixShard], bool] = lambda s: True
     ) -> SegmentLayout:
-        """Owned tensors first (model order), then row blocks of ``rows`` tensors. Linear in the
-        tensors; a ``rows`` tensor's W row ranges are summed into the sizes in C loops."""
+        """Owned tensors first (model order), then row blocks of ``rows`` tensors; linear in the tensors."""
         owned: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
         cursor = [0] * world_size
         for i, s in enumerate(shards):
@@ -145,8 +139,7 @@ class PendingGather:
 def all_gather_v(
     send: torch.Tensor, sizes: Sequence[int], rank: int, group: Any, async_op: bool = False
 ) -> list[torch.Tensor] | PendingGather:
-    """Gather every rank's segment: one 1D tensor per rank (``send`` itself for ``rank``), or
-    with ``async_op=True`` a :class:`PendingGather`."""
+    """Gather every rank's segment (one 1D tensor per rank), or a :class:`PendingGather`."""
     W = len(sizes)
     if send.numel() != sizes[rank]:
         raise RuntimeError(f"segment of rank {rank} has {send.numel()} elements, layout says {sizes[rank]}")
@@ -179,8 +172,7 @@ def all_gather_v(
 
 
 def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
-    """Where each rank's segment starts in a reduce buffer laid out *others first* (every other
-    rank's in rank order, then this rank's own: the part sent is one contiguous slice)."""
+    """Where each rank's segment starts in a reduce buffer laid out *others first* (own last)."""
     offsets, cursor = [0] * len(sizes), 0
     for r, n in enumerate(sizes):
         if r != rank:
@@ -193,9 +185,8 @@ def others_first_offsets(sizes: Sequence[int], rank: int) -> list[int]:
 def gradient_divide_factors(
     reduce_dtype: torch.dtype, data_parallel_size: int, factor: float | None = None
 ) -> tuple[float, float]:
-    """``(pre, post)``: divide by ``pre`` before the sum over ranks and by ``post`` after it, so
-    the result is the sum over ``factor`` (default: the data-parallel size). FSDP2's rule (DESIGN.md,
-    "The lifecycle of a unit"): float16 splits it around the sum, other dtypes divide after."""
+    """``(pre, post)`` divisors around the sum over ranks, whose product is ``factor`` (FSDP2's
+    rule; DESIGN.md, "The lifecycle of a unit")."""
     if factor is None:
         factor = float(data_parallel_size)
     if factor <= 0 or not math.isfinite(factor):
@@ -209,8 +200,7 @@ def gradient_divide_factors(
 
 
 class PendingReduce:
-    """An issued reduce-scatter-v: :meth:`wait` returns this rank's summed segment (the send
-    buffer is held until then: an asynchronous op reads it after the call returns)."""
+    """An issued reduce-scatter-v: :meth:`wait` returns this rank's summed segment."""
 
     def __init__(
         self, work: Any, flat: torch.Tensor, out: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]
@@ -236,9 +226,8 @@ def reduce_scatter_v(
     async_op: bool = False,
     op: str = "reduce_scatter_v",
 ) -> torch.Tensor | PendingReduce:
-    """This rank's segment summed over ranks, in rank order (not averaged; ``flat``: this rank's
-    contribution to every segment, laid out :func:`others_first_offsets`; ``op``: the name it is
-    counted under), or with ``async_op=True`` a :class:`PendingReduce` returning it."""
+    """This rank's segment summed over ranks in rank order (``flat`` laid out
+    :func:`others_first_offsets`), or with ``async_op=True`` a :class:`PendingReduce`."""
     W = len(sizes)
     own_n = sizes[rank]
     others_n = flat.numel() - own_n

@@ -1,10 +1,5 @@
-"""FSDP2's API surface of torch 2.13 and what the owner layout does with each part.
-
-Every ``fully_shard`` argument and ``FSDPModule`` method (:data:`FSDP_MODULE_METHODS`) is either
-implemented with FSDP2's meaning (or the nearest faithful one, documented) or refused naming
-what to use instead; the docs' FSDP2 parity page is generated from the two tables here. The
-argument handling and :class:`FSDP2Methods` (mixed into :class:`~.module.OwnerShardedModule`)
-live here too, so that ``api.py`` and ``module.py`` only call in.
+"""FSDP2's API surface of torch 2.13 and what the owner layout does with each part: the two
+tables the docs' parity page is generated from, the argument checks, and :class:`FSDP2Methods`.
 """
 
 from __future__ import annotations
@@ -100,23 +95,17 @@ FSDP_MODULE_METHODS: dict[str, str] = {
 
 
 def resolve_reshard_after_forward(value: Any, shard_size: int) -> bool:
-    """``fully_shard(reshard_after_forward=...)`` as the owner layout's bool (see
-    :data:`FULLY_SHARD_ARGUMENTS`): a bool as it is, None as True (FSDP2's default: True, the root
-    keeps its tensors), an int N dividing the shard size as ``N == shard_size``."""
+    """``reshard_after_forward`` as a bool (:data:`FULLY_SHARD_ARGUMENTS`)."""
     check_reshard_after_forward_type(value)
-    if value is None:
-        return True
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if not 1 <= value <= shard_size or shard_size % value != 0:
-            raise ValueError(
-                f"fully_shard(reshard_after_forward={value}): an int is the world size to reshard to after "
-                f"forward and must divide the shard size {shard_size} (1 <= N <= {shard_size}); pass a divisor, "
-                "or True / False"
-            )
-        return value == shard_size
-    raise AssertionError("unreachable: the type was checked")
+    if value is None or isinstance(value, bool):
+        return value is not False
+    if not 1 <= value <= shard_size or shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={value}): an int is the world size to reshard to after "
+            f"forward and must divide the shard size {shard_size} (1 <= N <= {shard_size}); pass a divisor, "
+            "or True / False"
+        )
+    return bool(value == shard_size)
 
 
 def check_reshard_after_forward_type(value: Any) -> None:
@@ -130,8 +119,7 @@ def check_reshard_after_forward_type(value: Any) -> None:
 
 
 def check_unsupported_arguments(shard_placement_fn: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
-    """Refuse the ``fully_shard`` arguments the owner layout has no meaning for (before anything
-    is recorded), naming the argument and what to do."""
+    """Refuse the ``fully_shard`` arguments the owner layout has no meaning for."""
     if shard_placement_fn is not None:
         raise NotImplementedError(
             "fully_shard(shard_placement_fn=...): the owner layout places every tensor by its sharding "
@@ -156,13 +144,10 @@ def check_unsupported_arguments(shard_placement_fn: Any, offload_policy: Any, dp
 
 
 class FSDP2Methods:
-    """``FSDPModule`` methods beyond the owner layout's own: ``reset_iter_state``, FSDP2's older
-    names, the ones accepted at their default, and the refusals (see :data:`FSDP_MODULE_METHODS`)."""
+    """``FSDPModule`` methods beyond the owner layout's own (see :data:`FSDP_MODULE_METHODS`)."""
 
     def reset_iter_state(self) -> None:
-        """FSDP2's recovery after an exception aborted a forward or backward, on the root: drops
-        the iteration's unreduced and accumulated gradients and reshards every unit (``unshard()``
-        ones too); gradients that had landed stay (``zero_grad()`` them)."""
+        """FSDP2's recovery after an exception aborted a pass, on the root."""
         assert isinstance(self, nn.Module)
         state = require_state(self)
         if state.root is not state:

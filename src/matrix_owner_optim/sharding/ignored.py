@@ -1,6 +1,5 @@
-"""FSDP2's ``ignored_params``: parameters ``fully_shard`` leaves exactly as they are (not
-converted, moved, planned, checked or reduced), marked on the parameter itself so every step
-can skip it without knowing the call.
+"""FSDP2's ``ignored_params``: parameters ``fully_shard`` leaves exactly as they are, marked on
+the parameter itself so every step can skip it without knowing the call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What a module passed to ``fully_shard`` gains (FSDP2's ``FSDPModule``): its class is swapped
-to a dynamic subclass mixing in :class:`OwnerShardedModule` (``unshard``, ``reshard``,
-``fix_plan``, the ``set_*`` methods, which only record ``UnitOptions``, and an
-``nn.Module._apply`` that keeps the layout through ``to_empty`` / ``.to``).
+"""What a module passed to ``fully_shard`` gains (FSDP2's ``FSDPModule``): a dynamic subclass
+mixing in :class:`OwnerShardedModule`.
 """
 
 from __future__ import annotations
@@ -29,21 +27,11 @@ from .unit import ShardedUnit, TrainingState
 __all__ = [
     "OwnerShardedModule",
     "UnshardHandle",
-    "check_reshard_after_forward",
     "context_of",
     "register_fsdp_forward_method",
     "states_of",
     "units_of",
 ]
-
-
-def check_reshard_after_forward(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError(
-        f"set_reshard_after_forward({value!r}): takes True or False, as FSDP2's method (the int "
-        "form, a smaller reshard group, is an argument of fully_shard); pass True to free, False to keep"
-    )
 
 
 class UnshardHandle:
@@ -82,9 +70,8 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         return tree.context.plan
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's unit and every unit nested in it; until :meth:`reshard`,
-        ``named_parameters()`` yields the full tensors on every rank (``async_op=True``: call the
-        handle's ``wait()`` before reading them; a forward waits by itself)."""
+        """All-gather this module's unit and every unit nested in it: full tensors on every rank
+        until :meth:`reshard` (``async_op=True``: ``wait()`` on the handle first)."""
         require_state(self).fix_plan()
         units = units_of(self)
         context = context_of(self)
@@ -116,19 +103,21 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (``True``) or keep (``False``) non-owned tensors between forward and backward."""
-        value = check_reshard_after_forward(reshard_after_forward)
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): takes True or False, as FSDP2's method (the "
+                "int form, a smaller reshard group, is an argument of fully_shard); pass True to free, False to keep"
+            )
         for st in states_of(self, recurse):
-            st.options.reshard_after_forward = value
+            st.options.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``False`` keeps the gathered tensors for the next micro-batch's forward; as in FSDP2,
-        set it back before the last micro-batch (kept tensors do not see an optimizer step)."""
+        """``False`` keeps the gathered tensors for the next micro-batch's forward, as in FSDP2."""
         for st in states_of(self, recurse):
             st.options.reshard_after_backward = bool(reshard_after_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """This module's own unit's gradients become the sum over ranks divided by ``factor``
-        instead of the average, as FSDP2's method."""
+        """This unit's gradients become the sum over ranks divided by ``factor``, as FSDP2's."""
         factor = float(factor)
         if factor <= 0 or not math.isfinite(factor):
             raise ValueError(f"set_gradient_divide_factor: factor must be positive and finite, got {factor}")
@@ -139,8 +128,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         require_state(self)
 
     def set_modules_to_forward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
-        """After this module's all-gather in forward, issue those of ``modules`` (replaces the
-        automatic next-unit prefetch here)."""
+        """After this module's all-gather in forward, issue those of ``modules``."""
         require_state(self).options.forward_prefetch = self._prefetch_targets(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[OwnerShardedModule]) -> None:
@@ -172,9 +160,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> OwnerShardedModule:
-        """``to_empty``, ``.to(...)``, ``half()`` keep the layout, piece by piece, keeping every
-        parameter object (DESIGN.md, "Lazy sharding"); parameters on ``meta`` fix the plan first
-        (collective), so ``to_empty`` allocates only this rank's pieces."""
+        """``to_empty``, ``.to(...)``, ``half()`` keep the layout piece by piece (DESIGN.md, "Lazy sharding")."""
         state = require_state(self)
         if state.unit is None and _holds_meta(state):
             state.fix_plan()
@@ -207,8 +193,7 @@ class OwnerShardedModule(FSDP2Methods, nn.Module):
 
 
 def context_of(module: nn.Module) -> ShardingContext | None:
-    """The runtime of ``module``'s tree (None while pending; module-level: the user's class gains
-    no names beyond FSDP2's)."""
+    """The runtime of ``module``'s tree (None while pending)."""
     return require_state(module).tree.context
 
 
@@ -239,9 +224,7 @@ def _holds_meta(state: OwnerShardState) -> bool:
 
 
 def _piecewise(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``fn`` applied to an owner-layout tensor's local piece (no collective, no full tensor),
-    the result laid out as before; to any other tensor as it is. A function that changes a
-    piece's shape has no owner-layout meaning and is refused."""
+    """``fn`` applied to an owner-layout tensor's local piece, the result laid out as before."""
     if isinstance(fn, _Piecewise):
         return fn  # a nested sharded module: already converting pieces
     return _Piecewise(fn)
@@ -275,8 +258,7 @@ class _Piecewise:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` (e.g. ``generate``) gather and release the unit like
-    ``forward`` does, as ``torch.distributed.fsdp.register_fsdp_forward_method``."""
+    """``module.<method_name>`` gathers like ``forward`` (``torch.distributed.fsdp.register_fsdp_forward_method``)."""
     state = state_of(module)
     if state is None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard")
@@ -299,8 +281,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__dict__[method_name] = types.MethodType(wrapped, module)
 
 
-# Dynamic subclasses made so far, one per user class (FSDP2 caches its ``FSDP<cls>`` the same
-# way): a cache, so that every instance of a class gets the same subclass; it decides nothing.
+# One dynamic subclass per user class (a cache, as FSDP2's ``FSDP<cls>``; it decides nothing).
 _class_cache: dict[type, type] = {}
 
 

@@ -1,13 +1,8 @@
-"""Trees nested inside another tree over another mesh: expert parallel's experts.
+"""Trees nested inside another tree over another mesh: expert parallel's experts (torchtitan's
+``fully_shard(experts, mesh=efsdp_mesh)``), left alone by the enclosing tree as ``ignored_params``.
 
-torchtitan shards the routed experts over ``efsdp`` (``fully_shard(experts, mesh=efsdp_mesh)``)
-and the rest over all data-parallel ranks. One tree plans over one mesh, so the experts' call
-stays a tree of its own, nested in the enclosing one, whose calls leave its parameters alone (as
-``ignored_params``). Accepted only where exact (:func:`nested_trees`): every parameter an
-owner-layout tensor on an (``efsdp``, ``ep``) mesh covering exactly the enclosing call's ranks,
-so reducing over ``efsdp`` sums every rank's gradient (the dispatch's all-to-all brought each ep
-rank its group's tokens). It reads calls and trees through two protocols, importing neither
-``state.py`` nor ``tree.py`` (which import it), so that ``build.py`` can ask it too.
+Accepted only where exact (:func:`nested_trees`): every parameter on an (``efsdp``, ``ep``) mesh
+covering exactly the enclosing call's ranks. Reads calls and trees through two protocols.
 """
 
 from __future__ import annotations
@@ -61,8 +56,7 @@ def _ranks(group: Any) -> list[int]:
 
 
 def why_not_nested(tree: CallTree, group: Any, replicate_group: Any) -> str | None:
-    """None when ``tree`` (over another mesh) stays a tree nested in a call over ``group``
-    (module docstring); else why not, naming the parameter."""
+    """None when ``tree`` stays a tree nested in a call over ``group``; else why not."""
     if replicate_group is not None or any(st.replicate_group is not None for st in tree.states):
         return "HSDP (a 2D shard mesh) is not nested"
     if any(st.group is group for st in tree.states):

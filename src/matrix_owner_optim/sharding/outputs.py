@@ -1,6 +1,5 @@
-"""The tensors of a forward output that a backward can reach, as FSDP2 collects them
-(``collect_grad_tensors``): pytree leaves and the fields of dataclasses among them, which pytree
-alone sees as opaque leaves (a block returning a ``@dataclass`` would get no pre-backward hook).
+"""The tensors of a forward output that a backward can reach, as FSDP2's ``collect_grad_tensors``:
+pytree leaves and the fields of dataclasses among them (opaque leaves to pytree).
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ _MAX_DEPTH = 64  # a cycle through dataclass fields would otherwise recurse fore
 
 
 def grad_tensors(output: Any) -> list[torch.Tensor]:
-    """Every tensor in ``output`` that requires a gradient: pytree leaves, and the fields of
-    dataclass instances found among them (recursively), in traversal order."""
+    """Every tensor in ``output`` that requires a gradient, in traversal order."""
     if isinstance(output, torch.Tensor):  # the common case, without pytree
         return [output] if output.requires_grad else []
     found: list[torch.Tensor] = []

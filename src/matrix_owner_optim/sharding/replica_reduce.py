@@ -48,9 +48,8 @@ def _scatter_back(total: torch.Tensor, ranges: Sequence[tuple[int, int]], flat: 
 
 
 def reduce_across_replicas(total: torch.Tensor, split: ReplicaSplit, groups: ShardGroups) -> None:
-    """HSDP's second stage, in place on this rank's summed segment: one reduce-scatter-v over the
-    replicate group (each step replica gets its ranges' sum; the others keep partial values they
-    never read), then an all-reduce of the ranges every replica steps."""
+    """HSDP's second stage, in place: a reduce-scatter-v over the replicate group to each step
+    replica, then an all-reduce of the ranges every replica steps."""
     R, me = groups.replicate_size, groups.replicate_rank
     sizes = [sum(n for _, n in ranges) for ranges in split.by_replica]
     if sum(sizes):

@@ -1,10 +1,6 @@
-"""Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated.
-
-Each rank holds the whole tensor until the plan is fixed; then the same objects become this
-rank's pieces in place (DESIGN.md, "Lazy sharding"). A tied parameter stays one object; one tied
-across two calls is found through the old object's plain (never weak) link to its replacement:
-``torch.utils.swap_tensors``, which ``nn.Module._apply`` uses, refuses a tensor with a weak
-reference.
+"""Parameters become owner-layout DTensors at the ``fully_shard`` call, replicated, until the plan
+is fixed (DESIGN.md, "Lazy sharding"). One tied across two calls is found through the old object's
+plain link to its replacement (``torch.utils.swap_tensors`` refuses a weakly referenced tensor).
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ def current_parameter(p: torch.Tensor) -> torch.Tensor:
 
 
 def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
-    """The 2D (dp, tp) mesh a tensor-parallel parameter ``p`` is laid out on when ``fully_shard``
-    shards over the 1D dp ``mesh``: the two concatenated, dp first, as torch's FSDP2 builds its 2D
-    spec (no new process group). None when ``p`` is not such a parameter (the caller refuses it)."""
+    """The 2D (dp, tp) mesh of a tensor-parallel ``p`` sharded over the dp ``mesh`` (None: not one)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     p_mesh = p.device_mesh
@@ -51,9 +45,7 @@ def tp_root_mesh(p: DTensor, mesh: Any) -> Any:
 
 
 def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None, mesh: Any) -> None:
-    """Refuse, before anything is recorded, a parameter that is a DTensor the owner layout does
-    not shard: anything but a tensor-parallel slice on a 2D (dp, tp) mesh (which would fail at the
-    first forward, deep in DTensor's dispatch), naming the parameter."""
+    """Refuse a DTensor parameter the owner layout does not shard (any but a TP slice)."""
     ignored = {id(p) for p in ignored_params or ()}
     for m in modules:
         for name, p in m.named_parameters():
@@ -74,8 +66,7 @@ def check_plain_parameters(modules: list[nn.Module], ignored_params: set[nn.Para
 
 
 def _replicated(p: torch.Tensor, mesh: Any, dp_mesh: Any) -> OwnerDTensor:
-    """``p`` as a replicated owner-layout DTensor: on ``mesh`` (the shard group's 1D mesh), or,
-    for a tensor-parallel slice, on the 2D (dp, tp) mesh with ``Replicate()`` on dp."""
+    """``p`` as a replicated owner-layout DTensor (a TP slice: on the 2D mesh, ``Replicate()`` on dp)."""
     if isinstance(p, DTensor):
         root = tp_root_mesh(p, dp_mesh)
         assert root is not None  # check_plain_parameters refused the rest
@@ -85,8 +76,7 @@ def _replicated(p: torch.Tensor, mesh: Any, dp_mesh: Any) -> OwnerDTensor:
 
 
 def as_owner_dtensors(module: nn.Module, mesh: Any, dp_mesh: Any = None) -> None:
-    """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated
-    (a tied one stays one object; a tensor-parallel one on the 2D (dp, tp) mesh of ``dp_mesh``)."""
+    """Register every parameter of ``module`` not yet an owner-layout DTensor as one, replicated."""
     new: dict[int, nn.Parameter] = {}
     for _, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
@@ -98,7 +88,5 @@ def as_owner_dtensors(module: nn.Module, mesh: Any, dp_mesh: Any = None) -> None
                 continue
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(_replicated(p, mesh, dp_mesh), requires_grad=p.requires_grad)
-                # the old object may stay registered outside ``module`` (a parameter tied across
-                # two fully_shard calls): the plan finds its replacement through it and refuses it
                 p.__dict__[_REPLACED_BY] = new[id(p)]  # not a weakref: see the module docstring
             mod._parameters[name] = new[id(p)]

@@ -1,9 +1,5 @@
-"""One state object per ``fully_shard`` call (FSDP2's ``FSDPState``): options, hooks, lazy init.
-
-A call adopts the states of the calls made before inside its modules, so the outermost call is
-the root of one :class:`~.tree.ShardTree` that every state points to; the plan is fixed lazily
-(DESIGN.md, "Lazy sharding"). The hooks are this object's methods: they fix the plan if needed
-and hand the unit to the tree's :class:`~.context.ShardingContext`.
+"""One state object per ``fully_shard`` call (FSDP2's ``FSDPState``): options, hooks, lazy init;
+every state of a tree points to its :class:`~.tree.ShardTree` (DESIGN.md, "Lazy sharding").
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ def trees_inside(modules: Sequence[nn.Module]) -> list[ShardTree]:
 
 
 class OwnerShardState:
-    """Everything one ``fully_shard`` call knows (one object, registered on each of its modules);
-    what its whole tree knows is ``tree``."""
+    """Everything one ``fully_shard`` call knows; what its whole tree knows is ``tree``."""
 
     modules: list[nn.Module]  # the call's modules (several in FSDP2's list form)
     group: Any  # shard process group
@@ -91,8 +86,7 @@ class OwnerShardState:
 
     # -- the tree --------------------------------------------------------------------------------
     def register(self) -> None:
-        """Become the root of ``tree`` (every state re-pointed to it), record this state on its
-        modules, install the hooks and link the parameters that wait for the plan."""
+        """Become the root of ``tree``, record this state on its modules and install the hooks."""
         self.tree.states.append(self)
         for st in self.tree.states:
             st.tree = self.tree
@@ -103,8 +97,7 @@ class OwnerShardState:
         self.link_parameters()
 
     def link_parameters(self) -> None:
-        """Link the call's parameters that wait for the plan to this state (a nested tree's keep
-        their own); again after ``nn.Module._apply``."""
+        """Link the call's parameters that wait for the plan to this state (again after ``_apply``)."""
         foreign = foreign_parameters(self.modules, self.tree.states)
         for m in self.modules:
             for p in m.parameters():
@@ -158,8 +151,7 @@ class OwnerShardState:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once every node of this forward of the
-    unit has produced its input gradients (FSDP2's ``RegisterPostBackwardFunction``)."""
+    """Identity on a unit's inputs, whose backward ends the unit's (FSDP2's ``RegisterPostBackwardFunction``)."""
 
     @staticmethod
     def forward(ctx: Any, context: ShardingContext, unit: ShardedUnit, *inputs: torch.Tensor) -> Any:  # type: ignore[override]

@@ -1,10 +1,5 @@
-"""One tree of ``fully_shard`` calls: the facts its calls share, in one object they all point to.
-
-As FSDP2's ``FSDPStateContext``: the plan given to the tree, the cost that prices it, its
-:class:`PlanPhase` and failure, its runtime, HSDP's replica record, the automatic prefetch and the
-optimizers whose step all-reduces (DESIGN.md, "Lazy sharding"). A call that adopts the calls
-inside it forms one new tree of theirs (:meth:`ShardTree.join`), refusing two different plans or
-cost models; the plan is fixed once (:meth:`ShardTree.fix`, collective) and logged (INFO).
+"""One tree of ``fully_shard`` calls: the facts its calls share (its plan, cost and ``PlanPhase``), in
+one object they all point to, formed by ``ShardTree.join`` (as FSDP2's ``FSDPStateContext``).
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ class TreeMember(PlannedCall, Protocol):
 
 @dataclass(eq=False)
 class ShardTree:
-    """The facts of one tree of ``fully_shard`` calls (module docstring); every state of the tree
-    points to this one object."""
+    """The facts of one tree of ``fully_shard`` calls; every state of the tree points to it."""
 
     states: list[TreeMember] = field(default_factory=list)  # planning order, the root last
     plan: ShardingPlan | None = None  # given by a call (plan=), else planned when fixed
@@ -65,14 +59,12 @@ class ShardTree:
     step_watchers: list[weakref.ref[Any]] = field(default_factory=list)  # optimizers whose step all-reduces
 
     def watch_steps(self, optimizer: Any) -> None:
-        """``optimizer``'s step all-reduces its step count (``agreement.watch_steps``): the
-        tree's forward passes carry it too (``ShardingContext.check_steps``)."""
+        """``optimizer``'s step count rides on the tree's forwards too (``ShardingContext.check_steps``)."""
         if not any(ref() is optimizer for ref in self.step_watchers):
             self.step_watchers.append(weakref.ref(optimizer))
 
     def land_replicas(self) -> None:
-        """HSDP: land every broadcast the tree has due (its runtime issues them; a no-op
-        before the plan or without replicas). Reads outside a forward call this first."""
+        """HSDP: land every broadcast the tree has due (reads outside a forward call this first)."""
         if self.context is not None and self.replicas is not None and self.replicas.size > 1:
             self.context.sync_replicas()
 
@@ -97,8 +89,7 @@ class ShardTree:
         name_of: Callable[[nn.Module], str],
     ) -> ShardTree:
         """The tree a call on ``module`` forms of the ``trees`` inside it and its own ``plan`` and
-        ``cost`` (None: not given); changes nothing, and refuses two plans or cost models naming
-        the two calls (``name_of`` names a module inside ``module``)."""
+        ``cost``; changes nothing, and refuses two plans or cost models, naming both calls."""
         tree = cls(plan=plan, plan_from=module if plan is not None else None)
         tree.cost, tree.cost_from = cost, module if cost is not None else None
         for t in trees:
@@ -129,7 +120,7 @@ class ShardTree:
 
     def fix(self, offered: CostModel | None = None) -> ShardingContext:
         """Fix the tree's plan once (collective) and return its runtime; ``offered`` prices it
-        unless a call named a cost. A failure leaves the tree FAILED (the model must be rebuilt)."""
+        unless a call named a cost. A failure leaves the tree FAILED."""
         if self.phase is PlanPhase.PLANNED:
             assert self.context is not None
             return self.context
@@ -189,8 +180,7 @@ def _call(module: nn.Module | None, top: nn.Module, name_of: Callable[[nn.Module
 
 
 def _class_name(module: nn.Module | None) -> str:
-    """The user's class name of ``module`` (a sharded module's class is a dynamic subclass
-    ``OwnerSharded<Class>`` of ``(OwnerShardedModule, <Class>)``)."""
+    """The user's class name of ``module`` (not its dynamic ``OwnerSharded<Class>``)."""
     cls = type(module)
     if cls.__name__.startswith("OwnerSharded") and len(cls.__bases__) == 2:
         return cls.__bases__[1].__name__

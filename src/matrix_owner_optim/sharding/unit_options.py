@@ -1,6 +1,5 @@
-"""What a unit is given: its tree's process groups (:class:`ShardGroups`), the options the user
-sets on its module (:class:`UnitOptions`, which a setter records without needing the plan) and
-the one dtype it gathers and computes in (:func:`compute_dtype`, :func:`one_compute_dtype`).
+"""What a unit is given: its tree's process groups (``ShardGroups``), the options the user sets on
+its module (``UnitOptions``), and the one dtype it gathers and computes in.
 """
 
 from __future__ import annotations
@@ -18,15 +17,13 @@ __all__ = ["ShardGroups", "UnitOptions", "compute_dtype", "one_compute_dtype"]
 
 
 def compute_dtype(mp_policy: Any, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a parameter of ``dtype`` computes and is gathered in: the policy's
-    ``param_dtype`` for floating-point parameters, else its own."""
+    """The dtype a parameter of ``dtype`` computes and is gathered in."""
     param_dtype = getattr(mp_policy, "param_dtype", None)
     return param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
 
 
 def one_compute_dtype(unit: int, dtypes: dict[str, torch.dtype]) -> torch.dtype | None:
-    """The one compute dtype of a unit's parameters (``fqn -> dtype``; one all-gather buffer),
-    None for a unit without parameters; a mix is refused, naming every parameter."""
+    """The one compute dtype of a unit's parameters (None without any); a mix is refused."""
     if len(set(dtypes.values())) > 1:
         names = ", ".join(f"{fqn}: {dt}" for fqn, dt in dtypes.items())
         raise NotImplementedError(
@@ -50,8 +47,7 @@ class UnitOptions:
 
 @dataclass(frozen=True)
 class ShardGroups:
-    """The process groups a tree of units runs on, one value all its units share (built when the
-    plan is fixed, ``build.py``): a unit never reaches for a process group itself."""
+    """The process groups a tree of units runs on, one value all its units share."""
 
     group: Any  # the shard group: owners, all-gather-v and reduce-scatter-v
     rank: int
